@@ -1,0 +1,9 @@
+"""parallax: hybrid dp x tp x pp training on raw torch.distributed."""
+
+from parallax.context import ParallelContext, init_parallel
+from parallax.dims import ParallelDims
+from parallax.init import init_parameters, param_seed
+
+__version__ = "0.1.0"
+
+__all__ = ["ParallelContext", "ParallelDims", "init_parallel", "init_parameters", "param_seed"]

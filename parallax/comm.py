@@ -1,0 +1,125 @@
+"""The one place that calls ``torch.distributed`` collectives and point-to-point operations.
+
+Every function takes the process group explicitly. ``group=None`` means *no communication*: the
+axis has one member (or there is no process group at all), so the call is the identity. This is
+how size-1 axes skip their collectives and how layers run in a plain single-process script.
+Timeouts come from the groups, which :func:`parallax.init_parallel` creates with one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+# torch 2.13 renamed the tensor collectives; older releases (>= 2.4) only have the old names.
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def size(group: Group) -> int:
+    """Number of ranks in ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank(group: Group) -> int:
+    """This rank's index inside ``group`` (0 for ``None``)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce; returns ``tensor``. ``op`` is "sum", "avg", "max" or "min"."""
+    if size(group) == 1:
+        return tensor
+    if op == "avg":
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor.div_(size(group))
+    dist.all_reduce(tensor, op=_OPS[op], group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (all shapes equal)."""
+    world = size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty(
+        (world * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    _all_gather_base(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, group: Group, dim: int = 0, op: str = "sum"
+) -> torch.Tensor:
+    """Reduce ``tensor`` across ``group`` and keep this rank's equal chunk along ``dim``."""
+    world = size(group)
+    if world == 1:
+        return tensor
+    if tensor.shape[dim] % world != 0:
+        raise ValueError(
+            f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by the "
+            f"group size {world}"
+        )
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty(
+        (moved.shape[0] // world,) + tuple(moved.shape[1:]),
+        dtype=tensor.dtype,
+        device=tensor.device,
+    )
+    reduce_op = dist.ReduceOp.SUM if op in ("sum", "avg") else _OPS[op]
+    _reduce_scatter_base(out, moved, op=reduce_op, group=group)
+    if op == "avg":
+        out.div_(world)
+    return out.movedim(0, dim)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """In-place broadcast from global rank ``src``; returns ``tensor``."""
+    if size(group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def all_gather_object(obj: object, group: Group) -> list[object]:
+    """Every rank's picklable ``obj``, in group order. Used for cheap agreement checks."""
+    world = size(group)
+    if world == 1:
+        return [obj]
+    out: list[object] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Group) -> None:
+    if size(group) > 1:
+        dist.barrier(group=group)
+
+
+def batch_send_recv(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: Group,
+) -> None:
+    """Post all ``(tensor, global_peer)`` sends and receives as one batch and wait for them.
+
+    Batching is what keeps two stages that face each other (both sending before receiving) from
+    deadlocking: NCCL and gloo progress the whole batch together.
+    """
+    if not sends and not recvs:
+        return
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

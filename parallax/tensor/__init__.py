@@ -1,0 +1,47 @@
+"""Tensor parallelism: layers, their communication primitives, and the vocab-parallel loss."""
+
+from parallax.tensor.functional import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
+)
+from parallax.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    heads_per_rank,
+    resolve_tp,
+    sync_sequence_parallel_grads,
+)
+from parallax.tensor.loss import vocab_parallel_cross_entropy
+from parallax.tensor.sharding import (
+    TPShard,
+    full_tensor,
+    logical_shape,
+    shard_tensor,
+    unshard_tensor,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPShard",
+    "VocabParallelEmbedding",
+    "copy_to_tp",
+    "full_tensor",
+    "gather_from_sp",
+    "gather_from_tp",
+    "heads_per_rank",
+    "logical_shape",
+    "reduce_from_tp",
+    "reduce_scatter_to_sp",
+    "resolve_tp",
+    "scatter_to_tp",
+    "shard_tensor",
+    "sync_sequence_parallel_grads",
+    "unshard_tensor",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,129 @@
+"""The conjugate communication operations of tensor parallelism, as autograd Functions.
+
+Each takes the tp process group explicitly (``None``: a one-rank group, the identity both ways):
+
+===================  ======================  =========================
+function             forward                 backward
+===================  ======================  =========================
+copy_to_tp           identity                all-reduce
+reduce_from_tp       all-reduce              identity
+gather_from_tp       all-gather (``dim``)    keep own chunk
+scatter_to_tp        keep own chunk          all-gather
+gather_from_sp       all-gather (``dim``)    reduce-scatter
+reduce_scatter_to_sp reduce-scatter          all-gather
+===================  ======================  =========================
+
+The last two are the sequence-parallel pair: activations outside the tp region are split along
+the sequence dimension instead of replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallax import comm
+from parallax.comm import Group
+
+
+def _chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    world = comm.size(group)
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"cannot split dim {dim} of size {x.shape[dim]} evenly over {world} tp ranks"
+        )
+    return x.chunk(world, dim=dim)[comm.rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: D102
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return comm.all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: D102
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return _chunk(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
+        ctx.group, ctx.dim = group, dim
+        return _chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return comm.all_gather(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
+        ctx.group, ctx.dim = group, dim
+        return comm.reduce_scatter(x, group, dim=dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return comm.all_gather(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a tp region: identity forward, all-reduce of the gradient backward."""
+    return x if comm.size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a tp region by summing partial results: all-reduce forward, identity backward."""
+    return x if comm.size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate the tp ranks' pieces along ``dim``; backward keeps this rank's piece."""
+    return x if comm.size(group) == 1 else _GatherFromTP.apply(x, group, dim)
+
+
+def scatter_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's piece of ``x`` along ``dim``; backward all-gathers the gradient."""
+    return x if comm.size(group) == 1 else _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel: all-gather the sequence pieces; backward reduce-scatters."""
+    return x if comm.size(group) == 1 else _GatherFromSP.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel: sum partial results and keep this rank's sequence piece."""
+    return x if comm.size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim)

@@ -1,0 +1,367 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Shards follow the usual convention: a column-parallel weight holds a contiguous block of output
+rows, a row-parallel weight a contiguous block of input columns, an embedding a block of vocab
+rows. Each sharded parameter carries ``param.tp_shard`` (see :mod:`parallax.tensor.sharding`).
+Every layer takes ``ctx``: a :class:`~parallax.ParallelContext`, a bare tp process group, or
+``None`` for a single process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallax import comm
+from parallax.comm import Group
+from parallax.context import ParallelContext
+from parallax.tensor import functional as tpf
+from parallax.tensor.sharding import TPShard, make_shard, shard_tensor, unshard_tensor
+
+TPLike = ParallelContext | dist.ProcessGroup | None
+
+
+def resolve_tp(ctx: TPLike) -> tuple[Group, int, int]:
+    """``(group, tp_rank, tp_size)`` from a context, a bare group, or ``None``."""
+    if ctx is None:
+        return None, 0, 1
+    if isinstance(ctx, ParallelContext):
+        return ctx.tp_group, ctx.tp_rank, ctx.tp_size
+    if isinstance(ctx, dist.ProcessGroup):
+        return (ctx, comm.rank(ctx), comm.size(ctx)) if comm.size(ctx) > 1 else (None, 0, 1)
+    raise TypeError(f"expected a ParallelContext, a ProcessGroup or None, got {type(ctx)!r}")
+
+
+def _param(shape: tuple[int, ...], info: TPShard | None, device, dtype) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    if info is not None:
+        p.tp_shard = info
+    return p
+
+
+def _uniform_(t: torch.Tensor, fan_in: int) -> None:
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(t, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A``'s output rows split across tp.
+
+    The input is replicated on every tp rank; the output is this rank's slice of the features
+    (``gather_output=False``, ready for a :class:`RowParallelLinear`) or the full output.
+    ``partitions > 1`` marks a fused weight (QKV: 3, gate/up: 2) whose equal blocks are each
+    split, so every rank gets its own heads of each. ``pad=True`` pads ``out_features`` up to a
+    multiple of tp (zero rows; pass ``vocab_size=out_features`` to the loss to mask them).
+    With ``sequence_parallel`` the input arrives split along ``sequence_dim`` and is gathered.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        *,
+        ctx: TPLike,
+        partitions: int = 1,
+        pad: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        if gather_output and partitions > 1:
+            raise ValueError("gather_output=True is not supported for fused (partitions>1) weights")
+        info = make_shard(
+            0,
+            out_features,
+            self.tp_rank,
+            self.tp_size,
+            partitions,
+            pad,
+            what=f"ColumnParallelLinear out_features={out_features}",
+        )
+        self.weight = _param((info.local_size, in_features), info, device, dtype)
+        self.bias = _param((info.local_size,), info, device, dtype) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _uniform_(self.weight, self.in_features)
+        if self.bias is not None:
+            _uniform_(self.bias, self.in_features)
+        self._zero_padding()
+
+    def _zero_padding(self) -> None:
+        info: TPShard = self.weight.tp_shard
+        start, _ = info.ranges()[0]
+        valid = max(0, min(info.local_size, info.full_size - start))
+        with torch.no_grad():
+            for p in (self.weight, self.bias):
+                if p is not None and valid < info.local_size:
+                    p[valid:].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = tpf.gather_from_sp(x, self.group, self.sequence_dim)
+        else:
+            x = tpf.copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        if self.gather_output:
+            y = tpf.gather_from_tp(y, self.group, dim=-1)
+            if self.weight.tp_shard.padded_size != self.out_features:
+                y = y[..., : self.out_features]
+        return y
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs) -> ColumnParallelLinear:
+        """Shard an existing ``nn.Linear`` exactly (same dtype and device)."""
+        layer = cls(
+            module.in_features,
+            module.out_features,
+            module.bias is not None,
+            ctx=ctx,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(shard_tensor(module.weight, layer.weight.tp_shard))
+            if module.bias is not None:
+                layer.bias.copy_(shard_tensor(module.bias, layer.bias.tp_shard))
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """Gather the full ``nn.Linear`` (on every tp rank)."""
+        dense = nn.Linear(
+            self.in_features,
+            self.out_features,
+            self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.weight.tp_shard, self.group))
+            if self.bias is not None:
+                dense.bias.copy_(unshard_tensor(self.bias, self.bias.tp_shard, self.group))
+        return dense
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp={self.tp_size}, local_out={self.weight.shape[0]}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A``'s input columns split across tp.
+
+    The input is this rank's slice of the features (``input_is_parallel=True``, as produced by
+    a :class:`ColumnParallelLinear`) or the full input, which is then split. Partial products are
+    summed across tp (or reduce-scattered along ``sequence_dim`` with ``sequence_parallel``);
+    the bias is replicated and added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        *,
+        ctx: TPLike,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        info = make_shard(
+            1,
+            in_features,
+            self.tp_rank,
+            self.tp_size,
+            what=f"RowParallelLinear in_features={in_features}",
+        )
+        self.weight = _param((out_features, info.local_size), info, device, dtype)
+        self.bias = _param((out_features,), None, device, dtype) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # sees only this rank's tokens: sum grads over tp
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _uniform_(self.weight, self.in_features)
+        if self.bias is not None:
+            _uniform_(self.bias, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = tpf.scatter_to_tp(x, self.group, dim=-1)
+        y = F.linear(x, self.weight)  # (..., out) partial sum over this rank's inputs
+        if self.sequence_parallel:
+            y = tpf.reduce_scatter_to_sp(y, self.group, self.sequence_dim)
+        else:
+            y = tpf.reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs) -> RowParallelLinear:
+        """Shard an existing ``nn.Linear`` exactly (same dtype and device)."""
+        layer = cls(
+            module.in_features,
+            module.out_features,
+            module.bias is not None,
+            ctx=ctx,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(shard_tensor(module.weight, layer.weight.tp_shard))
+            if module.bias is not None:
+                layer.bias.copy_(module.bias)
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """Gather the full ``nn.Linear`` (on every tp rank)."""
+        dense = nn.Linear(
+            self.in_features,
+            self.out_features,
+            self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.weight.tp_shard, self.group))
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp={self.tp_size}, local_in={self.weight.shape[1]}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with its vocabulary rows split across tp.
+
+    The vocabulary is zero-padded up to a multiple of tp. Each rank looks up the ids that fall
+    in its rows, zeroes the rest, and the partial results are summed across tp (or
+    reduce-scattered along ``sequence_dim`` with ``sequence_parallel``).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        ctx: TPLike,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        info = make_shard(
+            0,
+            num_embeddings,
+            self.tp_rank,
+            self.tp_size,
+            pad=True,
+            what=f"VocabParallelEmbedding num_embeddings={num_embeddings}",
+        )
+        self.vocab_start, self.vocab_end = info.ranges()[0]
+        self.weight = _param((info.local_size, embedding_dim), info, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        valid = max(0, min(self.weight.shape[0], self.num_embeddings - self.vocab_start))
+        with torch.no_grad():
+            self.weight[valid:].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)  # (..., h), partial: zero where outside
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return tpf.reduce_scatter_to_sp(out, self.group, self.sequence_dim)
+        return tpf.reduce_from_tp(out, self.group)
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, ctx: TPLike, **kwargs) -> VocabParallelEmbedding:
+        """Shard an existing ``nn.Embedding`` exactly (same dtype and device)."""
+        layer = cls(
+            module.num_embeddings,
+            module.embedding_dim,
+            ctx=ctx,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(shard_tensor(module.weight, layer.weight.tp_shard))
+        return layer
+
+    def to_dense(self) -> nn.Embedding:
+        """Gather the full ``nn.Embedding`` (on every tp rank)."""
+        dense = nn.Embedding(
+            self.num_embeddings,
+            self.embedding_dim,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.weight.tp_shard, self.group))
+        return dense
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "
+            f"rows=[{self.vocab_start}, {self.vocab_end})"
+        )
+
+
+def heads_per_rank(num_heads: int, tp_size: int, what: str = "attention") -> int:
+    """Attention heads each tp rank holds; a ``ValueError`` when they do not divide evenly."""
+    if num_heads % tp_size != 0:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(
+            f"{what}: {num_heads} heads cannot be split over tp={tp_size}; "
+            f"tp must divide the head count (one of {divisors})"
+        )
+    return num_heads // tp_size
+
+
+def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
+    """Sum over tp the gradients of replicated parameters marked ``sequence_parallel``.
+
+    Under sequence parallelism such a parameter (a row-parallel bias, a norm weight) sees only
+    this rank's part of the sequence, so its gradient is partial until summed. Call after the
+    backward pass, before clipping and the optimizer step.
+    """
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            comm.all_reduce(p.grad, group)

@@ -1,0 +1,166 @@
+"""Run a function on N CPU ranks over gloo: the harness behind every multi-rank test.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(*args)`` on every rank of a pool of worker
+processes (one torch thread each) that share a gloo default process group, and returns the
+per-rank results in rank order. A rank that raises, or a call that outlives ``timeout``, fails
+the call with every rank's traceback and tears the pool down, so a hang fails one test instead
+of the suite. Pools are kept per world size and reused across calls: forking from a server that
+has already imported torch and initialising gloo once is what keeps the suite fast.
+
+``fn`` must be importable by name (a module-level function). Inside it, :func:`context` returns
+a cached :class:`~parallax.ParallelContext` for a layout, so tests do not re-create groups.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallax.context import ParallelContext, init_parallel
+
+DEFAULT_TIMEOUT_S = 120.0
+_CONTEXTS: dict[tuple[int, int, int | None], ParallelContext] = {}  # per worker process
+_POOLS: dict[int, _Pool] = {}  # per test process
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed or did not finish in time."""
+
+
+def context(tp: int = 1, pp: int = 1, dp: int | None = None) -> ParallelContext:
+    """The (cached) context for this layout; call it in the same order on every rank."""
+    key = (tp, pp, dp)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = init_parallel(tp=tp, pp=pp, dp=dp, timeout=_PG_TIMEOUT)
+    return _CONTEXTS[key]
+
+
+_PG_TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def _worker(rank: int, world: int, init_file: str, tasks, results, pg_timeout_s: float) -> None:
+    global _PG_TIMEOUT
+    _PG_TIMEOUT = timedelta(seconds=pg_timeout_s)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=_PG_TIMEOUT
+    )
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, fn, args, kwargs = item
+        try:
+            results.put((task_id, rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+            results.put((task_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int, pg_timeout_s: float) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "parallax"])
+        self.world_size = world_size
+        self.tmpdir = tempfile.TemporaryDirectory(prefix="parallax-ranks-")
+        init_file = os.path.join(self.tmpdir.name, "store")
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, init_file, self.tasks[r], self.results, pg_timeout_s),
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.next_id = 0
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        self.next_id += 1
+        task_id = self.next_id
+        for q in self.tasks:
+            q.put((task_id, fn, args, kwargs))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if remaining <= 0 or (dead and not errors):
+                break
+            try:
+                tid, rank, ok, value = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if tid != task_id:
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+                deadline = min(deadline, time.monotonic() + 5.0)  # let peers report, then stop
+        if errors or len(out) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in out and r not in errors]
+            self.close()
+            lines = [f"{fn.__qualname__} failed on {self.world_size} ranks:"]
+            for r in sorted(errors):
+                lines.append(f"--- rank {r} raised:\n{errors[r]}")
+            if missing:
+                lines.append(
+                    f"--- ranks {missing} did not finish within {timeout:.0f} s "
+                    "(hung or died); the pool was torn down"
+                )
+            raise RankError("\n".join(lines))
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            with contextlib.suppress(OSError, ValueError):
+                q.put(None)
+        deadline = time.monotonic() + 2.0
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+        self.tmpdir.cleanup()
+        if _POOLS.get(self.world_size) is self:
+            del _POOLS[self.world_size]
+
+
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results in rank order."""
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size, pg_timeout_s=timeout)
+    return pool.run(fn, args, kwargs, timeout)
+
+
+def shutdown() -> None:
+    """Stop every pool (registered at exit)."""
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,163 @@
+"""Every tp layer against the dense module it came from: outputs, input grads, weight grads."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from parallax.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    full_tensor,
+    shard_tensor,
+    unshard_tensor,
+)
+from parallax.tensor.sharding import make_shard
+from parallax.testing import context, run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _grad_of(layer_param):
+    """The full logical gradient of a (possibly sharded) parameter."""
+    g = layer_param.grad.detach()
+    info = getattr(layer_param, "tp_shard", None)
+    if info is None:
+        return g
+    return unshard_tensor(g, info, _GROUP[0])
+
+
+_GROUP = [None]
+
+
+def _compare_linear(kind, tp, in_f, out_f, opt, bias, partitions=1):
+    ctx = context(tp=tp)
+    _GROUP[0] = ctx.tp_group
+    torch.manual_seed(0)
+    dense = nn.Linear(in_f, out_f, bias=bias)
+    x = torch.randn(3, 5, in_f)
+    grad_out = torch.randn(3, 5, out_f)
+
+    xd = x.clone().requires_grad_()
+    (dense(xd) * grad_out).sum().backward()
+
+    if kind == "column":
+        layer = ColumnParallelLinear.from_dense(
+            dense, ctx, gather_output=opt, partitions=partitions
+        )
+        xp = x.clone().requires_grad_()
+        y = layer(xp)
+        if opt:
+            assert y.shape == (3, 5, out_f)
+            target_grad = grad_out
+            y_ref = dense(x)
+        else:
+            info = layer.weight.tp_shard
+            target_grad = shard_tensor(grad_out, replace(info, dim=-1))
+            y_ref = shard_tensor(dense(x).detach(), replace(info, dim=-1))
+    else:
+        layer = RowParallelLinear.from_dense(dense, ctx, input_is_parallel=opt)
+        if opt:
+            info = layer.weight.tp_shard
+            xp = shard_tensor(x, replace(info, dim=-1)).requires_grad_()
+        else:
+            xp = x.clone().requires_grad_()
+        y = layer(xp)
+        target_grad, y_ref = grad_out, dense(x)
+    assert_close(y, y_ref.detach(), **TOL)
+    (y * target_grad).sum().backward()
+
+    assert_close(_grad_of(layer.weight), dense.weight.grad, **TOL)
+    if bias:
+        assert_close(_grad_of(layer.bias), dense.bias.grad, **TOL)
+    if kind == "row" and opt:
+        assert_close(xp.grad, shard_tensor(xd.grad, replace(info, dim=-1)), **TOL)
+    else:
+        assert_close(xp.grad, xd.grad, **TOL)
+    back = layer.to_dense()
+    assert_close(back.weight, dense.weight, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_parallel_linear(tp):
+    cases = [(16, 12, True, True), (16, 12, False, True), (8, 24, False, False)]
+    for in_f, out_f, gather, bias in cases:
+        assert all(run_ranks(_compare_linear, tp, "column", tp, in_f, out_f, gather, bias))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_parallel_linear(tp):
+    for in_f, out_f, parallel_in, bias in [
+        (16, 12, True, True),
+        (24, 8, False, True),
+        (16, 8, True, False),
+    ]:
+        assert all(run_ranks(_compare_linear, tp, "row", tp, in_f, out_f, parallel_in, bias))
+
+
+def test_fused_column_parallel_linear_keeps_blocks_together():
+    # A fused QKV weight (3 blocks of 8 rows): each rank must own its slice of each block.
+    assert all(run_ranks(_compare_linear, 2, "column", 2, 8, 24, False, True, 3))
+    assert all(run_ranks(_fused_layout, 2))
+
+
+def _fused_layout():
+    ctx = context(tp=2)
+    dense = nn.Linear(4, 12, bias=False)
+    with torch.no_grad():
+        dense.weight.copy_(torch.arange(12.0).unsqueeze(1).expand(12, 4))
+    layer = ColumnParallelLinear.from_dense(dense, ctx, partitions=3)
+    rows = layer.weight[:, 0].tolist()
+    expected = [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]][ctx.tp_rank]
+    assert rows == expected, rows
+    return True
+
+
+def _embedding(tp, vocab, dim):
+    ctx = context(tp=tp)
+    torch.manual_seed(0)
+    dense = nn.Embedding(vocab, dim)
+    ids = torch.randint(0, vocab, (4, 7))
+    ids[0, :4] = torch.tensor([0, vocab - 1, vocab // 2, vocab - 2])  # the edges of the shards
+    grad_out = torch.randn(4, 7, dim)
+    (dense(ids) * grad_out).sum().backward()
+
+    layer = VocabParallelEmbedding.from_dense(dense, ctx)
+    assert layer.weight.shape[0] * tp >= vocab and (layer.weight.shape[0] * tp) % tp == 0
+    y = layer(ids)
+    assert_close(y, dense(ids).detach(), **TOL)
+    (y * grad_out).sum().backward()
+    _GROUP[0] = ctx.tp_group
+    assert_close(_grad_of(layer.weight), dense.weight.grad, **TOL)
+    assert_close(layer.to_dense().weight, dense.weight, rtol=0, atol=0)
+    # padded rows are zero and stay out of the logical tensor
+    assert full_tensor(layer.weight, ctx.tp_group).shape == (vocab, dim)
+    return True
+
+
+@pytest.mark.parametrize("tp,vocab", [(2, 1003), (4, 1003), (4, 64)])
+def test_vocab_parallel_embedding(tp, vocab):
+    assert all(run_ranks(_embedding, tp, tp, vocab, 6))
+
+
+def test_single_process_layers_match_dense():
+    torch.manual_seed(0)
+    dense = nn.Linear(6, 4)
+    x = torch.randn(2, 6)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = cls.from_dense(dense, None)
+        assert_close(layer(x), dense(x), rtol=0, atol=0)
+    emb = nn.Embedding(10, 3)
+    ids = torch.tensor([[1, 9]])
+    assert_close(VocabParallelEmbedding.from_dense(emb, None)(ids), emb(ids), rtol=0, atol=0)
+
+
+def test_sizes_that_do_not_divide_raise():
+    with pytest.raises(ValueError, match="out_features=10.*not divisible by tp=4"):
+        make_shard(0, 10, 0, 4, what="ColumnParallelLinear out_features=10")
+    with pytest.raises(ValueError, match="3 fused blocks"):
+        make_shard(0, 12, 0, 8, partitions=3)
