@@ -1,0 +1,166 @@
+"""Training flags: one dataclass, filled from an optional TOML file and then the command line.
+
+Every flag has a TOML key of the same name with underscores (``--global-batch-size`` ->
+``global_batch_size``); command-line flags override the file. Defaults do not depend on the
+layout, so the same command trains the same model at every ``dp x tp x pp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs to know; saved into every checkpoint."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    model: str = "tiny"
+    data: str = "synthetic"
+    steps: int = 300
+    global_batch_size: int = 32
+    micro_batch_size: int = 4
+    seed: int = 0
+    out: str = "runs/parallax"
+    resume: bool = False
+    schedule: str = "1f1b"
+    chunks: int = 1
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 20
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    freeze_vision: bool = False
+    save_interval: int = 100
+    keep_last: int = 2
+    log_interval: int = 10
+    timeout: float = 300.0
+    overlap_grad_reduce: bool = True
+    export_hf: bool = False
+    dry_run: bool = False
+    config: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for values no layout could run (layout checks come later)."""
+        problems = []
+        if self.schedule not in SCHEDULES:
+            problems.append(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            problems.append(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        for name in ("steps", "global_batch_size", "micro_batch_size", "chunks", "tp", "pp",
+                     "log_interval", "save_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dp is not None and self.dp < 1:
+            problems.append(f"--dp must be >= 1, got {self.dp}")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="parallax.train",
+        description="Train OpenVLA (tiny by default, on a built-in synthetic robot task) in any "
+        "dp x tp x pp layout. Launch with torchrun; flags override --config (TOML).",
+    )
+    p.add_argument("--config", help="TOML file of flag values (keys as flags, '-' -> '_')")
+    g = p.add_argument_group("layout")
+    g.add_argument("--tp", type=int, help=f"tensor-parallel size (default {d.tp})")
+    g.add_argument("--pp", type=int, help=f"pipeline stages (default {d.pp})")
+    g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp*pp))")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", help=f"tiny, openvla-7b, or an OpenVLA checkpoint dir (default {d.model})")
+    g.add_argument("--data", help=f"synthetic or a dataset dir (default {d.data})")
+    g.add_argument("--freeze-vision", action="store_true", default=None,
+                   help="freeze both vision towers")
+    g.add_argument("--precision", choices=PRECISIONS, help=f"default {d.precision}")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each block's activations in the backward pass")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
+    g.add_argument("--global-batch-size", type=int, help=f"samples per step (default {d.global_batch_size})")
+    g.add_argument("--micro-batch-size", type=int, help=f"samples per microbatch (default {d.micro_batch_size})")
+    g.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
+    g.add_argument("--chunks", type=int, help="model chunks per pipeline rank (interleaved)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    g.add_argument("--min-lr", type=float, help=f"final lr of the cosine schedule (default {d.min_lr})")
+    g.add_argument("--warmup-steps", type=int, help=f"linear warm-up steps (default {d.warmup_steps})")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, help=f"default {d.lr_schedule}")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices (default {d.weight_decay})")
+    g.add_argument("--grad-clip", type=float, help=f"global grad-norm clip, 0 = off (default {d.grad_clip})")
+    g.add_argument("--no-overlap", dest="overlap_grad_reduce", action="store_false", default=None,
+                   help="reduce gradients after the backward instead of during it")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, help=f"seed of weights and data (default {d.seed})")
+    g.add_argument("--out", help=f"output dir: metrics.jsonl, checkpoints/ (default {d.out})")
+    g.add_argument("--resume", action="store_true", default=None,
+                   help="continue from the latest checkpoint in --out (any layout)")
+    g.add_argument("--save-interval", type=int, help=f"checkpoint every N steps (default {d.save_interval})")
+    g.add_argument("--keep-last", type=int, help=f"checkpoints to keep (default {d.keep_last})")
+    g.add_argument("--log-interval", type=int, help=f"print every N steps (default {d.log_interval})")
+    g.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default {d.timeout:g})")
+    g.add_argument("--export-hf", action="store_true", default=None,
+                   help="also write the final weights in the Hugging Face OpenVLA layout")
+    g.add_argument("--dry-run", action="store_true", default=None,
+                   help="print the plan (layout, stages, memory, schedule) and exit")
+    return p
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError as err:
+            raise ValueError("--config needs Python >= 3.11 or `pip install tomli`") from err
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    with open(file, "rb") as f:
+        data = tomllib.load(f)
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra", "config"}
+    values = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {unknown}; known keys: {sorted(known)}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then the flags given on the command line."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = TrainConfig()
+    if args.config:
+        for key, value in load_toml(args.config).items():
+            setattr(cfg, key, value)
+        cfg.config = args.config
+    for key, value in vars(args).items():
+        if value is not None and key != "config":
+            setattr(cfg, key, value)
+    cfg.check()
+    return cfg
