@@ -1,0 +1,466 @@
+"""ZeRO-1: a wrapper that shards any torch optimizer's state over the data-parallel group.
+
+Every dp rank holds the whole model (parameters and gradients, in flat per-dtype buffers the
+parameters are views into) but keeps optimizer state for its own slice of each bucket only.
+A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapped optimizer on
+this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
+within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from parallax import comm
+from parallax.context import ParallelContext
+from parallax.optim import state as state_io
+from parallax.optim.buckets import build_layout
+from parallax.optim.clip import clip_coefficient, global_grad_norm
+from parallax.optim.groups import normalize_param_groups
+from parallax.optim.memory import MemoryReport, plain_adamw_bytes, tensor_bytes
+from parallax.optim.reducer import GradReducer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
+
+
+def _grad_hook(opt_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
+    opt = opt_ref()
+    if opt is not None:
+        opt._on_grad(index, param)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
+
+    ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
+    or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
+    left alone. Build it after the model has its final device and dtype: the parameters become
+    views into the optimizer's buffers.
+
+    ``overlap``: reduce-scatter a bucket from a backward hook as soon as each of its parameters
+    has had ``backward_passes_per_step`` gradient accumulations (the micro-batches of a pipeline
+    schedule times the accumulation steps). ``step()`` always completes the reduction, so fewer
+    passes, unused parameters or ``overlap=False`` are all correct; more passes raise.
+    Buckets go out in a fixed order, from the end of ``param_order`` (the order the forward pass
+    uses the parameters, e.g. ``model.parameters()``; default: as given, groups concatenated),
+    and a parameter without a gradient holds back its bucket and all later ones until ``step()``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer_class: type[torch.optim.Optimizer],
+        ctx: ParallelContext,
+        *,
+        overlap: bool = True,
+        backward_passes_per_step: int = 1,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        param_order: Iterable[torch.Tensor] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+            )
+        _check_passes(backward_passes_per_step)
+        groups = normalize_param_groups(params)
+        self.ctx, self.overlap = ctx, overlap
+        self.names: list[str] = []  # trainable parameters, in the order given
+        self.params: list[torch.Tensor] = []
+        group_of: list[int] = []
+        for gi, g in enumerate(groups):
+            for name, p in zip(g.names, g.params):
+                if p.requires_grad:
+                    self.names.append(name)
+                    self.params.append(p)
+                    group_of.append(gi)
+        self._group_names = [
+            [n for n, gi in zip(self.names, group_of) if gi == j] for j in range(len(groups))
+        ]
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"ZeroOptimizer: parameters are on several devices {sorted(map(str, devices))}"
+            )
+        self.device = devices.pop() if devices else ctx.device
+        sp = [bool(getattr(p, "sequence_parallel", False)) for p in self.params]
+        _check_agreement(
+            ctx,
+            [
+                (n, tuple(p.shape), str(p.dtype), s, g)
+                for n, p, s, g in zip(self.names, self.params, sp, group_of)
+            ],
+        )
+        self.layout = build_layout(
+            [tuple(p.shape) for p in self.params],
+            [p.dtype for p in self.params],
+            sp,
+            ctx.dp_size,
+            bucket_numel,
+            _forward_order(self.params, self.names, param_order),
+        )
+        self._bind_buffers()
+        self._make_shards()
+
+        self._pieces = self.layout.pieces(ctx.dp_rank)
+        self._piece_params = [
+            self._masters[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
+            for pc in self._pieces
+        ]
+        self._piece_grads = [
+            self._grad_outs[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
+            for pc in self._pieces
+        ]
+        self._pieces_of: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.params]
+        for pc, t in zip(self._pieces, self._piece_params):
+            self._pieces_of[pc.param].append((pc, t))
+        inner_groups = [
+            {
+                "params": [
+                    t for pc, t in zip(self._pieces, self._piece_params) if group_of[pc.param] == gi
+                ],
+                **g.options,
+            }
+            for gi, g in enumerate(groups)
+        ]
+        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
+        # The torch.optim.Optimizer interface (LR schedulers use it): the wrapped optimizer's
+        # groups and state. Optimizer.__init__ is not called: it would register our parameters.
+        self.defaults, self.param_groups, self.state = (
+            self.inner.defaults,
+            self.inner.param_groups,
+            self.inner.state,
+        )
+        for attr in (
+            "step_pre",
+            "step_post",
+            "state_dict_pre",
+            "state_dict_post",
+            "load_state_dict_pre",
+            "load_state_dict_post",
+        ):
+            setattr(self, f"_optimizer_{attr}_hooks", OrderedDict())
+
+        self._has_grad = [False] * len(self.params)  # a gradient arrived since zero_grad()
+        self._flags: list[bool] | None = None  # the dp-global has_grad, once reduced this step
+        self.reducer = GradReducer(
+            self.layout,
+            self._grad_buffers,
+            self._grad_outs,
+            self.names,
+            ctx,
+            overlap,
+            backward_passes_per_step,
+        )
+        ref = weakref.ref(self)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, i))
+            for i, p in enumerate(self.params)
+        ]
+        log.debug(
+            "ZeroOptimizer: %d params, %d buckets, %s",
+            len(self.params),
+            len(self.layout.buckets),
+            self.memory_report(),
+        )
+
+    # -- buffers -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _bind_buffers(self) -> None:
+        """Flat per-dtype buffers; parameters and their ``.grad`` become views into them."""
+        kw = dict(device=self.device)
+        self._param_buffers = [
+            torch.zeros(n, dtype=dt, **kw) for dt, n in zip(self.layout.dtypes, self.layout.sizes)
+        ]
+        self._grad_buffers = [
+            torch.zeros(n, dtype=dt, **kw) for dt, n in zip(self.layout.dtypes, self.layout.sizes)
+        ]
+        self._grad_views = []
+        for p, slot in zip(self.params, self.layout.slots):
+            view = self._param_buffers[slot.buffer][slot.offset : slot.offset + slot.numel].view(
+                p.shape
+            )
+            view.copy_(p.detach())
+            p.data = view
+            grad = self._grad_buffers[slot.buffer][slot.offset : slot.offset + slot.numel].view(
+                p.shape
+            )
+            if p.grad is not None:
+                grad.copy_(p.grad)
+            p.grad = grad
+            self._grad_views.append(grad)
+
+    @torch.no_grad()
+    def _make_shards(self) -> None:
+        """Per bucket: this rank's fp32 master chunk and the fp32 chunk its reduction lands in.
+
+        fp32 buckets use their own chunk of the parameter and gradient buffers (in-place
+        all-gather and reduce-scatter); other dtypes get separate fp32 slices.
+        """
+        r = self.ctx.dp_rank
+        separate = sum(
+            b.chunk for b in self.layout.buckets if self.layout.dtypes[b.buffer] != torch.float32
+        )
+        self._master_flat = torch.zeros(separate, device=self.device) if separate else None
+        self._grad_shard_flat = torch.zeros(separate, device=self.device) if separate else None
+        self._masters, self._grad_outs, offset = [], [], 0
+        for b in self.layout.buckets:
+            lo = b.chunk_start(r)
+            mine = self._param_buffers[b.buffer][lo : lo + b.chunk]
+            if mine.dtype == torch.float32:
+                self._masters.append(mine)
+                self._grad_outs.append(self._grad_buffers[b.buffer][lo : lo + b.chunk])
+            else:
+                self._masters.append(self._master_flat[offset : offset + b.chunk])
+                self._masters[-1].copy_(mine)
+                self._grad_outs.append(self._grad_shard_flat[offset : offset + b.chunk])
+                offset += b.chunk
+
+    @torch.no_grad()
+    def reload_master_weights(self) -> None:
+        """Copy the model's current parameter values into the fp32 masters (no communication).
+
+        Call it after writing weights into the model behind the optimizer's back; for
+        non-fp32 parameters the masters are otherwise the truth and the next step overwrites.
+        """
+        r = self.ctx.dp_rank
+        for b, master in zip(self.layout.buckets, self._masters):
+            lo = b.chunk_start(r)
+            mine = self._param_buffers[b.buffer][lo : lo + b.chunk]
+            if master.data_ptr() != mine.data_ptr():
+                master.copy_(mine)
+
+    # -- accumulation --------------------------------------------------------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.reducer.passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, value: int) -> None:
+        _check_passes(value)
+        if self.reducer.dirty:
+            raise RuntimeError("change backward_passes_per_step between steps, not during one")
+        self.reducer.passes = value
+
+    @torch.no_grad()
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        view = self._grad_views[i]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # .grad was set to None and autograd made a new tensor
+            p.grad = view
+        self._has_grad[i] = True
+        self.reducer.on_grad(i)
+
+    @torch.no_grad()
+    def _reattach_grads(self) -> None:
+        """Put the views back where ``.grad`` was replaced (e.g. ``model.zero_grad()``)."""
+        for i, (p, view) in enumerate(zip(self.params, self._grad_views)):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                self._has_grad[i] = False
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                self._has_grad[i] = True
+            else:
+                continue
+            p.grad = view
+
+    @torch.no_grad()
+    def _reduce(self) -> list[bool]:
+        """Finish the gradient reduction (once per step); which parameters got a gradient on any
+        dp rank."""
+        if self._flags is None:
+            self._reattach_grads()
+            self.reducer.finish()
+            flags = torch.tensor(self._has_grad, dtype=torch.float32, device=self.device)
+            if self.params:
+                comm.all_reduce(flags, self.ctx.dp_group, op="max")
+            self._flags = [bool(f) for f in flags.tolist()]
+        return self._flags
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce gradients (if not done yet), step the fp32 slices, gather the parameters.
+
+        A parameter no dp rank saw a gradient for is skipped, as torch optimizers skip a
+        ``.grad`` of None: no weight decay, no moment update.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flags = self._reduce()
+        for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
+            t.grad = g if flags[pc.param] else None
+        self.inner.step()
+        self._gather_params(flags)
+        self.reducer.reset()
+        self._flags = None
+        return loss
+
+    @torch.no_grad()
+    def _gather_params(self, flags: list[bool]) -> None:
+        r, works = self.ctx.dp_rank, []
+        for b, master in zip(self.layout.buckets, self._masters):
+            if not any(flags[i] for i in b.params):
+                continue  # nothing changed in this bucket, on any rank
+            full = self._param_buffers[b.buffer][b.start : b.end]  # (bucket,)
+            mine = full[b.chunk_start(r) - b.start :][: b.chunk]  # (bucket/dp,)
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)  # fp32 -> model dtype
+            works.append(comm.all_gather_into(full, mine, self.ctx.dp_group, async_op=True))
+        for work in works:
+            comm.wait(work)
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers and forget this step's accumulation.
+
+        ``.grad`` stays a (zeroed) view into the buffer whatever ``set_to_none`` says; whether a
+        parameter got a gradient is tracked by hooks instead. Call it between steps: after
+        ``step()``, gradients hold unspecified (partly reduced) values.
+        """
+        if self.overlap and self.reducer.dirty and not self.reducer.done:
+            self.reducer.finish()  # keep every rank's sequence of collectives aligned
+        self.reducer.reset()
+        self._flags = None
+        for buf in self._grad_buffers:
+            buf.zero_()
+        self._has_grad = [False] * len(self.params)
+        for p, view in zip(self.params, self._grad_views):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    # -- clipping ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
+        gradients first if ``step()`` has not yet."""
+        self._reduce()
+        replicated = [
+            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self._pieces
+        ]
+        return global_grad_norm(self._piece_grads, replicated, self.ctx, norm_type, self.device)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before."""
+        total = self.grad_norm(norm_type)
+        coef = clip_coefficient(total, max_norm)
+        for out in self._grad_outs:
+            out.mul_(coef)
+        return total
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able description of the state: hyperparameters and, per parameter name, the
+        state keys that :meth:`state_tensors` yields. Collective: call on every rank."""
+        return state_io.state_meta(self)
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``("<name>.<state>", full logical tensor)`` one at a time (see
+        :mod:`parallax.optim.state`). Collective: every rank must consume it all."""
+        return state_io.state_tensors(self)
+
+    def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
+        """Load from ``meta`` and ``get(key) -> full tensor``, one tensor at a time, at any
+        dp and tp size. Also writes the masters into the model's parameters."""
+        state_io.load_state_tensors(self, meta, get)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"meta": state_meta(), "tensors": {key: full tensor on CPU}}``; for big models use
+        :meth:`state_tensors`, which never holds more than one full tensor."""
+        meta = self.state_meta()
+        return {"meta": meta, "tensors": {k: v.cpu() for k, v in self.state_tensors()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        tensors = state_dict["tensors"]
+        self.load_state_tensors(state_dict["meta"], tensors.__getitem__)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
+        states = [
+            v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
+        separate = [t for t in (self._master_flat, self._grad_shard_flat) if t is not None]
+        return MemoryReport(
+            numel=sum(p.numel() for p in self.params),
+            dp=self.ctx.dp_size,
+            param_bytes=tensor_bytes(self._param_buffers),
+            grad_bytes=tensor_bytes(self._grad_buffers),
+            master_bytes=tensor_bytes(separate[:1]),
+            grad_shard_bytes=tensor_bytes(separate[1:]),
+            state_bytes=tensor_bytes(states),
+            plain_adamw_bytes=plain_adamw_bytes(self.params),
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "ZeroOptimizer's buffers are fixed at construction; pass every group then"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
+            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, overlap={self.overlap})"
+        )
+
+
+def _forward_order(
+    params: list[torch.Tensor], names: list[str], param_order: Iterable[torch.Tensor] | None
+) -> list[int] | None:
+    """Indices of ``params`` in ``param_order`` (frozen and unknown parameters there ignored)."""
+    if param_order is None:
+        return None
+    index = {id(p): i for i, p in enumerate(params)}
+    order = list(dict.fromkeys(index[id(p)] for p in param_order if id(p) in index))
+    missing = sorted(set(range(len(params))) - set(order))
+    if missing:
+        raise ValueError(
+            f"param_order lacks {len(missing)} trainable parameters, e.g. "
+            f"{[names[i] for i in missing[:3]]}; pass every parameter, e.g. model.parameters()"
+        )
+    return order
+
+
+def _check_passes(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")
+
+
+def _check_agreement(ctx: ParallelContext, signature: list[tuple]) -> None:
+    """Every dp (and tp) rank must build the same buffers, or collectives would not match."""
+    for axis, group in (("dp", ctx.dp_group), ("tp", ctx.tp_group)):
+        if comm.size(group) == 1:
+            continue
+        signatures = comm.all_gather_object(signature, group)
+        for r, other in enumerate(signatures):
+            if other == signatures[0]:
+                continue
+            diff = next((i for i, (a, b) in enumerate(zip(signatures[0], other)) if a != b), None)
+            what = (
+                f"{len(signatures[0])} vs {len(other)} trainable parameters"
+                if diff is None
+                else f"parameter #{diff}: {signatures[0][diff]} on {axis} rank 0 vs "
+                f"{other[diff]} on {axis} rank {r}"
+            )
+            raise ValueError(
+                f"ZeroOptimizer: {axis} ranks disagree on the trainable parameters ({what}); every "
+                f"{axis} rank must pass the same names, shapes, dtypes, requires_grad and groups "
+                "(name, shape, dtype, sequence_parallel, group)"
+            )
