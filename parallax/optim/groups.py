@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from parallax import comm
+from parallax.context import ParallelContext
+
 
 @dataclass
 class ParamGroup:
@@ -74,6 +77,18 @@ def normalize_param_groups(params: Iterable) -> list[ParamGroup]:
     return groups
 
 
+def trainable(groups: list[ParamGroup]) -> tuple[list[str], list[torch.Tensor], list[int]]:
+    """Names, tensors and group indices of the parameters with ``requires_grad``."""
+    out: tuple[list, list, list] = ([], [], [])
+    for gi, g in enumerate(groups):
+        for name, p in zip(g.names, g.params):
+            if p.requires_grad:
+                out[0].append(name)
+                out[1].append(p)
+                out[2].append(gi)
+    return out
+
+
 def _check_unique(groups: list[ParamGroup]) -> None:
     seen_ids: dict[int, str] = {}
     seen_names: set[str] = set()
@@ -88,3 +103,43 @@ def _check_unique(groups: list[ParamGroup]) -> None:
                 raise ValueError(f"two parameters are both named {name!r}; names must be unique")
             seen_ids[id(p)] = name
             seen_names.add(name)
+
+
+def forward_order(
+    params: list[torch.Tensor], names: list[str], param_order: Iterable[torch.Tensor] | None
+) -> list[int] | None:
+    """Indices of ``params`` in ``param_order`` (frozen and unknown parameters there ignored)."""
+    if param_order is None:
+        return None
+    index = {id(p): i for i, p in enumerate(params)}
+    order = list(dict.fromkeys(index[id(p)] for p in param_order if id(p) in index))
+    missing = sorted(set(range(len(params))) - set(order))
+    if missing:
+        raise ValueError(
+            f"param_order lacks {len(missing)} trainable parameters, e.g. "
+            f"{[names[i] for i in missing[:3]]}; pass every parameter, e.g. model.parameters()"
+        )
+    return order
+
+
+def check_agreement(ctx: ParallelContext, signature: list[tuple]) -> None:
+    """Every dp (and tp) rank must build the same buffers, or collectives would not match."""
+    for axis, group in (("dp", ctx.dp_group), ("tp", ctx.tp_group)):
+        if comm.size(group) == 1:
+            continue
+        signatures = comm.all_gather_object(signature, group)
+        for r, other in enumerate(signatures):
+            if other == signatures[0]:
+                continue
+            diff = next((i for i, (a, b) in enumerate(zip(signatures[0], other)) if a != b), None)
+            what = (
+                f"{len(signatures[0])} vs {len(other)} trainable parameters"
+                if diff is None
+                else f"parameter #{diff}: {signatures[0][diff]} on {axis} rank 0 vs "
+                f"{other[diff]} on {axis} rank {r}"
+            )
+            raise ValueError(
+                f"ZeroOptimizer: {axis} ranks disagree on the trainable parameters ({what}); every "
+                f"{axis} rank must pass the same names, shapes, dtypes, requires_grad and groups "
+                "(name, shape, dtype, sequence_parallel, group)"
+            )

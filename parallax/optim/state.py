@@ -37,7 +37,7 @@ Kinds = dict[str, tuple[str, str]]  # state name -> ("elem" | "scalar", dtype)
 
 def _local_kinds(opt: ZeroOptimizer) -> dict[int, Kinds]:
     out: dict[int, Kinds] = {}
-    for i, pieces in enumerate(opt._pieces_of):
+    for i, pieces in enumerate(opt.flat.pieces_of):
         for _, t in pieces:
             for key, value in opt.inner.state.get(t, {}).items():
                 if value is None:
@@ -97,7 +97,7 @@ def _full(opt: ZeroOptimizer, i: int, source: Callable[[torch.Tensor], torch.Ten
     """The full logical tensor of one per-element state of parameter ``i`` (collective)."""
     p = opt.params[i]
     flat = torch.zeros(p.numel(), dtype=dtype, device=opt.device)  # (numel on this tp rank,)
-    for pc, t in opt._pieces_of[i]:
+    for pc, t in opt.flat.pieces_of[i]:
         flat[pc.start : pc.start + pc.numel] = source(t)
     comm.all_reduce(flat, opt.ctx.dp_group)  # each element is owned by exactly one dp rank
     info = getattr(p, "tp_shard", None)
@@ -107,7 +107,7 @@ def _full(opt: ZeroOptimizer, i: int, source: Callable[[torch.Tensor], torch.Ten
 
 def _scalar(opt: ZeroOptimizer, i: int, key: str) -> torch.Tensor:
     value = torch.full((), -math.inf, dtype=torch.float64, device=opt.device)
-    for _, t in opt._pieces_of[i]:
+    for _, t in opt.flat.pieces_of[i]:
         held = opt.inner.state.get(t, {}).get(key)
         if held is not None:
             value = torch.maximum(value, held.detach().to(value))
@@ -202,7 +202,7 @@ def _load_one(
     """Keep this rank's slices of one full tensor: master into the model and the masters,
     optimizer state into ``new_state`` (keyed as the wrapped optimizer numbers its tensors)."""
     if full.dim() == 0:  # scalar state, e.g. step: the same for every piece
-        for _, t in opt._pieces_of[i]:
+        for _, t in opt.flat.pieces_of[i]:
             new_state.setdefault(index[id(t)], {})[key] = full.detach().clone()
         return
     p, info = opt.params[i], getattr(opt.params[i], "tp_shard", None)
@@ -211,7 +211,7 @@ def _load_one(
     if key == "master":
         p.data.copy_(local)  # fp32 -> the model's dtype
     flat = local.reshape(-1)
-    for pc, t in opt._pieces_of[i]:
+    for pc, t in opt.flat.pieces_of[i]:
         part = flat[pc.start : pc.start + pc.numel]
         if key == "master":
             t.copy_(part)

@@ -23,7 +23,13 @@ from parallax.context import ParallelContext
 from parallax.optim import state as state_io
 from parallax.optim.buckets import build_layout
 from parallax.optim.clip import clip_coefficient, global_grad_norm
-from parallax.optim.groups import normalize_param_groups
+from parallax.optim.flat import FlatBuffers
+from parallax.optim.groups import (
+    check_agreement,
+    forward_order,
+    normalize_param_groups,
+    trainable,
+)
 from parallax.optim.memory import MemoryReport, plain_adamw_bytes, tensor_bytes
 from parallax.optim.reducer import GradReducer
 
@@ -76,15 +82,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         _check_passes(backward_passes_per_step)
         groups = normalize_param_groups(params)
         self.ctx, self.overlap = ctx, overlap
-        self.names: list[str] = []  # trainable parameters, in the order given
-        self.params: list[torch.Tensor] = []
-        group_of: list[int] = []
-        for gi, g in enumerate(groups):
-            for name, p in zip(g.names, g.params):
-                if p.requires_grad:
-                    self.names.append(name)
-                    self.params.append(p)
-                    group_of.append(gi)
+        # the trainable parameters, in the order given: names, tensors, group index
+        self.names, self.params, group_of = trainable(groups)
         self._group_names = [
             [n for n, gi in zip(self.names, group_of) if gi == j] for j in range(len(groups))
         ]
@@ -95,7 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         self.device = devices.pop() if devices else ctx.device
         sp = [bool(getattr(p, "sequence_parallel", False)) for p in self.params]
-        _check_agreement(
+        check_agreement(
             ctx,
             [
                 (n, tuple(p.shape), str(p.dtype), s, g)
@@ -108,56 +107,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
             sp,
             ctx.dp_size,
             bucket_numel,
-            _forward_order(self.params, self.names, param_order),
+            forward_order(self.params, self.names, param_order),
         )
-        self._bind_buffers()
-        self._make_shards()
-
-        self._pieces = self.layout.pieces(ctx.dp_rank)
-        self._piece_params = [
-            self._masters[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
-            for pc in self._pieces
-        ]
-        self._piece_grads = [
-            self._grad_outs[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
-            for pc in self._pieces
-        ]
-        self._pieces_of: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.params]
-        for pc, t in zip(self._pieces, self._piece_params):
-            self._pieces_of[pc.param].append((pc, t))
-        inner_groups = [
-            {
-                "params": [
-                    t for pc, t in zip(self._pieces, self._piece_params) if group_of[pc.param] == gi
-                ],
-                **g.options,
-            }
-            for gi, g in enumerate(groups)
-        ]
-        self.inner = optimizer_class(inner_groups, **optimizer_kwargs)
-        # The torch.optim.Optimizer interface (LR schedulers use it): the wrapped optimizer's
-        # groups and state. Optimizer.__init__ is not called: it would register our parameters.
-        self.defaults, self.param_groups, self.state = (
-            self.inner.defaults,
-            self.inner.param_groups,
-            self.inner.state,
+        self.flat = FlatBuffers(self.params, self.layout, ctx.dp_rank, self.device)
+        members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
+        for pc, t in zip(self.flat.pieces, self.flat.piece_params):
+            members[group_of[pc.param]].append(t)
+        self.inner = optimizer_class(
+            [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
         )
-        for attr in (
-            "step_pre",
-            "step_post",
-            "state_dict_pre",
-            "state_dict_post",
-            "load_state_dict_pre",
-            "load_state_dict_post",
-        ):
-            setattr(self, f"_optimizer_{attr}_hooks", OrderedDict())
+        # The torch.optim.Optimizer interface (LR schedulers use it) is the wrapped optimizer's
+        # groups and state; Optimizer.__init__ is not called, it would register our parameters.
+        self.defaults = self.inner.defaults
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        for kind in ("step", "state_dict", "load_state_dict"):
+            for when in ("pre", "post"):
+                setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
 
         self._has_grad = [False] * len(self.params)  # a gradient arrived since zero_grad()
         self._flags: list[bool] | None = None  # the dp-global has_grad, once reduced this step
         self.reducer = GradReducer(
             self.layout,
-            self._grad_buffers,
-            self._grad_outs,
+            self.flat.grad_buffers,
+            self.flat.grad_outs,
             self.names,
             ctx,
             overlap,
@@ -175,71 +147,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.memory_report(),
         )
 
-    # -- buffers -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _bind_buffers(self) -> None:
-        """Flat per-dtype buffers; parameters and their ``.grad`` become views into them."""
-        kw = dict(device=self.device)
-        self._param_buffers = [
-            torch.zeros(n, dtype=dt, **kw) for dt, n in zip(self.layout.dtypes, self.layout.sizes)
-        ]
-        self._grad_buffers = [
-            torch.zeros(n, dtype=dt, **kw) for dt, n in zip(self.layout.dtypes, self.layout.sizes)
-        ]
-        self._grad_views = []
-        for p, slot in zip(self.params, self.layout.slots):
-            view = self._param_buffers[slot.buffer][slot.offset : slot.offset + slot.numel].view(
-                p.shape
-            )
-            view.copy_(p.detach())
-            p.data = view
-            grad = self._grad_buffers[slot.buffer][slot.offset : slot.offset + slot.numel].view(
-                p.shape
-            )
-            if p.grad is not None:
-                grad.copy_(p.grad)
-            p.grad = grad
-            self._grad_views.append(grad)
-
-    @torch.no_grad()
-    def _make_shards(self) -> None:
-        """Per bucket: this rank's fp32 master chunk and the fp32 chunk its reduction lands in.
-
-        fp32 buckets use their own chunk of the parameter and gradient buffers (in-place
-        all-gather and reduce-scatter); other dtypes get separate fp32 slices.
-        """
-        r = self.ctx.dp_rank
-        separate = sum(
-            b.chunk for b in self.layout.buckets if self.layout.dtypes[b.buffer] != torch.float32
-        )
-        self._master_flat = torch.zeros(separate, device=self.device) if separate else None
-        self._grad_shard_flat = torch.zeros(separate, device=self.device) if separate else None
-        self._masters, self._grad_outs, offset = [], [], 0
-        for b in self.layout.buckets:
-            lo = b.chunk_start(r)
-            mine = self._param_buffers[b.buffer][lo : lo + b.chunk]
-            if mine.dtype == torch.float32:
-                self._masters.append(mine)
-                self._grad_outs.append(self._grad_buffers[b.buffer][lo : lo + b.chunk])
-            else:
-                self._masters.append(self._master_flat[offset : offset + b.chunk])
-                self._masters[-1].copy_(mine)
-                self._grad_outs.append(self._grad_shard_flat[offset : offset + b.chunk])
-                offset += b.chunk
-
     @torch.no_grad()
     def reload_master_weights(self) -> None:
         """Copy the model's current parameter values into the fp32 masters (no communication).
 
-        Call it after writing weights into the model behind the optimizer's back; for
-        non-fp32 parameters the masters are otherwise the truth and the next step overwrites.
+        Call it after writing weights into the model behind the optimizer's back; otherwise, for
+        non-fp32 parameters, the masters are the truth and the next step overwrites them.
         """
-        r = self.ctx.dp_rank
-        for b, master in zip(self.layout.buckets, self._masters):
-            lo = b.chunk_start(r)
-            mine = self._param_buffers[b.buffer][lo : lo + b.chunk]
-            if master.data_ptr() != mine.data_ptr():
-                master.copy_(mine)
+        self.flat.reload_masters()
 
     # -- accumulation --------------------------------------------------------------------------
     @property
@@ -255,7 +170,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        view = self._grad_views[i]
+        view = self.flat.grad_views[i]
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)  # .grad was set to None and autograd made a new tensor
             p.grad = view
@@ -265,7 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _reattach_grads(self) -> None:
         """Put the views back where ``.grad`` was replaced (e.g. ``model.zero_grad()``)."""
-        for i, (p, view) in enumerate(zip(self.params, self._grad_views)):
+        for i, (p, view) in enumerate(zip(self.params, self.flat.grad_views)):
             g = p.grad
             if g is None:
                 view.zero_()
@@ -303,27 +218,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         flags = self._reduce()
-        for pc, t, g in zip(self._pieces, self._piece_params, self._piece_grads):
+        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
             t.grad = g if flags[pc.param] else None
         self.inner.step()
-        self._gather_params(flags)
+        self.flat.gather_params(self.ctx.dp_group, flags)
         self.reducer.reset()
         self._flags = None
         return loss
-
-    @torch.no_grad()
-    def _gather_params(self, flags: list[bool]) -> None:
-        r, works = self.ctx.dp_rank, []
-        for b, master in zip(self.layout.buckets, self._masters):
-            if not any(flags[i] for i in b.params):
-                continue  # nothing changed in this bucket, on any rank
-            full = self._param_buffers[b.buffer][b.start : b.end]  # (bucket,)
-            mine = full[b.chunk_start(r) - b.start :][: b.chunk]  # (bucket/dp,)
-            if master.data_ptr() != mine.data_ptr():
-                mine.copy_(master)  # fp32 -> model dtype
-            works.append(comm.all_gather_into(full, mine, self.ctx.dp_group, async_op=True))
-        for work in works:
-            comm.wait(work)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -337,10 +238,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.finish()  # keep every rank's sequence of collectives aligned
         self.reducer.reset()
         self._flags = None
-        for buf in self._grad_buffers:
+        for buf in self.flat.grad_buffers:
             buf.zero_()
         self._has_grad = [False] * len(self.params)
-        for p, view in zip(self.params, self._grad_views):
+        for p, view in zip(self.params, self.flat.grad_views):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
 
@@ -350,10 +251,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
         gradients first if ``step()`` has not yet."""
         self._reduce()
-        replicated = [
-            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self._pieces
-        ]
-        return global_grad_norm(self._piece_grads, replicated, self.ctx, norm_type, self.device)
+        pieces, grads = self.flat.pieces, self.flat.piece_grads
+        replicated = [getattr(self.params[pc.param], "tp_shard", None) is None for pc in pieces]
+        return global_grad_norm(grads, replicated, self.ctx, norm_type, self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -361,7 +261,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before."""
         total = self.grad_norm(norm_type)
         coef = clip_coefficient(total, max_norm)
-        for out in self._grad_outs:
+        for out in self.flat.grad_outs:
             out.mul_(coef)
         return total
 
@@ -397,14 +297,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         states = [
             v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         ]
-        separate = [t for t in (self._master_flat, self._grad_shard_flat) if t is not None]
+        masters, grads = self.flat.master_flat, self.flat.grad_shard_flat
         return MemoryReport(
             numel=sum(p.numel() for p in self.params),
             dp=self.ctx.dp_size,
-            param_bytes=tensor_bytes(self._param_buffers),
-            grad_bytes=tensor_bytes(self._grad_buffers),
-            master_bytes=tensor_bytes(separate[:1]),
-            grad_shard_bytes=tensor_bytes(separate[1:]),
+            param_bytes=tensor_bytes(self.flat.param_buffers),
+            grad_bytes=tensor_bytes(self.flat.grad_buffers),
+            master_bytes=tensor_bytes([masters] if masters is not None else []),
+            grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
             state_bytes=tensor_bytes(states),
             plain_adamw_bytes=plain_adamw_bytes(self.params),
         )
@@ -464,3 +364,8 @@ def _check_agreement(ctx: ParallelContext, signature: list[tuple]) -> None:
                 f"{axis} rank must pass the same names, shapes, dtypes, requires_grad and groups "
                 "(name, shape, dtype, sequence_parallel, group)"
             )
+
+
+def _check_passes(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")

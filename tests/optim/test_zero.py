@@ -92,7 +92,7 @@ def _bf16_smoke() -> tuple[float, bool]:
     ctx = context()
     model, opt = make_zero(ctx, "adamw", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert opt._master_flat.dtype == torch.float32
+    assert opt.flat.master_flat.dtype == torch.float32
     before = logical_weights(model, ctx)
     train_zero(model, opt, ctx, 3, 1, 0.5, dtype=torch.bfloat16)
     ref, _, _ = train_reference("adamw", 3, 1, 0.5)
@@ -124,7 +124,7 @@ def _memory(dtype: torch.dtype) -> tuple[int, int, dict]:
     opt.step()
     states = [v for s in opt.inner.state.values() for v in s.values() if v.dim() > 0]
     state_bytes = sum(v.numel() * v.element_size() for v in states)
-    buffers = [b.data_ptr() for b in opt._param_buffers]
+    buffers = [b.data_ptr() for b in opt.flat.param_buffers]
     assert model[3].weight.data_ptr() not in buffers and "3.weight" not in opt.names
     report = opt.memory_report()
     assert report.state_bytes == state_bytes
