@@ -40,7 +40,8 @@ DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
 
 def _grad_hook(opt_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     opt = opt_ref()
-    if opt is not None:
+    # a later ZeroOptimizer over the same parameter owns it now: this one stands aside
+    if opt is not None and getattr(param, "_zero_owner", None) is opt_ref:
         opt._on_grad(index, param)
 
 
@@ -136,6 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             backward_passes_per_step,
         )
         ref = weakref.ref(self)
+        for p in self.params:
+            p._zero_owner = ref
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, i))
             for i, p in enumerate(self.params)

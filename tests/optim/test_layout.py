@@ -45,7 +45,8 @@ def test_order_reverses_the_forward_order():
 
 def test_zero_grad_mid_step_discards_and_frozen_only_is_fine():
     """zero_grad() between backward passes throws the first away (also with overlap and
-    launched buckets); an optimizer whose parameters are all frozen steps as a no-op."""
+    launched buckets); a second optimizer over the same parameters takes them over; an
+    optimizer whose parameters are all frozen steps as a no-op."""
     ctx = parallax.ParallelContext.local()
     ref, model = build(), build()
     ref_opt = torch.optim.AdamW(groups(ref, named=False), lr=1e-2)
@@ -56,6 +57,18 @@ def test_zero_grad_mid_step_discards_and_frozen_only_is_fine():
     opt.zero_grad()
     for m, o in ((ref, ref_opt), (model, opt)):
         F.mse_loss(m(x, use), y).backward()
+        o.step()
+    for (n, want), got in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(got, want), n
+
+    ref_opt = torch.optim.AdamW(groups(ref, named=False), lr=1e-2)  # both start afresh
+    again = ZeroOptimizer(
+        groups(model), torch.optim.AdamW, ctx, lr=1e-2, backward_passes_per_step=2
+    )
+    for m, o in ((ref, ref_opt), (model, again)):
+        o.zero_grad()
+        for _ in range(2):  # the first optimizer's hooks must not interfere
+            F.mse_loss(m(x, use), y).backward()
         o.step()
     for (n, want), got in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(got, want), n
