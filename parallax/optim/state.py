@@ -135,7 +135,7 @@ def _fetch(get: Callable[[str], torch.Tensor], key: str, shape: tuple[int, ...])
         value = get(key)
     except KeyError:
         raise ValueError(f"the optimizer checkpoint has no tensor {key!r}") from None
-    if (value.dim() > 0 or key == "master") and tuple(value.shape) != shape:
+    if (value.dim() > 0 or key.endswith(".master")) and tuple(value.shape) != shape:
         raise ValueError(
             f"optimizer checkpoint tensor {key!r} has shape {tuple(value.shape)}, "
             f"expected the logical shape {shape}"

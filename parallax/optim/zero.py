@@ -60,6 +60,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Buckets go out in a fixed order, from the end of ``param_order`` (the order the forward pass
     uses the parameters, e.g. ``model.parameters()``; default: as given, groups concatenated),
     and a parameter without a gradient holds back its bucket and all later ones until ``step()``.
+    The hooks' collectives share ``ctx.dp_group`` with the model's: a model that communicates
+    over dp in its backward must build the same graph on every dp rank, or use overlap=False.
     """
 
     def __init__(
@@ -322,51 +324,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
             f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, overlap={self.overlap})"
         )
-
-
-def _forward_order(
-    params: list[torch.Tensor], names: list[str], param_order: Iterable[torch.Tensor] | None
-) -> list[int] | None:
-    """Indices of ``params`` in ``param_order`` (frozen and unknown parameters there ignored)."""
-    if param_order is None:
-        return None
-    index = {id(p): i for i, p in enumerate(params)}
-    order = list(dict.fromkeys(index[id(p)] for p in param_order if id(p) in index))
-    missing = sorted(set(range(len(params))) - set(order))
-    if missing:
-        raise ValueError(
-            f"param_order lacks {len(missing)} trainable parameters, e.g. "
-            f"{[names[i] for i in missing[:3]]}; pass every parameter, e.g. model.parameters()"
-        )
-    return order
-
-
-def _check_passes(value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")
-
-
-def _check_agreement(ctx: ParallelContext, signature: list[tuple]) -> None:
-    """Every dp (and tp) rank must build the same buffers, or collectives would not match."""
-    for axis, group in (("dp", ctx.dp_group), ("tp", ctx.tp_group)):
-        if comm.size(group) == 1:
-            continue
-        signatures = comm.all_gather_object(signature, group)
-        for r, other in enumerate(signatures):
-            if other == signatures[0]:
-                continue
-            diff = next((i for i, (a, b) in enumerate(zip(signatures[0], other)) if a != b), None)
-            what = (
-                f"{len(signatures[0])} vs {len(other)} trainable parameters"
-                if diff is None
-                else f"parameter #{diff}: {signatures[0][diff]} on {axis} rank 0 vs "
-                f"{other[diff]} on {axis} rank {r}"
-            )
-            raise ValueError(
-                f"ZeroOptimizer: {axis} ranks disagree on the trainable parameters ({what}); every "
-                f"{axis} rank must pass the same names, shapes, dtypes, requires_grad and groups "
-                "(name, shape, dtype, sequence_parallel, group)"
-            )
 
 
 def _check_passes(value: int) -> None:
