@@ -10,6 +10,7 @@ within ``ctx.dp_group``; tp and pp peers hold different parameters and shard the
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import weakref
 from collections import OrderedDict
@@ -36,12 +37,13 @@ from parallax.optim.reducer import GradReducer
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
+_TOKENS = itertools.count(1)  # which optimizer owns a parameter's hook
 
 
 def _grad_hook(opt_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     opt = opt_ref()
     # a later ZeroOptimizer over the same parameter owns it now: this one stands aside
-    if opt is not None and getattr(param, "_zero_owner", None) is opt_ref:
+    if opt is not None and getattr(param, "_zero_owner", None) == opt._token:
         opt._on_grad(index, param)
 
 
@@ -138,9 +140,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overlap,
             backward_passes_per_step,
         )
-        ref = weakref.ref(self)
+        ref, self._token = weakref.ref(self), next(_TOKENS)
         for p in self.params:
-            p._zero_owner = ref
+            p._zero_owner = self._token  # an int: the model stays picklable
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, i))
             for i, p in enumerate(self.params)

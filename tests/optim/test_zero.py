@@ -71,14 +71,21 @@ def test_matches_single_process(layout):
 
 
 def _overlap_launches_during_backward() -> tuple[int, int, int]:
-    """With overlap, buckets go out from the backward hooks, and only after the last pass."""
+    """With overlap, buckets go out from the backward hooks, and only after the last pass; the
+    2- and inf-norms of the reduced gradients are those of one process."""
     ctx = context()
     model, opt = make_zero(ctx, "adamw", overlap=True, backward_passes_per_step=2)
+    ref = build()
     launched = []
     for micro in range(2):
-        x, y, use = (local_rows(t, ctx) for t in batch(0, micro))
+        x, y, use = batch(0, micro)
+        F.mse_loss(ref(x, use), y).backward()
+        x, y, use = (local_rows(t, ctx) for t in (x, y, use))
         F.mse_loss(model(x, use), y).backward()
         launched.append(opt.reducer.launched)
+    for norm_type in (2.0, float("inf")):
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"), norm_type)
+        assert_close(opt.grad_norm(norm_type), want, **TOL)
     opt.step()
     return launched[0], launched[1], len(opt.layout.buckets)
 
