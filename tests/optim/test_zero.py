@@ -111,6 +111,10 @@ def _bf16_smoke() -> tuple[float, bool]:
         torch.equal(after[n], tensors[f"{n}.master"].bfloat16().float()) for n in opt.names
     )
     assert not torch.equal(after["fc1.weight"], before["fc1.weight"])
+    with torch.no_grad():  # weights written behind the optimizer's back reach the masters
+        model.head.weight.fill_(0.5)
+    opt.reload_master_weights()
+    assert torch.equal(opt.state_dict()["tensors"]["head.weight.master"], torch.full((4, 8), 0.5))
     return err, exact
 
 
