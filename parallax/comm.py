@@ -123,3 +123,42 @@ def batch_send_recv(
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+
+
+# -- flat-buffer collectives (ZeRO): write into a given output, optionally asynchronously ----------
+Work = object  # a torch.distributed work handle, or None: nothing to wait for
+
+
+def reduce_scatter_into(
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+) -> Work | None:
+    """Sum the flat ``input`` over ``group`` and write this rank's equal chunk into ``output``.
+
+    ``output`` may be this rank's chunk of ``input`` (in place). Returns a work handle when
+    ``async_op`` (``None`` when there is nothing to wait for); pass it to :func:`wait`.
+    """
+    if size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    return _reduce_scatter_base(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: Group, *, async_op: bool = False
+) -> Work | None:
+    """Concatenate every rank's flat ``input`` into ``output``, in group order.
+
+    ``input`` may be this rank's chunk of ``output`` (in place, as NCCL allows; gloo copies).
+    """
+    if size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    return _all_gather_base(output, input, group=group, async_op=async_op)
+
+
+def wait(work: Work) -> None:
+    """Wait for a handle from an ``async_op`` call (a no-op for ``None``)."""
+    if work is not None:
+        work.wait()

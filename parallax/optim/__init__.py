@@ -1,0 +1,7 @@
+"""ZeRO-1 optimizer-state sharding over the data-parallel group (see :mod:`parallax.optim.zero`)."""
+
+from parallax.optim.memory import MemoryReport
+from parallax.optim.state import FORMAT as STATE_FORMAT
+from parallax.optim.zero import ZeroOptimizer
+
+__all__ = ["STATE_FORMAT", "MemoryReport", "ZeroOptimizer"]

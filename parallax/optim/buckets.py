@@ -1,0 +1,166 @@
+"""Where every trainable parameter lives in the flat buffers, and which part each dp rank owns.
+
+Pure arithmetic, no tensors and no processes: every dp rank computes the same layout from the
+same parameter shapes, which is what lets them make identical collectives in an identical order.
+
+Parameters are packed into one flat buffer per dtype, in reverse order (the order in which the
+backward pass tends to finish them), and the buffer is cut into buckets of about
+``bucket_numel`` elements. A parameter never straddles two buckets. Each bucket is padded to a
+multiple of ``dp * ALIGN`` elements and split into ``dp`` equal chunks: dp rank ``r`` owns chunk
+``r`` of every bucket, so one reduce-scatter and one all-gather per bucket move exactly the
+owned parts, and the slices are balanced to within the padding. Parameters whose gradient is
+partial over tp (``sequence_parallel``) get buckets of their own, reduced last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 16  # elements: every parameter and every chunk starts on a 32/64-byte boundary
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place: ``buffer[offset : offset + numel]`` of flat buffer ``buffer``."""
+
+    buffer: int
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A padded range ``[start, end)`` of one flat buffer, reduced and gathered as one message."""
+
+    index: int  # position in the launch order
+    buffer: int
+    start: int
+    end: int
+    params: tuple[int, ...]
+    sequence_parallel: bool
+    dp: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def chunk(self) -> int:
+        """Elements owned by each dp rank."""
+        return self.numel // self.dp
+
+    def chunk_start(self, dp_rank: int) -> int:
+        """Start of dp rank ``dp_rank``'s chunk in the flat buffer."""
+        return self.start + dp_rank * self.chunk
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``param`` (flattened, ``[start, start + numel)``) that a rank owns;
+    it sits at ``chunk_offset`` inside that rank's chunk of bucket ``bucket``."""
+
+    param: int
+    start: int
+    numel: int
+    bucket: int
+    chunk_offset: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    dtypes: tuple[torch.dtype, ...]  # flat buffer i holds parameters of dtypes[i]
+    sizes: tuple[int, ...]  # elements of flat buffer i, padding included
+    slots: tuple[Slot, ...]  # per parameter, in the optimizer's parameter order
+    buckets: tuple[Bucket, ...]  # in launch order: every rank reduces them in this order
+    dp: int
+
+    def pieces(self, dp_rank: int) -> list[Piece]:
+        """What dp rank ``dp_rank`` owns, bucket by bucket (padding is owned by nobody)."""
+        out = []
+        for bucket in self.buckets:
+            lo = bucket.chunk_start(dp_rank)
+            hi = lo + bucket.chunk
+            for i in bucket.params:
+                slot = self.slots[i]
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    out.append(Piece(i, a - slot.offset, b - a, bucket.index, a - lo))
+        return out
+
+
+def build_layout(
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[torch.dtype],
+    sequence_parallel: Sequence[bool],
+    dp: int,
+    bucket_numel: int,
+    order: Sequence[int] | None = None,
+) -> FlatLayout:
+    """Pack parameters (given by shape, dtype and sequence-parallel flag) into buckets.
+
+    ``order`` lists the parameter indices in the order the forward pass uses them (default:
+    as given); they are packed and reduced from its end.
+    """
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    buffer_dtypes = tuple(dict.fromkeys(dtypes))  # first-seen order
+    sizes = [0] * len(buffer_dtypes)
+    slots: dict[int, Slot] = {}
+    buckets: list[Bucket] = []
+    open_: dict[tuple[int, bool], list[int]] = {}  # (buffer, sp) -> params of the open bucket
+    filled: dict[tuple[int, bool], int] = {}  # (buffer, sp) -> elements in the open bucket
+
+    def close(key: tuple[int, bool]) -> None:
+        members = open_.pop(key, [])
+        filled.pop(key, None)
+        if not members:
+            return
+        buf, sp = key
+        start = sizes[buf]
+        offset = start
+        for i in members:
+            numel = _numel(shapes[i])
+            slots[i] = Slot(buf, offset, numel, len(buckets))
+            offset += _round_up(numel, ALIGN)
+        end = start + _round_up(offset - start, dp * ALIGN)
+        sizes[buf] = end
+        buckets.append(Bucket(len(buckets), buf, start, end, tuple(members), sp, dp))
+
+    def fill(i: int) -> None:
+        key = (buffer_dtypes.index(dtypes[i]), bool(sequence_parallel[i]))
+        open_.setdefault(key, []).append(i)
+        filled[key] = filled.get(key, 0) + _round_up(_numel(shapes[i]), ALIGN)
+        if filled[key] >= bucket_numel:
+            close(key)
+
+    order = list(range(len(shapes)) if order is None else order)[::-1]  # backward: last first
+    if sorted(order) != list(range(len(shapes))):
+        raise ValueError("order must be a permutation of the parameter indices")
+    for i in order:
+        if not sequence_parallel[i]:
+            fill(i)
+    for key in sorted(k for k in open_ if not k[1]):
+        close(key)
+    for i in order:  # partial-over-tp gradients: their own buckets, reduced last
+        if sequence_parallel[i]:
+            fill(i)
+    for key in sorted(open_):
+        close(key)
+    return FlatLayout(
+        buffer_dtypes, tuple(sizes), tuple(slots[i] for i in range(len(shapes))), tuple(buckets), dp
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,51 @@
+"""The true global gradient norm over dp, tp and pp, from reduced and sharded gradients.
+
+After the reduce-scatter, each element of each logical gradient lives in exactly one place per
+tp rank: in the dp shard of one rank. So the global norm is one sum over the world group of what
+each rank owns, counting tp-sharded parameters on every tp rank (they hold different pieces)
+and tp-replicated ones on tp rank 0 only (every tp rank holds the same values). Pipeline
+stages hold different parameters, so they simply add up. A parameter that two stages share
+(tied embeddings on the first and last stage) would be counted twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from parallax import comm
+from parallax.context import ParallelContext
+
+
+def global_grad_norm(
+    grads: Sequence[torch.Tensor],
+    replicated: Sequence[bool],
+    ctx: ParallelContext,
+    norm_type: float = 2.0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all gradients of all ranks, as a 0-d fp32 tensor everywhere.
+
+    ``grads`` are this rank's owned (reduced) gradient pieces; ``replicated[i]`` says whether
+    piece ``i`` belongs to a parameter replicated across tp. Every rank must call this.
+    """
+    norm_type = float(norm_type)
+    counted = [g for g, rep in zip(grads, replicated) if not rep or ctx.tp_rank == 0]
+    device = device or (grads[0].device if grads else ctx.device)
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    if math.isinf(norm_type):
+        for g in counted:
+            local = torch.maximum(local, g.detach().abs().max().double())
+        comm.all_reduce(local, ctx.world_group, op="max")
+        return local.float()
+    for g in counted:  # per-piece norms in fp32, their powers summed in fp64
+        local += torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type
+    comm.all_reduce(local, ctx.world_group, op="sum")
+    return (local ** (1.0 / norm_type)).float()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

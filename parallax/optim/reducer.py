@@ -1,0 +1,127 @@
+"""Gradient reduction for ZeRO-1: reduce-scatter each bucket over dp, in fp32, in a fixed order.
+
+Buckets are launched strictly in the layout's order. With ``overlap`` a bucket is launched from
+a backward hook once each of its parameters has had its last accumulation of the step
+(``backward_passes_per_step`` of them) and every earlier bucket has been launched; whatever is
+left is launched by :meth:`GradReducer.finish`. Readiness may differ between dp ranks (a
+parameter unused on one rank only) but the order never does, so every rank makes the same
+collectives in the same order and a missing gradient delays a bucket instead of hanging it.
+
+Buckets of fp32 gradients are reduced in place: rank ``r``'s chunk of the gradient buffer ends
+up holding the dp average of that chunk. Other dtypes are copied into one of two fp32 staging
+buffers first and reduced into a separate fp32 shard. Buckets of ``sequence_parallel``
+parameters are staged too, summed over tp, then reduced over dp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from parallax import comm
+from parallax.context import ParallelContext
+from parallax.optim.buckets import FlatLayout
+
+
+class GradReducer:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        grad_buffers: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        names: Sequence[str],
+        ctx: ParallelContext,
+        overlap: bool,
+        backward_passes_per_step: int,
+    ) -> None:
+        self.layout, self.grad_buffers, self.outputs = layout, grad_buffers, outputs
+        self.names, self.ctx, self.overlap = names, ctx, overlap
+        self.passes = backward_passes_per_step
+        self.bucket_of = [slot.bucket for slot in layout.slots]
+        staged = [
+            b.numel
+            for b in layout.buckets
+            if b.sequence_parallel or layout.dtypes[b.buffer] != torch.float32
+        ]
+        device = grad_buffers[0].device if grad_buffers else torch.device("cpu")
+        self.staging = [torch.empty(max(staged), device=device) for _ in range(2)] if staged else []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's accumulations; the next backward pass starts a new step."""
+        self.counts = [0] * len(self.layout.slots)
+        self.pending = [len(b.params) for b in self.layout.buckets]
+        self.launched = 0  # buckets [0, launched) are in flight or done
+        self.works: list[object] = []
+        self.staging_work: list[object] = [None] * len(self.staging)
+        self.staged = 0
+        self.done = False
+
+    @property
+    def dirty(self) -> bool:
+        """Whether any gradient has arrived since the last reset."""
+        return any(self.counts) or self.launched > 0
+
+    def on_grad(self, i: int) -> None:
+        """Parameter ``i`` has just accumulated a gradient (called from its backward hook)."""
+        if self.done or self.bucket_of[i] < self.launched:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} received a gradient after its bucket was reduced "
+                f"for this step; with overlap, set backward_passes_per_step (now {self.passes}) "
+                "to the number of backward passes per optimizer step, and do not run backward "
+                "between grad_norm()/clip_grad_norm_() and step()"
+            )
+        self.counts[i] += 1
+        if not self.overlap:
+            return
+        if self.counts[i] > self.passes:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} accumulated {self.counts[i]} gradients in one step, "
+                f"more than backward_passes_per_step={self.passes}; raise it, or construct the "
+                "optimizer with overlap=False"
+            )
+        if self.counts[i] == self.passes:
+            self.pending[self.bucket_of[i]] -= 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        buckets = self.layout.buckets
+        while (
+            self.launched < len(buckets)
+            and self.pending[self.launched] == 0
+            and not buckets[self.launched].sequence_parallel  # summed over tp in finish()
+        ):
+            self._launch(self.launched)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        grads = self.grad_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
+        k = None
+        if bucket.sequence_parallel or grads.dtype != torch.float32:
+            k = self.staged % len(self.staging)
+            self.staged += 1
+            comm.wait(self.staging_work[k])  # the previous user of this buffer is done with it
+            stage = self.staging[k][: bucket.numel]
+            stage.copy_(grads)  # fp32
+            if bucket.sequence_parallel:
+                comm.all_reduce(stage, self.ctx.tp_group)  # partial over tp -> full
+            grads = stage
+        work = comm.reduce_scatter_into(self.outputs[b], grads, self.ctx.dp_group, async_op=True)
+        if k is not None:
+            self.staging_work[k] = work
+        self.works.append(work)
+        self.launched = b + 1
+
+    def finish(self) -> None:
+        """Launch every bucket not yet launched, in order, wait for all, average over dp."""
+        if self.done:
+            return
+        while self.launched < len(self.layout.buckets):
+            self._launch(self.launched)
+        for work in self.works:
+            comm.wait(work)
+        if self.ctx.dp_size > 1:
+            for out in self.outputs:
+                out.div_(self.ctx.dp_size)
+        self.works, self.done = [], True

@@ -1,0 +1,333 @@
+"""ZeRO-1: a wrapper that shards any torch optimizer's state over the data-parallel group.
+
+Every dp rank holds the whole model (parameters and gradients, in flat per-dtype buffers the
+parameters are views into) but keeps optimizer state for its own slice of each bucket only.
+A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapped optimizer on
+this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
+within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from parallax import comm
+from parallax.context import ParallelContext
+from parallax.optim import state as state_io
+from parallax.optim.buckets import build_layout
+from parallax.optim.clip import clip_coefficient, global_grad_norm
+from parallax.optim.flat import FlatBuffers
+from parallax.optim.groups import (
+    check_agreement,
+    forward_order,
+    normalize_param_groups,
+    trainable,
+)
+from parallax.optim.memory import MemoryReport, plain_adamw_bytes, tensor_bytes
+from parallax.optim.reducer import GradReducer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
+_TOKENS = itertools.count(1)  # which optimizer owns a parameter's hook
+
+
+def _grad_hook(opt_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
+    opt = opt_ref()
+    # a later ZeroOptimizer over the same parameter owns it now: this one stands aside
+    if opt is not None and getattr(param, "_zero_owner", None) == opt._token:
+        opt._on_grad(index, param)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
+
+    ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
+    or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
+    left alone. Build it after the model has its final device and dtype: the parameters become
+    views into the optimizer's buffers.
+
+    ``overlap``: reduce-scatter a bucket from a backward hook as soon as each of its parameters
+    has had ``backward_passes_per_step`` gradient accumulations (the micro-batches of a pipeline
+    schedule times the accumulation steps). ``step()`` always completes the reduction, so fewer
+    passes, unused parameters or ``overlap=False`` are all correct; more passes raise.
+    Buckets go out in a fixed order, from the end of ``param_order`` (the order the forward pass
+    uses the parameters, e.g. ``model.parameters()``; default: as given, groups concatenated),
+    and a parameter without a gradient holds back its bucket and all later ones until ``step()``.
+    The hooks' collectives share ``ctx.dp_group`` with the model's: a model that communicates
+    over dp in its backward must build the same graph on every dp rank, or use overlap=False.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer_class: type[torch.optim.Optimizer],
+        ctx: ParallelContext,
+        *,
+        overlap: bool = True,
+        backward_passes_per_step: int = 1,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        param_order: Iterable[torch.Tensor] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+            )
+        _check_passes(backward_passes_per_step)
+        groups = normalize_param_groups(params)
+        self.ctx, self.overlap = ctx, overlap
+        # the trainable parameters, in the order given: names, tensors, group index
+        self.names, self.params, group_of = trainable(groups)
+        self._group_names = [
+            [n for n, gi in zip(self.names, group_of) if gi == j] for j in range(len(groups))
+        ]
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"ZeroOptimizer: parameters are on several devices {sorted(map(str, devices))}"
+            )
+        self.device = devices.pop() if devices else ctx.device
+        sp = [bool(getattr(p, "sequence_parallel", False)) for p in self.params]
+        check_agreement(
+            ctx,
+            [
+                (n, tuple(p.shape), str(p.dtype), s, g)
+                for n, p, s, g in zip(self.names, self.params, sp, group_of)
+            ],
+        )
+        self.layout = build_layout(
+            [tuple(p.shape) for p in self.params],
+            [p.dtype for p in self.params],
+            sp,
+            ctx.dp_size,
+            bucket_numel,
+            forward_order(self.params, self.names, param_order),
+        )
+        self.flat = FlatBuffers(self.params, self.layout, ctx.dp_rank, self.device)
+        members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
+        for pc, t in zip(self.flat.pieces, self.flat.piece_params):
+            members[group_of[pc.param]].append(t)
+        self.inner = optimizer_class(
+            [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
+        )
+        # The torch.optim.Optimizer interface (LR schedulers use it) is the wrapped optimizer's
+        # groups and state; Optimizer.__init__ is not called, it would register our parameters.
+        self.defaults = self.inner.defaults
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        for kind in ("step", "state_dict", "load_state_dict"):
+            for when in ("pre", "post"):
+                setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
+
+        self._has_grad = [False] * len(self.params)  # a gradient arrived since zero_grad()
+        self._flags: list[bool] | None = None  # the dp-global has_grad, once reduced this step
+        self.reducer = GradReducer(
+            self.layout,
+            self.flat.grad_buffers,
+            self.flat.grad_outs,
+            self.names,
+            ctx,
+            overlap,
+            backward_passes_per_step,
+        )
+        ref, self._token = weakref.ref(self), next(_TOKENS)
+        for p in self.params:
+            p._zero_owner = self._token  # an int: the model stays picklable
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref, i))
+            for i, p in enumerate(self.params)
+        ]
+        log.debug(
+            "ZeroOptimizer: %d params, %d buckets, %s",
+            len(self.params),
+            len(self.layout.buckets),
+            self.memory_report(),
+        )
+
+    @torch.no_grad()
+    def reload_master_weights(self) -> None:
+        """Copy the model's current parameter values into the fp32 masters (no communication).
+
+        Call it after writing weights into the model behind the optimizer's back; otherwise, for
+        non-fp32 parameters, the masters are the truth and the next step overwrites them.
+        """
+        self.flat.reload_masters()
+
+    # -- accumulation --------------------------------------------------------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.reducer.passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, value: int) -> None:
+        _check_passes(value)
+        if self.reducer.dirty:
+            raise RuntimeError("change backward_passes_per_step between steps, not during one")
+        self.reducer.passes = value
+
+    @torch.no_grad()
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        view = self.flat.grad_views[i]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # .grad was set to None and autograd made a new tensor
+            p.grad = view
+        self._has_grad[i] = True
+        self.reducer.on_grad(i)
+
+    @torch.no_grad()
+    def _reattach_grads(self) -> None:
+        """Put the views back where ``.grad`` was replaced (e.g. ``model.zero_grad()``)."""
+        for i, (p, view) in enumerate(zip(self.params, self.flat.grad_views)):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                self._has_grad[i] = False
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                self._has_grad[i] = True
+            else:
+                continue
+            p.grad = view
+
+    @torch.no_grad()
+    def _reduce(self) -> list[bool]:
+        """Finish the gradient reduction (once per step); which parameters got a gradient on any
+        dp rank."""
+        if self._flags is None:
+            self._reattach_grads()
+            self.reducer.finish()
+            flags = torch.tensor(self._has_grad, dtype=torch.float32, device=self.device)
+            if self.params:
+                comm.all_reduce(flags, self.ctx.dp_group, op="max")
+            self._flags = [bool(f) for f in flags.tolist()]
+        return self._flags
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce gradients (if not done yet), step the fp32 slices, gather the parameters.
+
+        A parameter no dp rank saw a gradient for is skipped, as torch optimizers skip a
+        ``.grad`` of None: no weight decay, no moment update.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flags = self._reduce()
+        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
+            t.grad = g if flags[pc.param] else None
+        self.inner.step()
+        self.flat.gather_params(self.ctx.dp_group, flags)
+        self.reducer.reset()
+        self._flags = None
+        return loss
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers and forget this step's accumulation.
+
+        ``.grad`` stays a (zeroed) view into the buffer whatever ``set_to_none`` says; whether a
+        parameter got a gradient is tracked by hooks instead. Call it between steps: after
+        ``step()``, gradients hold unspecified (partly reduced) values.
+        """
+        if self.overlap and self.reducer.dirty and not self.reducer.done:
+            self.reducer.finish()  # keep every rank's sequence of collectives aligned
+        self.reducer.reset()
+        self._flags = None
+        for buf in self.flat.grad_buffers:
+            buf.zero_()
+        self._has_grad = [False] * len(self.params)
+        for p, view in zip(self.params, self.flat.grad_views):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    # -- clipping ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
+        gradients first if ``step()`` has not yet."""
+        self._reduce()
+        pieces, grads = self.flat.pieces, self.flat.piece_grads
+        replicated = [getattr(self.params[pc.param], "tp_shard", None) is None for pc in pieces]
+        return global_grad_norm(grads, replicated, self.ctx, norm_type, self.device)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before."""
+        total = self.grad_norm(norm_type)
+        coef = clip_coefficient(total, max_norm)
+        for out in self.flat.grad_outs:
+            out.mul_(coef)
+        return total
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able description of the state: hyperparameters and, per parameter name, the
+        state keys that :meth:`state_tensors` yields. Collective: call on every rank."""
+        return state_io.state_meta(self)
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``("<name>.<state>", full logical tensor)`` one at a time (see
+        :mod:`parallax.optim.state`). Collective: every rank must consume it all."""
+        return state_io.state_tensors(self)
+
+    def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
+        """Load from ``meta`` and ``get(key) -> full tensor``, one tensor at a time, at any
+        dp and tp size. Also writes the masters into the model's parameters."""
+        state_io.load_state_tensors(self, meta, get)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"meta": state_meta(), "tensors": {key: full tensor on CPU}}``; for big models use
+        :meth:`state_tensors`, which never holds more than one full tensor."""
+        meta = self.state_meta()
+        return {"meta": meta, "tensors": {k: v.cpu() for k, v in self.state_tensors()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        tensors = state_dict["tensors"]
+        self.load_state_tensors(state_dict["meta"], tensors.__getitem__)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
+        states = [
+            v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
+        masters, grads = self.flat.master_flat, self.flat.grad_shard_flat
+        return MemoryReport(
+            numel=sum(p.numel() for p in self.params),
+            dp=self.ctx.dp_size,
+            param_bytes=tensor_bytes(self.flat.param_buffers),
+            grad_bytes=tensor_bytes(self.flat.grad_buffers),
+            master_bytes=tensor_bytes([masters] if masters is not None else []),
+            grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
+            state_bytes=tensor_bytes(states),
+            plain_adamw_bytes=plain_adamw_bytes(self.params),
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "ZeroOptimizer's buffers are fixed at construction; pass every group then"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
+            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, overlap={self.overlap})"
+        )
+
+
+def _check_passes(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")
