@@ -321,8 +321,9 @@ def save_pretrained(
                 for group in file_groups:
                     first = group[0][0]
                     if first in owners:  # a parameter: gather over tp (every tp rank joins)
-                        p = params[owners[first]].detach()
-                        info = getattr(p, "tp_shard", None)
+                        param = params[owners[first]]
+                        info = getattr(param, "tp_shard", None)
+                        p = param.detach()
                         full = p if info is None else unshard_tensor(p, info, tp_group)
                         parts = full.split(group[0][1][0], dim=0) if len(group) > 1 else [full]
                     elif writer is not None:
