@@ -208,7 +208,6 @@ class OpenVLAConfig:
         text_config = {k: getattr(t, k) for k in _TEXT_KEYS}
         text_config.update(
             model_type="llama",
-            num_key_value_heads=t.kv_heads,
             pad_token_id=self.pad_token_id,
             hidden_act="silu",
             tie_word_embeddings=False,
