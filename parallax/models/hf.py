@@ -238,9 +238,6 @@ def load_pretrained(
         reader.stats.bytes_read = before
     reader.stats.seconds = time.perf_counter() - t0
     model.load_stats = reader.stats
-    from parallax.models.tokenizer import get_tokenizer
-
-    model.tokenizer = get_tokenizer(config, path)
     return model
 
 

@@ -126,7 +126,7 @@ class OpenVLA(nn.Module):
             config.text, ctx, layers=layers, embed=self.has_vision, head=self.has_head, **kw
         )
         self.action_tokenizer = ActionTokenizer.from_config(config)
-        self.tokenizer = get_tokenizer(config)
+        self._tokenizer, self._tokenizer_loaded = None, False
         self.load_stats = None
         self.hf_unused: dict[str, torch.Tensor] = {}  # checkpoint-only tensors kept for saving
         self.set_activation_checkpointing(activation_checkpointing)
@@ -134,6 +134,18 @@ class OpenVLA(nn.Module):
             self.freeze_vision()
         if seed is not None:
             self.init_weights(seed)
+
+    @property
+    def tokenizer(self):
+        """The text tokenizer (built in for ``tiny``; the checkpoint's own when the optional
+        package is installed); ``None`` when unavailable: then pass token ids."""
+        if not self._tokenizer_loaded:
+            self._tokenizer, self._tokenizer_loaded = get_tokenizer(self.config), True
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer, self._tokenizer_loaded = value, True
 
     # -- the block list ---------------------------------------------------------------------------
     @staticmethod
@@ -231,11 +243,17 @@ class OpenVLA(nn.Module):
 
     # -- checkpoints and inference ----------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, ctx: ParallelContext | None = None, **kwargs):
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        ctx: ParallelContext | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **kwargs,
+    ) -> OpenVLA:
         """Load a Hugging Face OpenVLA checkpoint (:func:`parallax.models.hf.load_pretrained`)."""
         from parallax.models.hf import load_pretrained
 
-        return load_pretrained(cls, path, ctx, **kwargs)
+        return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the Hugging Face layout: see :func:`parallax.models.hf.save_pretrained`."""

@@ -158,11 +158,13 @@ def ref_openvla(sd: dict, config: OpenVLAConfig, pixel_values, input_ids) -> tor
         a = _rms(h, sd[lp + "input_layernorm.weight"], t.rms_norm_eps)
         q, k, v = (
             F.linear(a, sd[lp + f"self_attn.{n}_proj.weight"])
-            .view(b, s, t.num_attention_heads, -1)
+            .view(b, s, -1, t.head_dim)
             .transpose(1, 2)
             for n in "qkv"
         )
         q, k = _rotate(q, pos, t.rope_theta), _rotate(k, pos, t.rope_theta)
+        group = t.num_attention_heads // k.shape[1]  # grouped-query attention: share kv heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         o = _softmax_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, -1)
         h = h + F.linear(o, sd[lp + "self_attn.o_proj.weight"])
         a = _rms(h, sd[lp + "post_attention_layernorm.weight"], t.rms_norm_eps)

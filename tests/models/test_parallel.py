@@ -103,8 +103,9 @@ def _check_layout(ctx, cfg, splits, checkpointing):
     return loss.item()
 
 
-def _tp_worker(tp, splits):
-    return _check_layout(context(tp=tp), tiny_config(), splits, checkpointing=True)
+def _tp_worker(tp, splits, kv_heads):
+    cfg = tiny_config(num_key_value_heads=kv_heads)
+    return _check_layout(context(tp=tp), cfg, splits, checkpointing=True)
 
 
 def test_stages_tp1_match_whole_model():
@@ -112,9 +113,9 @@ def test_stages_tp1_match_whole_model():
     _check_layout(ParallelContext.local(), tiny_config(), [1, 4], checkpointing=False)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_and_two_stages_match_tp1(tp):
-    losses = run_ranks(_tp_worker, tp, tp, [3])
+@pytest.mark.parametrize("tp, kv_heads", [(2, None), (4, None), (2, 2)])
+def test_tensor_parallel_and_two_stages_match_tp1(tp, kv_heads):
+    losses = run_ranks(_tp_worker, tp, tp, [3], kv_heads)
     assert len(set(losses)) == 1
 
 

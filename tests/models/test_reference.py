@@ -1,5 +1,6 @@
 """The tp=1 model against the straightforward reference in helpers.py (float32)."""
 
+import pytest
 import torch
 
 from parallax import init_parameters
@@ -16,8 +17,9 @@ from tests.models.helpers import (
 )
 
 
-def test_tp1_model_matches_reference():
-    cfg = tiny_config()
+@pytest.mark.parametrize("kv_heads", [None, 2])  # Llama-2's multi-head and grouped-query
+def test_tp1_model_matches_reference(kv_heads):
+    cfg = tiny_config(num_key_value_heads=kv_heads)
     model = OpenVLA(cfg)
     model.init_weights(SEED, perturbed_init)
     px, ids, labels = make_batch(cfg)
