@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,6 +305,7 @@ def save_pretrained(
     groups += [[(n, s)] for n, s in unused.items()]
     gathered = comm.all_gather_object((pp_rank, dp_rank, tp_rank, groups), world)
     by_stage = {pp: g for pp, dp, tp, g in gathered if dp == 0 and tp == 0}
+    _check_complete(by_stage, config)  # same verdict on every rank, before anything is written
     files = _plan([by_stage[s] for s in sorted(by_stage)], parse_size(max_shard_size), itemsize)
     names = [_file_name(i, len(files)) for i in range(len(files))]
 
@@ -341,6 +343,20 @@ def save_pretrained(
     if rank == 0:
         _write_metadata(model, path, files, names, itemsize)
     comm.barrier(world)
+
+
+def _check_complete(by_stage: dict, config: OpenVLAConfig) -> None:
+    names = [n for s in sorted(by_stage) for g in by_stage[s] for n, _ in g]
+    want = {**expected_tensors(config), **unused_tensors(config)}
+    counts = Counter(names)
+    missing = [n for n in want if n not in counts]
+    twice = sorted(n for n, c in counts.items() if c > 1)
+    if missing or twice:
+        raise ValueError(
+            "save_pretrained: the pipeline stages do not hold the whole model exactly once "
+            f"({len(missing)} tensors missing, e.g. {missing[:3]}; held twice: {twice[:3]}); "
+            "build the stages from contiguous block ranges that cover every block"
+        )
 
 
 def _unused_value(model, name: str, shape) -> torch.Tensor:

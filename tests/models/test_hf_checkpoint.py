@@ -324,3 +324,41 @@ def _load_error(directory):
 def test_bad_checkpoint_fails_on_every_rank(checkpoint, tmp_path):
     errors = run_ranks(_load_error, 2, _broken(checkpoint, tmp_path, "missing"), timeout=60)
     assert all(e and "layers.1.mlp.up_proj.weight" in e for e in errors)
+
+
+def test_read_param_assembles_fused_and_padded_slices(tmp_path):
+    from parallax.models.hf import CheckpointReader, _read_param
+    from parallax.tensor import TPShard, shard_tensor
+
+    g = torch.Generator().manual_seed(0)
+    t = {n: torch.randn(6, 4, generator=g) for n in ("q", "k", "v")}
+    t["vocab"] = torch.randn(10, 4, generator=g)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    fused = torch.cat([t["q"], t["k"], t["v"]])
+    sources = [(n, (6, 4)) for n in "qkv"]
+    for rank in range(2):  # q, k, v stored apart, held fused: rank r takes its rows of each
+        info = TPShard(0, 18, 18, rank, 2, partitions=3)
+        assert torch.equal(_read_param(reader, sources, info), shard_tensor(fused, info))
+        row = TPShard(1, 4, 4, rank, 2)  # a row-parallel slice of the columns
+        assert torch.equal(_read_param(reader, [("q", (6, 4))], row), shard_tensor(t["q"], row))
+    pad = TPShard(0, 10, 12, 1, 2)  # vocabulary padded to a multiple of tp: zero rows
+    got = _read_param(reader, [("vocab", (10, 4))], pad)
+    assert torch.equal(got, shard_tensor(t["vocab"], pad)) and got[-2:].abs().sum() == 0
+    assert reader.stats.bytes_read == 4 * (2 * 3 * 12 + 2 * 12 + 4 * 4)  # slices only
+
+
+def _save_incomplete(out):
+    ctx = context(pp=2)
+    model = OpenVLA(tiny_config(), ctx, blocks=range(0, 2))  # both ranks hold stage 0 only
+    try:
+        model.save_pretrained(out)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_saving_stages_that_do_not_cover_the_model_fails_on_every_rank(tmp_path):
+    errors = run_ranks(_save_incomplete, 2, tmp_path, timeout=60)
+    assert all(e and "do not hold the whole model exactly once" in e for e in errors)
+    assert not list(tmp_path.glob("*.safetensors"))
