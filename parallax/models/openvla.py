@@ -256,8 +256,8 @@ class OpenVLA(nn.Module):
         return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
-        """Write the Hugging Face layout: see :func:`parallax.models.hf.save_pretrained`."""
-        from parallax.models.hf import save_pretrained
+        """Write the Hugging Face layout: see :func:`parallax.models.hf_save.save_pretrained`."""
+        from parallax.models.hf_save import save_pretrained
 
         save_pretrained(self, path, **kwargs)
 
