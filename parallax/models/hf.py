@@ -14,7 +14,6 @@ Saving is in :mod:`parallax.models.hf_save`.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,6 @@ from parallax.models.config import OpenVLAConfig
 from parallax.models.meta import materialize
 from parallax.models.vit import checkpoint_only_tensors
 from parallax.tensor import logical_shape
-
-log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
