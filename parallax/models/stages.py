@@ -43,7 +43,9 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     """
     n = len(costs)
     if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} blocks into {num_stages} pipeline stages")
+        raise ValueError(
+            f"cannot split {n} blocks into {num_stages} pipeline stages: pp must be 1..{n}"
+        )
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
