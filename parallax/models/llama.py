@@ -1,0 +1,292 @@
+"""Llama decoder blocks (Llama-2 style: RMSNorm, RoPE, SwiGLU, causal SDPA) on parallax layers.
+
+Names follow Hugging Face ``LlamaForCausalLM`` (``model.embed_tokens``, ``model.layers.{i}``,
+``model.norm``, ``lm_head``) so checkpoints map by name. Layers live in a ``ModuleDict`` keyed by
+their global index, and a :class:`LlamaLM` can hold any contiguous range of them with or without
+the embedding and the head: a pipeline stage names its parameters exactly as the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallax.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    heads_per_rank,
+    resolve_tp,
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hugging Face ``LlamaConfig`` fields that shape the model (defaults: Llama-2-7B as
+    ``LlamaConfig()`` builds it, which is what OpenVLA's config.json falls back on).
+
+    ``fused_projections`` stores q/k/v as one column-parallel weight (``qkv_proj``) and
+    gate/up as one (``gate_up_proj``): fewer, larger matmuls. Checkpoints keep the separate
+    Hugging Face tensors either way.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    fused_projections: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaConfig: num_attention_heads {self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads {self.kv_heads}"
+            )
+        if self.fused_projections and self.kv_heads != self.num_attention_heads:
+            raise ValueError(
+                "LlamaConfig: fused_projections needs as many key/value heads as query heads "
+                f"({self.kv_heads} != {self.num_attention_heads}); use separate projections"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def layer_flops(self, seq: int) -> float:
+        """Forward FLOPs of one decoder layer on one sequence of ``seq`` tokens (causal)."""
+        h, kv = self.hidden_size, self.kv_heads * self.head_dim
+        params = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size
+        return 2 * seq * params + 2 * seq * seq * h  # attention: QK^T and AV, half masked
+
+    def head_flops(self, seq: int) -> float:
+        return 2 * seq * self.hidden_size * self.vocab_size
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face LlamaRMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for ``positions`` (s,) in the rotate-half layout: each ``(s, head_dim)``."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (s, hd/2), float32 as HF
+    emb = torch.cat([freqs, freqs], dim=-1)  # (s, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin  # (b, nh, s, hd)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer (this rank's heads)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def length(self, layer: int) -> int:
+        return 0 if layer not in self.keys else self.keys[layer].shape[2]
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)  # (b, kv/tp, past + s, hd)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA where the ``s`` queries are the last ``s`` of the ``t`` keys."""
+    s, t = q.shape[2], k.shape[2]
+    if s == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if s == 1:
+        return F.scaled_dot_product_attention(q, k, v)  # one new token sees everything
+    mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(diagonal=t - s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, ctx, layer: int, device=None, dtype=None) -> None:
+        super().__init__()
+        tp = resolve_tp(ctx)[2]
+        self.layer, self.fused = layer, cfg.fused_projections
+        self.heads = heads_per_rank(cfg.num_attention_heads, tp, "Llama attention")
+        self.kv_heads = heads_per_rank(cfg.kv_heads, tp, "Llama key/value")
+        self.head_dim = cfg.head_dim
+        h, kv = cfg.hidden_size, cfg.kv_heads * cfg.head_dim
+        kw = dict(bias=False, ctx=ctx, device=device, dtype=dtype)
+        if self.fused:
+            self.qkv_proj = ColumnParallelLinear(h, 3 * h, partitions=3, **kw)
+        else:
+            self.q_proj = ColumnParallelLinear(h, h, **kw)
+            self.k_proj = ColumnParallelLinear(h, kv, **kw)
+            self.v_proj = ColumnParallelLinear(h, kv, **kw)
+        self.o_proj = RowParallelLinear(h, h, **kw)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        if self.fused:
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each (b, s, h/tp)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/tp, s, hd)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (b, kv/tp, past + s, hd)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        o = causal_attention(q, k, v)  # (b, nh/tp, s, hd)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(bias=False, ctx=ctx, device=device, dtype=dtype)
+        self.fused = cfg.fused_projections
+        if self.fused:
+            self.gate_up_proj = ColumnParallelLinear(h, 2 * f, partitions=2, **kw)
+        else:
+            self.gate_proj = ColumnParallelLinear(h, f, **kw)
+            self.up_proj = ColumnParallelLinear(h, f, **kw)
+        self.down_proj = RowParallelLinear(f, h, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (b, s, f/tp)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)  # (b, s, h)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, ctx, layer: int, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(cfg, ctx, layer, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = LlamaMLP(cfg, ctx, **kw)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """``embed_tokens`` (optional), ``layers.{i}`` for ``i`` in ``layers``, ``norm`` (optional)."""
+
+    def __init__(
+        self, cfg: LlamaConfig, ctx, layers: range, embed: bool, norm: bool, device, dtype
+    ) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        if embed:
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, ctx=ctx, **kw
+            )
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, ctx, i, **kw) for i in layers})
+        if norm:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+
+
+class LlamaLM(nn.Module):
+    """A contiguous piece of ``LlamaForCausalLM``: ``model.*`` and, when ``head``, ``lm_head``.
+
+    ``head`` brings the final norm and the vocab-parallel ``lm_head`` whose output is this
+    rank's shard of the logits ``(b, s, V/tp)`` (vocabulary padded to a multiple of tp).
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        ctx=None,
+        *,
+        layers: range | None = None,
+        embed: bool = True,
+        head: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.activation_checkpointing = False
+        layers = range(cfg.num_hidden_layers) if layers is None else layers
+        self.model = LlamaModel(cfg, ctx, layers, embed, head, device, dtype)
+        if head:
+            self.lm_head = ColumnParallelLinear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                bias=False,
+                pad=True,
+                ctx=ctx,
+                device=device,
+                dtype=dtype,
+            )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # (b, t, h)
+
+    def forward_layers(
+        self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0
+    ) -> torch.Tensor:
+        """Run this piece's decoder layers on ``x`` (b, s, h) at positions ``start ...``."""
+        if not len(self.model.layers):
+            return x
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        use_ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        for layer in self.model.layers.values():
+            if use_ckpt:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cache)
+        return x  # (b, s, h)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))  # (b, s, V/tp)

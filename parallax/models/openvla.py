@@ -1,0 +1,268 @@
+"""OpenVLA: DINOv2 + SigLIP towers, a fused GELU projector and Llama-2, as pipeline-stage blocks.
+
+Module paths equal the Hugging Face checkpoint names (``vision_backbone.featurizer.blocks.3...``,
+``projector.fc1``, ``language_model.model.layers.17...``, ``language_model.lm_head``). The model
+is the ordered block list ``["vision", "llm.0", ..., "llm.{L-1}", "head"]``: "vision" is both
+towers, the projector, the token embedding and the multimodal merge; "head" the final norm and
+lm_head. ``OpenVLA(config, ctx, blocks=range(a, b))`` builds only blocks ``a..b-1`` (a pipeline
+stage), named as in the whole model. A stage's forward takes the previous stage's output
+positionally: the first stage ``(pixel_values (b, 6, S, S), input_ids (b, t))``, every other
+stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits ``(b, P + t, V/tp)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallax.context import ParallelContext
+from parallax.init import InitFn, init_parameters
+from parallax.models import objectives
+from parallax.models.action_tokenizer import ActionTokenizer
+from parallax.models.config import OpenVLAConfig
+from parallax.models.llama import LlamaLM
+from parallax.models.stages import StageBlock, check_block_range, partition
+from parallax.models.tokenizer import get_tokenizer
+from parallax.models.vit import VisionTransformer
+from parallax.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class VisionBackbone(nn.Module):
+    """Channels 0-2 through DINOv2, 3-5 through SigLIP; features concatenated per patch."""
+
+    def __init__(self, config: OpenVLAConfig, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.featurizer = VisionTransformer(config.vision[0], ctx, **kw)
+        self.fused_featurizer = VisionTransformer(config.vision[1], ctx, **kw)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        img, img_fused = torch.split(pixel_values, [3, 3], dim=1)  # (b, 3, S, S) each
+        a, b = self.featurizer(img), self.fused_featurizer(img_fused)  # (b, P, w1), (b, P, w2)
+        return torch.cat([a, b], dim=2)  # (b, P, w1 + w2)
+
+
+class FusedMLPProjector(nn.Module):
+    """``fc3(gelu(fc2(gelu(fc1(x)))))``: fc1 column-, fc2 and fc3 row-parallel."""
+
+    def __init__(self, vision_dim: int, llm_dim: int, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(ctx=ctx, device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(vision_dim, 4 * vision_dim, True, **kw)
+        self.fc2 = RowParallelLinear(4 * vision_dim, llm_dim, True, **kw)
+        self.fc3 = RowParallelLinear(llm_dim, llm_dim, True, input_is_parallel=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.fc1(x))  # (b, P, 4d/tp)
+        x = F.gelu(self.fc2(x))  # (b, P, h)
+        return self.fc3(x)  # (b, P, h)
+
+
+def openvla_init_fn(config: OpenVLAConfig, std: float = 0.02) -> InitFn:
+    """OpenVLA's layout-free init: N(0, std) for matrices and embeddings, zeros for biases, ones
+    for norm weights, LayerScale at its configured value."""
+    scales = {
+        "vision_backbone.featurizer.": config.vision[0].layer_scale,
+        "vision_backbone.fused_featurizer.": config.vision[1].layer_scale,
+    }
+
+    def init(name: str, shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor:
+        if name.endswith("bias"):
+            return torch.zeros(shape, device=device)
+        if name.endswith("scale_factor"):
+            value = next(v for k, v in scales.items() if name.startswith(k))
+            return torch.full(shape, float(value), device=device)
+        if len(shape) == 1:
+            return torch.ones(shape, device=device)
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+    return init
+
+
+class OpenVLA(nn.Module):
+    """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds.
+
+    ``ctx`` gives the tp group (``None``: one process). Without ``blocks``, a ``ctx`` with
+    ``pp > 1`` takes this rank's range of a balanced :func:`~parallax.models.stages.partition`.
+    Parameters are left as the layers initialise them unless ``seed`` is given; call
+    :meth:`init_weights` (layout-free) or load a checkpoint.
+    """
+
+    def __init__(
+        self,
+        config: OpenVLAConfig,
+        ctx: ParallelContext | None = None,
+        *,
+        blocks: range | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        activation_checkpointing: bool = False,
+        freeze_vision: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.ctx = config, ctx
+        n_layers = config.text.num_hidden_layers
+        if blocks is None and ctx is not None and ctx.pp_size > 1:
+            costs = [b.cost for b in self.stage_blocks(config)]
+            blocks = partition(costs, ctx.pp_size)[ctx.pp_rank]
+        self.block_range = check_block_range(blocks, n_layers + 2)
+        self.has_vision = 0 in self.block_range
+        self.has_head = n_layers + 1 in self.block_range
+        first, stop = self.block_range.start, self.block_range.stop
+        layers = range(max(first - 1, 0), min(stop - 1, n_layers))  # block i + 1 is layer i
+        if device is None:
+            device = ctx.device if ctx is not None else torch.device("cpu")
+        kw = dict(device=device, dtype=dtype)
+        if self.has_vision:
+            self.vision_backbone = VisionBackbone(config, ctx, **kw)
+            self.projector = FusedMLPProjector(
+                config.vision_dim, config.text.hidden_size, ctx, **kw
+            )
+        self.language_model = LlamaLM(
+            config.text, ctx, layers=layers, embed=self.has_vision, head=self.has_head, **kw
+        )
+        self.action_tokenizer = ActionTokenizer.from_config(config)
+        self._tokenizer, self._tokenizer_loaded = None, False
+        self.load_stats = None
+        self.hf_unused: dict[str, torch.Tensor] = {}  # checkpoint-only tensors kept for saving
+        self.set_activation_checkpointing(activation_checkpointing)
+        if freeze_vision:
+            self.freeze_vision()
+        if seed is not None:
+            self.init_weights(seed)
+
+    @property
+    def tokenizer(self):
+        """The text tokenizer (built in for ``tiny``; the checkpoint's own when the optional
+        package is installed); ``None`` when unavailable: then pass token ids."""
+        if not self._tokenizer_loaded:
+            self._tokenizer, self._tokenizer_loaded = get_tokenizer(self.config), True
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer, self._tokenizer_loaded = value, True
+
+    # -- the block list ---------------------------------------------------------------------------
+    @staticmethod
+    def stage_blocks(config: OpenVLAConfig, text_tokens: int = 32) -> list[StageBlock]:
+        """The ordered stage-able blocks with forward FLOPs per sample as their cost, for a
+        sequence of ``P`` patches and ``text_tokens`` text tokens."""
+        seq, p, d, h = (
+            config.num_patches + text_tokens,
+            config.num_patches,
+            config.vision_dim,
+            config.text.hidden_size,
+        )
+        projector = 2 * p * (4 * d * d + 4 * d * h + h * h)
+        vision = sum(v.flops() for v in config.vision) + projector
+        llm = config.text.layer_flops(seq)
+        return (
+            [StageBlock("vision", vision)]
+            + [StageBlock(f"llm.{i}", llm) for i in range(config.text.num_hidden_layers)]
+            + [StageBlock("head", config.text.head_flops(seq))]
+        )
+
+    @property
+    def block_names(self) -> list[str]:
+        names = [b.name for b in self.stage_blocks(self.config)]
+        return [names[i] for i in self.block_range]
+
+    # -- forward pieces ---------------------------------------------------------------------------
+    def embed(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Image patches inserted right after BOS: ``(b, 1 + P + t - 1, h)``."""
+        s = self.config.image_size
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (6, s, s):
+            raise ValueError(
+                f"pixel_values must be (b, 6, {s}, {s}), got {tuple(pixel_values.shape)}"
+            )
+        if input_ids.dim() != 2 or input_ids.shape[0] != pixel_values.shape[0]:
+            raise ValueError(
+                f"input_ids must be (b, t) with b = {pixel_values.shape[0]}, "
+                f"got {tuple(input_ids.shape)}"
+            )
+        dtype = self.projector.fc1.weight.dtype
+        patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
+        tokens = self.language_model.embed(input_ids)  # (b, t, h)
+        return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.has_vision:
+            if len(inputs) != 2:
+                raise ValueError("the first stage takes (pixel_values, input_ids)")
+            x = self.embed(*inputs)
+        else:
+            if len(inputs) != 1:
+                raise ValueError("a later stage takes the hidden states (b, s, h) only")
+            x = inputs[0]
+        x = self.language_model.forward_layers(x)  # (b, s, h)
+        return self.language_model.head(x) if self.has_head else x
+
+    # -- training helpers -------------------------------------------------------------------------
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
+        """Cross-entropy of this (last) stage's logits against text labels ``(b, t)``."""
+        return objectives.vla_loss(
+            logits,
+            labels,
+            self.ctx,
+            num_patches=self.config.num_patches,
+            vocab_size=self.config.text.vocab_size,
+            reduction=reduction,
+        )
+
+    def action_metrics(self, logits: torch.Tensor, labels: torch.Tensor) -> dict:
+        return objectives.action_metrics(
+            logits,
+            labels,
+            self.ctx,
+            num_patches=self.config.num_patches,
+            vocab_size=self.config.text.vocab_size,
+            action_tokenizer=self.action_tokenizer,
+        )
+
+    def init_weights(self, seed: int, init_fn: InitFn | None = None) -> None:
+        """Layout-free init: the same seed gives the same logical weights at any tp and pp."""
+        init_parameters(self, seed, init_fn=init_fn or openvla_init_fn(self.config))
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each ViT block and decoder layer in the backward (non-reentrant)."""
+        self.language_model.activation_checkpointing = enabled
+        if self.has_vision:
+            self.vision_backbone.featurizer.activation_checkpointing = enabled
+            self.vision_backbone.fused_featurizer.activation_checkpointing = enabled
+
+    def freeze_vision(self, frozen: bool = True) -> None:
+        """Stop training both vision towers (the projector stays trainable)."""
+        if self.has_vision:
+            for p in self.vision_backbone.parameters():
+                p.requires_grad_(not frozen)
+
+    # -- checkpoints and inference ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        ctx: ParallelContext | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **kwargs,
+    ) -> OpenVLA:
+        """Load a Hugging Face OpenVLA checkpoint (:func:`parallax.models.hf.load_pretrained`)."""
+        from parallax.models.hf import load_pretrained
+
+        return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
+
+    def save_pretrained(self, path: str | Path, **kwargs) -> None:
+        """Write the Hugging Face layout: see :func:`parallax.models.hf_save.save_pretrained`."""
+        from parallax.models.hf_save import save_pretrained
+
+        save_pretrained(self, path, **kwargs)
+
+    def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):
+        """One image -> continuous action (:func:`parallax.models.predict.predict_action`)."""
+        from parallax.models.predict import predict_action
+
+        return predict_action(self, image, instruction, unnorm_key, **kwargs)

@@ -1,0 +1,125 @@
+"""Streaming safetensors writing and atomic file replacement.
+
+``safetensors.torch.save_file`` needs every tensor of a file in memory at once; a 5 GB shard
+would then cost 5 GB on the writing rank. The header of a safetensors file only needs names,
+dtypes and shapes, so :class:`SafetensorsWriter` writes it first and then streams the tensors
+one by one, in the header's order. Files appear under their final name only when complete
+(temporary name, fsync, rename, fsync of the directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import struct
+import uuid
+from pathlib import Path
+
+import torch
+
+DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB" / "500MiB" (GB = 10**9, GiB = 2**30)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", size.upper().replace("IB", "iB"))
+    if not m:
+        raise ValueError(f"cannot parse size {size!r}; use bytes or e.g. '5GB'")
+    power = " KMGT".index(m.group(2) or " ")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base**power)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+class SafetensorsWriter:
+    """Write one safetensors file tensor by tensor, in the order of ``entries``.
+
+    ``entries`` is ``[(name, shape, dtype), ...]``. Use as a context manager: on an exception the
+    temporary file is removed and nothing replaces ``path``.
+    """
+
+    def __init__(self, path: str | Path, entries, metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        self.order, offset = [], 0
+        for name, shape, dtype in entries:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self.order.append((name, tuple(shape), dtype))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed by close() / abort()
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, shape, dtype = self.order[self.next]
+        if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise RuntimeError(
+                f"{self.path.name}: expected {want_name} {shape} {dtype}, got {name} "
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+            )
+        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+        self.file.write(memoryview(data.numpy()))
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.order):
+            raise RuntimeError(f"{self.path.name}: {len(self.order) - self.next} tensors unwritten")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp.unlink()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,290 @@
+"""A Vision Transformer (timm layout) written with parallax tensor layers.
+
+One class covers DINOv2 with registers and LayerScale, SigLIP and CLIP-style towers: the
+options below are the only differences between them. Parameter names follow timm
+(``patch_embed.proj``, ``blocks.{i}.attn.qkv``, ``blocks.{i}.ls1.scale_factor``...), so a timm or
+Prismatic state dict maps onto it by name. Blocks are kept in a ``ModuleDict`` keyed by their
+global index. Only the blocks up to the feature layer are built: a VLM that reads the
+penultimate block never pays for (or trains) the last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallax.context import ParallelContext
+from parallax.tensor import ColumnParallelLinear, RowParallelLinear, heads_per_rank, resolve_tp
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Architecture of one vision tower.
+
+    ``feature_layer`` picks the block whose output is the feature (negative counts from the
+    end: -2 is the penultimate block, as OpenVLA and LLaVA use). ``no_embed_class``: the position
+    embedding covers the patches only and the prefix tokens (class, registers) are prepended
+    after it (timm's DINOv2); otherwise it covers prefix and patches. ``pool`` only describes
+    the head that the checkpoint carries ("token", "map" for SigLIP's attention pool, "none");
+    the feature extractor never runs it.
+    """
+
+    image_size: int = 224
+    patch_size: int = 14
+    width: int = 1024
+    depth: int = 24
+    num_heads: int = 16
+    mlp_hidden: int = 4096
+    class_token: bool = True
+    reg_tokens: int = 0
+    no_embed_class: bool = False
+    layer_scale: float | None = None
+    qkv_bias: bool = True
+    ln_eps: float = 1e-6
+    act: str = "gelu"
+    pre_norm: bool = False
+    final_norm: bool = False
+    keep_prefix: bool = False
+    feature_layer: int = -1
+    pool: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"ViTConfig: image_size {self.image_size} is not a multiple of "
+                f"patch_size {self.patch_size}"
+            )
+        if self.width % self.num_heads:
+            raise ValueError(
+                f"ViTConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
+            )
+        if not -self.depth <= self.feature_layer < self.depth:
+            raise ValueError(
+                f"ViTConfig: feature_layer {self.feature_layer} is outside a "
+                f"{self.depth}-block model"
+            )
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"ViTConfig: act must be one of {ACTIVATIONS}, got {self.act!r}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.reg_tokens
+
+    @property
+    def feature_index(self) -> int:
+        """0-based index of the last block that runs."""
+        return self.feature_layer % self.depth
+
+    @property
+    def out_tokens(self) -> int:
+        return self.num_patches + (self.num_prefix_tokens if self.keep_prefix else 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def flops(self) -> float:
+        """Forward FLOPs per image (matmuls and attention; 2 per multiply-add)."""
+        n, w = self.num_patches + self.num_prefix_tokens, self.width
+        block = 2 * n * (4 * w * w + 2 * w * self.mlp_hidden) + 4 * n * n * w
+        patch = 2 * self.num_patches * 3 * self.patch_size**2 * w
+        return patch + (self.feature_index + 1) * block
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return x * torch.sigmoid(1.702 * x)  # quick_gelu (CLIP)
+
+
+class LayerScale(nn.Module):
+    """``x * scale_factor`` (named as in the Hugging Face OpenVLA checkpoint, timm's ``gamma``)."""
+
+    def __init__(self, dim: int, init_value: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.init_value = init_value
+        self.scale_factor = nn.Parameter(torch.full((dim,), init_value, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale_factor
+
+
+class ViTAttention(nn.Module):
+    """Bidirectional multi-head attention; the fused qkv weight is split per head across tp."""
+
+    def __init__(self, cfg: ViTConfig, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        self.heads = heads_per_rank(cfg.num_heads, resolve_tp(ctx)[2], "ViT attention")
+        self.head_dim = cfg.width // cfg.num_heads
+        kw = dict(ctx=ctx, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(cfg.width, 3 * cfg.width, cfg.qkv_bias, partitions=3, **kw)
+        self.proj = RowParallelLinear(cfg.width, cfg.width, True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, 3, self.heads, self.head_dim)  # (b, n, 3, nh/tp, hd)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh/tp, n, hd)
+        o = F.scaled_dot_product_attention(q, k, v)  # (b, nh/tp, n, hd)
+        return self.proj(o.transpose(1, 2).reshape(b, n, -1))  # (b, n, w)
+
+
+class ViTMLP(nn.Module):
+    def __init__(self, cfg: ViTConfig, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(ctx=ctx, device=device, dtype=dtype)
+        self.act = cfg.act
+        self.fc1 = ColumnParallelLinear(cfg.width, cfg.mlp_hidden, True, **kw)
+        self.fc2 = RowParallelLinear(cfg.mlp_hidden, cfg.width, True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(activation(self.act, self.fc1(x)))  # (b, n, w); fc1 out is (b, n, f/tp)
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``."""
+
+    def __init__(self, cfg: ViTConfig, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.norm1 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps, **kw)
+        self.attn = ViTAttention(cfg, ctx, **kw)
+        self.ls1 = (
+            LayerScale(cfg.width, cfg.layer_scale, **kw) if cfg.layer_scale else nn.Identity()
+        )
+        self.norm2 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps, **kw)
+        self.mlp = ViTMLP(cfg, ctx, **kw)
+        self.ls2 = (
+            LayerScale(cfg.width, cfg.layer_scale, **kw) if cfg.layer_scale else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ls1(self.attn(self.norm1(x)))
+        return x + self.ls2(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: ViTConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        p = cfg.patch_size
+        self.proj = nn.Conv2d(3, cfg.width, p, stride=p, bias=True, device=device, dtype=dtype)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.proj(images).flatten(2).transpose(1, 2)  # (b, patches, w), row-major
+
+
+class VisionTransformer(nn.Module):
+    """Image -> features of block ``cfg.feature_layer`` (patch tokens unless ``keep_prefix``)."""
+
+    def __init__(
+        self,
+        cfg: ViTConfig,
+        ctx: ParallelContext | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.activation_checkpointing = False
+        kw = dict(device=device, dtype=dtype)
+        w = cfg.width
+        self.patch_embed = PatchEmbed(cfg, **kw)
+        if cfg.class_token:
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, w, **kw))
+        if cfg.reg_tokens:
+            self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, w, **kw))
+        pos_len = cfg.num_patches + (0 if cfg.no_embed_class else cfg.num_prefix_tokens)
+        self.pos_embed = nn.Parameter(torch.zeros(1, pos_len, w, **kw))
+        if cfg.pre_norm:
+            self.norm_pre = nn.LayerNorm(w, eps=cfg.ln_eps, **kw)
+        self.blocks = nn.ModuleDict(
+            {str(i): ViTBlock(cfg, ctx, **kw) for i in range(cfg.feature_index + 1)}
+        )
+        if cfg.final_norm:
+            self.norm = nn.LayerNorm(w, eps=cfg.ln_eps, **kw)
+
+    def _prefix(self, b: int) -> list[torch.Tensor]:
+        out = []
+        if self.cfg.class_token:
+            out.append(self.cls_token.expand(b, -1, -1))
+        if self.cfg.reg_tokens:
+            out.append(self.reg_token.expand(b, -1, -1))
+        return out
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.patch_embed(images)  # (b, patches, w)
+        prefix = self._prefix(x.shape[0])
+        if cfg.no_embed_class:  # DINOv2 in timm: position embedding on patches, then prefix
+            x = torch.cat([*prefix, x + self.pos_embed], dim=1)
+        else:
+            x = torch.cat([*prefix, x], dim=1) + self.pos_embed
+        if cfg.pre_norm:
+            x = self.norm_pre(x)
+        for block in self.blocks.values():  # (b, prefix + patches, w)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if cfg.final_norm:
+            x = self.norm(x)
+        return x if cfg.keep_prefix else x[:, cfg.num_prefix_tokens :]
+
+
+def checkpoint_only_tensors(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors a full timm checkpoint of this tower holds but the
+    feature extractor never uses: blocks after the feature layer, the final norm when it is
+    not applied, and the pooling head."""
+    w, f = cfg.width, cfg.mlp_hidden
+    block = {
+        "norm1.weight": (w,),
+        "norm1.bias": (w,),
+        "attn.qkv.weight": (3 * w, w),
+        "attn.proj.weight": (w, w),
+        "attn.proj.bias": (w,),
+        "norm2.weight": (w,),
+        "norm2.bias": (w,),
+        "mlp.fc1.weight": (f, w),
+        "mlp.fc1.bias": (f,),
+        "mlp.fc2.weight": (w, f),
+        "mlp.fc2.bias": (w,),
+    }
+    if cfg.qkv_bias:
+        block["attn.qkv.bias"] = (3 * w,)
+    if cfg.layer_scale:
+        block["ls1.scale_factor"] = block["ls2.scale_factor"] = (w,)
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.feature_index + 1, cfg.depth):
+        out.update({f"blocks.{i}.{k}": v for k, v in block.items()})
+    if not cfg.final_norm:
+        out.update({"norm.weight": (w,), "norm.bias": (w,)})
+    if cfg.pool == "map":
+        out.update(
+            {
+                "attn_pool.latent": (1, 1, w),
+                "attn_pool.q.weight": (w, w),
+                "attn_pool.q.bias": (w,),
+                "attn_pool.kv.weight": (2 * w, w),
+                "attn_pool.kv.bias": (2 * w,),
+                "attn_pool.proj.weight": (w, w),
+                "attn_pool.proj.bias": (w,),
+                "attn_pool.norm.weight": (w,),
+                "attn_pool.norm.bias": (w,),
+                "attn_pool.mlp.fc1.weight": (f, w),
+                "attn_pool.mlp.fc1.bias": (f,),
+                "attn_pool.mlp.fc2.weight": (w, f),
+                "attn_pool.mlp.fc2.bias": (w,),
+            }
+        )
+    return out
