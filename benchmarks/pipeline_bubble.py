@@ -28,10 +28,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import append_results, median, print_table, sync, time_it
-from parallax import init_parallel
+from benchmarks.common import (
+    append_results,
+    median,
+    peak_memory_gib,
+    print_table,
+    sync,
+    time_it,
+)
+from parallax import comm, init_parallel
 from parallax.pipeline import (
-    PipelineStage,
     Timeline,
     build_stages,
     gather_events,
@@ -44,8 +50,6 @@ from parallax.pipeline import (
     theoretical_bubble,
     write_chrome_trace,
 )
-
-HERE = Path(__file__).resolve().parent
 
 
 class MLPBlock(nn.Module):
@@ -115,30 +119,114 @@ def torch_pipelining(kind: str, blocks: nn.Module, ctx, m: int, batch, device, i
     return median(time_it(step, device, warmup=2, iters=iters))
 
 
+COLUMNS = [
+    "schedule",
+    "framework",
+    "microbatches",
+    "step ms",
+    "bubble measured",
+    "bubble from step time",
+    "bubble simulated",
+    "bubble theory",
+    "peak GiB",
+]
+
+
+def run_parallax(name, m, schedule, ctx, make, num_blocks, data, iters, out_dir):
+    """Step time, timeline and bubbles of one schedule; returns (row, record, busy) on rank 0."""
+    device, (inputs, targets) = ctx.device, data
+    stages = build_stages(make, num_blocks, ctx, schedule.chunks_per_rank)
+    busy = m * per_microbatch_compute(stages, inputs[0], device, iters)
+    busy = sum(comm.all_gather_object(busy, ctx.world_group)) / ctx.world_size
+    for stage in stages:
+        stage.module.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step(timeline=None):
+        run_schedule(schedule, stages, ctx, inputs, targets, loss_fn, timeline=timeline)
+
+    step_time = median(time_it(step, device, warmup=2, iters=iters))
+    timeline = Timeline()
+    step(timeline)
+    sync(device)
+    peak = peak_memory_gib(device)
+    events = gather_events(timeline, ctx)
+    if ctx.rank != 0:
+        return None, None, busy
+    fwd, bwd = measured_costs(events, schedule.num_stages)
+    sim = simulate(schedule, fwd, bwd).bubble_fraction
+    write_chrome_trace(
+        Path(out_dir) / f"{name.split('(')[0].lower()}_p{ctx.pp_size}_m{m}.trace.json", events
+    )
+    measured, theory = measured_bubble(events), theoretical_bubble(schedule)
+    step_bubble = 1 - busy / step_time
+    row = [name, "parallax", m, step_time * 1e3, measured, step_bubble, sim, theory, peak]
+    record = {
+        "benchmark": "pipeline_bubble",
+        "framework": "parallax",
+        "schedule": name,
+        "layout": f"pp{ctx.pp_size}",
+        "microbatches": m,
+        "step_time_s": step_time,
+        "bubble_measured": measured,
+        "bubble_step_time": step_bubble,
+        "bubble_simulated": sim,
+        "bubble_theory": theory,
+        "peak_gib": peak,
+    }
+    return row, record, busy
+
+
+def run_torch(name, m, schedule, ctx, make, layers, data, iters, busy):
+    """The same blocks and batch under torch.distributed.pipelining (rank 0 gets the row)."""
+    device = ctx.device
+    first = ctx.pp_rank * layers
+    blocks = nn.Sequential(*(make(i) for i in range(first, first + layers)))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t = torch_pipelining(name, blocks, ctx, m, data, device, iters)
+    peak = peak_memory_gib(device)
+    if ctx.rank != 0:
+        return None, None
+    theory, bubble = theoretical_bubble(schedule), 1 - busy / t
+    row = [name, "torch.pipelining", m, t * 1e3, math.nan, bubble, math.nan, theory, peak]
+    record = {
+        "benchmark": "pipeline_bubble",
+        "framework": "torch.distributed.pipelining",
+        "schedule": name,
+        "layout": f"pp{ctx.pp_size}",
+        "microbatches": m,
+        "step_time_s": t,
+        "bubble_step_time": bubble,
+        "peak_gib": peak,
+    }
+    return row, record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 sizes for a CPU run")
     parser.add_argument("--microbatches", default=None, help="comma list, e.g. 4,8,16,32")
     parser.add_argument("--layers-per-rank", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--out", default=str(HERE.parent / "runs" / "pipeline_bubble"))
+    parser.add_argument("--out", default="runs/pipeline_bubble", help="folder for the traces")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch yardstick")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
 
     ctx = init_parallel(pp=int(os.environ.get("WORLD_SIZE", "1")))  # every rank is a stage
     p, device = ctx.pp_size, ctx.device
-    on_gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     h, seq, mb = (2048, 1024, 4) if not args.smoke else (64, 32, 2)
     layers = args.layers_per_rank or (8 if not args.smoke else 4)
     iters = args.iters or (10 if not args.smoke else 3)
-    default_ms = "4,8,16,32" if not args.smoke else "2,4,8"
-    microbatches = [int(v) for v in (args.microbatches or default_ms).split(",")]
-    num_blocks = layers * p
+    microbatches = [
+        int(v) for v in (args.microbatches or ("2,4,8" if args.smoke else "4,8,16,32")).split(",")
+    ]
 
     def make(i: int) -> nn.Module:
-        torch.manual_seed(i)
+        torch.manual_seed(i)  # the same weights for block i in both frameworks
         return MLPBlock(h, dtype, device)
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -146,94 +234,22 @@ def main() -> None:
     for name, m, schedule in schedules(p, microbatches):
         x = torch.randn(m * mb, seq, h, device=device, dtype=dtype, generator=gen)
         y = torch.randn(m * mb, seq, h, device=device, dtype=dtype, generator=gen)
-        inputs, targets = list(x.chunk(m)), list(y.chunk(m))
-        stages: list[PipelineStage] = build_stages(make, num_blocks, ctx, schedule.chunks_per_rank)
-        busy = m * per_microbatch_compute(stages, inputs[0], device, iters)
-        for stage in stages:
-            stage.module.zero_grad(set_to_none=True)
-
-        def step(timeline=None, stages=stages, schedule=schedule, inputs=inputs, targets=targets):
-            run_schedule(schedule, stages, ctx, inputs, targets, loss_fn, timeline=timeline)
-
-        step_time = median(time_it(step, device, warmup=2, iters=iters))
-        timeline = Timeline()
-        step(timeline)
-        sync(device)
-        events = gather_events(timeline, ctx)
-        busy_all = [busy]
-        if p > 1:
-            busy_all = [None] * p
-            dist.all_gather_object(busy_all, busy)
-        step_bubble = 1 - sum(busy_all) / len(busy_all) / step_time
-        if ctx.rank == 0:
-            fwd, bwd = measured_costs(events, schedule.num_stages)
-            sim = simulate(schedule, fwd, bwd).bubble_fraction
-            out = Path(args.out) / f"{name.split('(')[0].lower()}_p{p}_m{m}.trace.json"
-            write_chrome_trace(out, events)
-            measured = measured_bubble(events)
-            theory = theoretical_bubble(schedule)
-            rows.append([name, "parallax", m, step_time * 1e3, measured, step_bubble, sim, theory])
-            records.append(
-                {
-                    "benchmark": "pipeline_bubble",
-                    "framework": "parallax",
-                    "schedule": name,
-                    "layout": f"pp{p}",
-                    "microbatches": m,
-                    "step_time_s": step_time,
-                    "bubble_measured": measured,
-                    "bubble_step_time": step_bubble,
-                    "bubble_simulated": sim,
-                    "bubble_theory": theory,
-                }
-            )
-        del stages
+        data = (list(x.chunk(m)), list(y.chunk(m)))
+        row, record, busy = run_parallax(
+            name, m, schedule, ctx, make, layers * p, data, iters, args.out
+        )
+        rows.append(row)
+        records.append(record)
         if name in ("GPipe", "1F1B") and not args.no_torch:
-            blocks = nn.Sequential(
-                *(make(i) for i in range(ctx.pp_rank * layers, (ctx.pp_rank + 1) * layers))
-            )
-            t = torch_pipelining(name, blocks, ctx, m, (x, y), device, iters)
-            tb = 1 - sum(busy_all) / len(busy_all) / t
-            if ctx.rank == 0:
-                rows.append(
-                    [
-                        name,
-                        "torch.pipelining",
-                        m,
-                        t * 1e3,
-                        math.nan,
-                        tb,
-                        math.nan,
-                        theoretical_bubble(schedule),
-                    ]
-                )
-                records.append(
-                    {
-                        "benchmark": "pipeline_bubble",
-                        "framework": "torch.distributed.pipelining",
-                        "schedule": name,
-                        "layout": f"pp{p}",
-                        "microbatches": m,
-                        "step_time_s": t,
-                        "bubble_step_time": tb,
-                    }
-                )
-    columns = [
-        "schedule",
-        "framework",
-        "microbatches",
-        "step ms",
-        "bubble measured",
-        "bubble from step time",
-        "bubble simulated",
-        "bubble theory",
-    ]
+            row, record = run_torch(name, m, schedule, ctx, make, layers, (x, y), iters, busy)
+            rows.append(row)
+            records.append(record)
     title = (
         f"pipeline_bubble: pp{p}, {layers} MLP blocks (h={h}) per rank, "
         f"microbatch {mb}x{seq} tokens, {dtype}"
     )
     if ctx.rank == 0:
-        print_table(title, columns, rows)
+        print_table(title, COLUMNS, rows)
         print(f"traces: {args.out}")
         if not args.no_write:
             notes = (
@@ -242,8 +258,9 @@ def main() -> None:
                 "the measured per-stage costs; theory = (p-1)/(v m + p-1)"
                 + ("; CPU smoke run, sizes scaled down" if args.smoke else "")
             )
-            append_results(title, columns, rows, notes=notes, records=records)
-    dist.destroy_process_group()
+            append_results(title, COLUMNS, rows, notes=notes, records=records)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -121,12 +122,8 @@ class _Runner:
         timeline: Timeline | None,
     ) -> None:
         self.schedule, self.stages, self.ctx = schedule, stages, ctx
-        self.inputs, self.targets, self.loss_fn, self.loss_scale = (
-            inputs,
-            targets,
-            loss_fn,
-            loss_scale,
-        )
+        self.inputs, self.targets = inputs, targets
+        self.loss_fn, self.loss_scale = loss_fn, loss_scale
         self.timeline = timeline
         self.rank = ctx.pp_rank
         self.fwd_in: dict[tuple[int, int], tuple] = {}  # inputs ready for F(stage, mb)
@@ -184,55 +181,63 @@ class _Runner:
         else:
             self.to_send[("B", s, m)] = input_grads
 
-    def _arrived(self, s: int, m: int, bufs: list, metas: list[p2p.TensorMeta]) -> None:
-        """Received activations become leaves that collect the gradient to send back (integer
-        tensors and others that need none pass through without one)."""
-        self.fwd_in[(s, m)] = tuple(b.requires_grad_(t.requires_grad) for b, t in zip(bufs, metas))
+    def _plan(self, op: Action) -> tuple[list, list, Callable[[], None] | None]:
+        """The ``(tensor, peer)`` sends and receives of one communication action, and what to do
+        once they are done."""
+        s, m, device = op.stage, op.microbatch, self.ctx.device
+        if op.kind == "SEND_F_META":
+            metas = [p2p.TensorMeta.of(o) for o in self.to_send[("F", s, m)]]
+            return [(p2p.encode(metas, device, f"stage {s}"), self._peer(s + 1))], [], None
+        if op.kind == "SEND_F":
+            outputs = self.to_send.pop(("F", s, m))
+            sends = [(o.detach().contiguous(), self._peer(s + 1)) for o in outputs]
+            return sends, [], partial(self.stages[s].free_outputs, m)
+        if op.kind == "SEND_B":
+            grads = self.to_send.pop(("B", s, m))
+            return [(g.contiguous(), self._peer(s - 1)) for g in grads], [], None
+        if op.kind == "RECV_F_META":
+            buf = p2p.meta_buffer(device)
+
+            def got_meta() -> None:
+                self.recv_meta[(s, m)] = p2p.decode(buf)
+
+            return [], [(buf, self._peer(s - 1))], got_meta
+        if op.kind == "RECV_F":
+            metas = self.recv_meta.pop((s, m))
+            bufs = [meta.empty(device) for meta in metas]
+
+            def got_activations() -> None:
+                # leaves that collect the gradient to send back; integer tensors get none
+                ready = tuple(b.requires_grad_(t.requires_grad) for b, t in zip(bufs, metas))
+                self.fwd_in[(s, m)] = ready
+
+            return [], [(b, self._peer(s - 1)) for b in bufs], got_activations
+        if op.kind == "RECV_B":
+            bufs = tuple(meta.empty(device) for meta in self.sent_meta.pop((s, m)))
+            return (
+                [],
+                [(b, self._peer(s + 1)) for b in bufs],
+                partial(self.grad_in.__setitem__, (s, m), bufs),
+            )
+        raise ValueError(f"run_schedule: {op} is not a communication action")
 
     def exchange(self, batch: Batch) -> None:
-        """Post one batch, wait for it, then file what arrived."""
+        """Post one batch, wait for all of it, then file what arrived."""
         sends, recvs, after = [], [], []
-        device = self.ctx.device
         for op in batch.ops:
-            s, m = op.stage, op.microbatch
-            if op.kind == "SEND_F_META":
-                metas = [p2p.TensorMeta.of(o) for o in self.to_send[("F", s, m)]]
-                sends.append((p2p.encode(metas, device, f"stage {s}"), self._peer(s + 1)))
-            elif op.kind == "SEND_F":
-                sends += [
-                    (o.detach().contiguous(), self._peer(s + 1))
-                    for o in self.to_send.pop(("F", s, m))
-                ]
-                after.append(lambda s=s, m=m: self.stages[s].free_outputs(m))
-            elif op.kind == "SEND_B":
-                sends += [
-                    (g.contiguous(), self._peer(s - 1)) for g in self.to_send.pop(("B", s, m))
-                ]
-            elif op.kind == "RECV_F_META":
-                buf = p2p.meta_buffer(device)
-                recvs.append((buf, self._peer(s - 1)))
-                after.append(
-                    lambda s=s, m=m, buf=buf: self.recv_meta.__setitem__((s, m), p2p.decode(buf))
-                )
-            elif op.kind == "RECV_F":
-                metas = self.recv_meta.pop((s, m))
-                bufs = [meta.empty(device) for meta in metas]
-                recvs += [(b, self._peer(s - 1)) for b in bufs]
-                after.append(
-                    lambda s=s, m=m, bufs=bufs, metas=metas: self._arrived(s, m, bufs, metas)
-                )
-            elif op.kind == "RECV_B":
-                bufs = tuple(meta.empty(device) for meta in self.sent_meta.pop((s, m)))
-                recvs += [(b, self._peer(s + 1)) for b in bufs]
-                after.append(lambda s=s, m=m, bufs=bufs: self.grad_in.__setitem__((s, m), bufs))
-        kinds = {op.kind.split("_")[0] for op in batch.ops}
-        with self._span(str(batch), "+".join(sorted(k.lower() for k in kinds))):
+            op_sends, op_recvs, then = self._plan(op)
+            sends += op_sends
+            recvs += op_recvs
+            if then is not None:
+                after.append(then)
+        kinds = sorted({op.kind.split("_")[0].lower() for op in batch.ops})
+        with self._span(str(batch), "+".join(kinds)):
             works = comm.post_send_recv(sends, recvs, self.ctx.pp_group)
         with self._span(str(batch), "wait"):
             for work in works:
                 work.wait()
-            for fn in after:
-                fn()
+            for then in after:
+                then()
 
 
 def run_schedule(
