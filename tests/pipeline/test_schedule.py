@@ -155,6 +155,24 @@ def test_invalid_custom_schedules_are_named(rows, match):
         validate(_custom(rows))
 
 
+def test_room_for_split_backward_w_actions():
+    base = one_f_one_b(2, 3)
+    rows = []
+    for acts in base.actions:
+        row = []
+        for a in acts:
+            row.append(a)
+            if a.kind == "B":
+                row.append(Action("W", a.stage, a.microbatch))
+        rows.append(tuple(row))
+    split = Schedule("1F1B+W", 2, 2, 3, (0, 1), tuple(rows))
+    validate(split)
+    assert simulate(split, 1.0, 1.0, weight_time=1.0).makespan > simulate(base, 1.0, 1.0).makespan
+    early = (rows[0][:5] + (rows[0][6], rows[0][5]) + rows[0][7:], rows[1])  # 0W1 before 0B1
+    with pytest.raises(ValueError, match="0W1 comes before 0B1"):
+        validate(Schedule("bad", 2, 2, 3, (0, 1), early))
+
+
 def test_local_stage_order_is_checked():
     bad = Schedule(
         "custom",
