@@ -107,21 +107,31 @@ def barrier(group: Group) -> None:
         dist.barrier(group=group)
 
 
+def post_send_recv(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: Group,
+) -> list:
+    """Post all ``(tensor, global_peer)`` sends and receives as one batch; return the works.
+
+    Batching is what keeps two stages that face each other (both sending before receiving) from
+    deadlocking: NCCL and gloo progress the whole batch together. Operations to one peer are
+    matched in the order they are posted here (sends first, then receives).
+    """
+    if not sends and not recvs:
+        return []
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    return list(dist.batch_isend_irecv(ops))
+
+
 def batch_send_recv(
     sends: Sequence[tuple[torch.Tensor, int]],
     recvs: Sequence[tuple[torch.Tensor, int]],
     group: Group,
 ) -> None:
-    """Post all ``(tensor, global_peer)`` sends and receives as one batch and wait for them.
-
-    Batching is what keeps two stages that face each other (both sending before receiving) from
-    deadlocking: NCCL and gloo progress the whole batch together.
-    """
-    if not sends and not recvs:
-        return
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-    for work in dist.batch_isend_irecv(ops):
+    """:func:`post_send_recv`, then wait for every operation."""
+    for work in post_send_recv(sends, recvs, group):
         work.wait()
 
 

@@ -1,0 +1,267 @@
+"""Lowering: add the sends and receives to a schedule, so every rank knows its exact program.
+
+Messages between two ranks travel on a *channel* ``(src, dst)`` and are matched in posting order
+(NCCL and gloo both pair point-to-point operations per peer that way). With two ranks, prev and
+next are the same peer; the two directions are two channels and never mix.
+
+A forward message is two elementary messages: a small fixed-size metadata tensor (shapes and
+dtypes, so sequence lengths may vary per microbatch), then the activations. Gradients need no
+metadata: the receiver sent the matching activations and knows their shapes. A receiver posts
+the activation receive in a batch after the metadata receive, whose contents size the buffer.
+
+Each rank's program alternates :class:`Batch` (communication posted together and waited for
+together) and compute :class:`~parallax.pipeline.schedule.Action`. :func:`lower` decides where
+each message goes so that both ends post it at about the same time and no order of completion
+can deadlock (see its docstring).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from parallax.pipeline.schedule import Action, Schedule
+
+Times = float | Sequence[float]
+Channel = tuple[int, int]  # (src rank, dst rank)
+# ("M" metadata | "F" activations | "B" gradients, receiving stage, microbatch)
+Message = tuple[str, int, int]
+
+_RECV_KIND = {"M": "RECV_F_META", "F": "RECV_F", "B": "RECV_B"}
+_MSG_KIND = {"RECV_F_META": "M", "RECV_F": "F"}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Communication actions posted as one batch and waited for together."""
+
+    ops: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "[" + " ".join(map(str, self.ops)) + "]"
+
+
+Item = Action | Batch
+
+
+@dataclass(frozen=True)
+class Program:
+    """A lowered schedule: per pipeline rank, the items it executes in order."""
+
+    schedule: Schedule
+    ranks: tuple[tuple[Item, ...], ...]
+    costs: tuple = ()  # the reference costs the messages were placed with
+
+    @property
+    def fingerprint(self) -> str:
+        """Identical on every process that lowered the same schedule with the same costs."""
+        return hashlib.sha256(f"{self.schedule.fingerprint}{self.costs}".encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        rows = [self.schedule.describe() + ", lowered"]
+        for rank, items in enumerate(self.ranks):
+            rows.append(f"rank {rank} | " + " ".join(map(str, items)))
+        return "\n".join(rows)
+
+
+def sends_after(action: Action, schedule: Schedule) -> list[Action]:
+    """The send actions that ``action``'s results need (none when the peer stage is local)."""
+    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
+    here = schedule.rank_of(s)
+    if action.kind == "F" and s < last and schedule.rank_of(s + 1) != here:
+        return [Action("SEND_F", s, m)]
+    if action.kind == "B" and s > 0 and schedule.rank_of(s - 1) != here:
+        return [Action("SEND_B", s, m)]
+    return []
+
+
+def needed_message(action: Action, schedule: Schedule) -> tuple[Channel, Message] | None:
+    """The remote message a compute action consumes, with its channel, or ``None``."""
+    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
+    here = schedule.rank_of(s)
+    if action.kind == "F" and s > 0 and schedule.rank_of(s - 1) != here:
+        return (schedule.rank_of(s - 1), here), ("F", s, m)
+    if action.kind == "B" and s < last and schedule.rank_of(s + 1) != here:
+        return (schedule.rank_of(s + 1), here), ("B", s, m)
+    return None
+
+
+def comm_messages(op: Action, schedule: Schedule) -> tuple[Channel, list[Message]]:
+    """The channel and elementary message of one communication action."""
+    s, m = op.stage, op.microbatch
+    if op.kind == "SEND_F_META":
+        return (schedule.rank_of(s), schedule.rank_of(s + 1)), [("M", s + 1, m)]
+    if op.kind == "SEND_F":
+        return (schedule.rank_of(s), schedule.rank_of(s + 1)), [("F", s + 1, m)]
+    if op.kind == "SEND_B":
+        return (schedule.rank_of(s), schedule.rank_of(s - 1)), [("B", s - 1, m)]
+    if op.kind == "RECV_B":
+        return (schedule.rank_of(s + 1), schedule.rank_of(s)), [("B", s, m)]
+    if op.kind in ("RECV_F_META", "RECV_F"):
+        return (schedule.rank_of(s - 1), schedule.rank_of(s)), [(_MSG_KIND[op.kind], s, m)]
+    raise ValueError(f"{op} is not a communication action")
+
+
+def _phases(send: Action) -> tuple[list[Action], list[Action]]:
+    """A forward send is its metadata, then the activations."""
+    if send.kind == "SEND_F":
+        return [Action("SEND_F_META", send.stage, send.microbatch)], [send]
+    return [], [send]
+
+
+def channel_orders(schedule: Schedule) -> dict[Channel, list[Message]]:
+    """Per channel, the sender's order of elementary messages."""
+    orders: dict[Channel, list[Message]] = defaultdict(list)
+    for acts in schedule.actions:
+        for action in acts:
+            for send in sends_after(action, schedule):
+                first, second = _phases(send)
+                for op in first + second:
+                    channel, msgs = comm_messages(op, schedule)
+                    orders[channel].extend(msgs)
+    return dict(orders)
+
+
+def _batches(events: list[tuple[tuple, Action]]) -> list[Batch]:
+    """Group one slot's events (already in global order) into as few batches as possible.
+
+    A batch is cut only before an activation receive whose metadata is in the same batch: the
+    metadata sizes its buffer.
+    """
+    batches: list[list[Action]] = [[]]
+    metas: set[tuple[int, int]] = set()
+    for _, op in events:
+        if op.kind == "RECV_F" and (op.stage, op.microbatch) in metas:
+            batches.append([])
+            metas = set()
+        if op.kind == "RECV_F_META":
+            metas.add((op.stage, op.microbatch))
+        batches[-1].append(op)
+    return [Batch(tuple(ops)) for ops in batches if ops]
+
+
+def _ready(action: Action, schedule: Schedule, done: set, arrived: set) -> bool:
+    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
+    if action.kind == "W":
+        return ("B", s, m) in done
+    if action.kind == "B" and ("F", s, m) not in done:
+        return False
+    dep = ("F", s - 1, m) if action.kind == "F" else ("B", s + 1, m)
+    if not 0 <= dep[1] <= last:
+        return True
+    if schedule.rank_of(dep[1]) == schedule.rank_of(s):
+        return dep in done
+    return (action.kind, s, m) in arrived
+
+
+def per_stage(value: Times, num_stages: int, what: str) -> tuple[float, ...]:
+    """A number or one value per virtual stage, as a tuple of ``num_stages`` floats >= 0."""
+    if isinstance(value, int | float):
+        values = (float(value),) * num_stages
+    else:
+        values = tuple(float(v) for v in value)
+        if len(values) != num_stages:
+            raise ValueError(f"{what} has {len(values)} entries for {num_stages} stages")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{what} must be >= 0, got {values}")
+    return values
+
+
+def lower(
+    schedule: Schedule,
+    forward_time: Times = 1.0,
+    backward_time: Times = 2.0,
+    weight_time: Times = 1.0,
+) -> Program:
+    """Add batched sends and receives to every rank's compute actions (cached per schedule).
+
+    The placement comes from running the schedule once with reference costs (by default forward
+    1, backward 2, or measured ones per virtual stage): a message is exchanged as soon as its
+    sender and its receiver are both between two compute actions, and a rank with work it can
+    do does it rather than wait for a busy peer. Every rank then meets its messages in one
+    global order (exchange time, then sender, receiver and position on the channel) that
+    respects every dependency. That order is what rules out deadlock even where a send completes
+    only once its receive is posted (large NCCL messages): the smallest unfinished message
+    always has both ends posted. The messages a rank exchanges at one time share a batch (cut
+    only where activations need the metadata just received), which pairs the sends and receives
+    of two stages facing each other.
+
+    Raises ``ValueError`` when the order itself cannot run: a rank waits for a result that
+    depends on one of its own later actions.
+    """
+    n = schedule.num_stages
+    cost = {
+        "F": per_stage(forward_time, n, "forward_time"),
+        "B": per_stage(backward_time, n, "backward_time"),
+        "W": per_stage(weight_time, n, "weight_time"),
+    }
+    if any(c <= 0 for kind in ("F", "B") for c in cost[kind]):
+        raise ValueError("lower: forward and backward times must be > 0 to place messages")
+    cache = schedule.__dict__.setdefault("_programs", {})
+    key = tuple(cost.values())
+    if key in cache:
+        return cache[key]
+    ranks = range(schedule.num_ranks)
+    items: list[list[Item]] = [[] for _ in ranks]
+    pending: list[list[tuple[Channel, Action, list]]] = [[] for _ in ranks]
+    busy_until: list[float | None] = [None for _ in ranks]
+    running: list[Action | None] = [None for _ in ranks]
+    pc = [0 for _ in ranks]
+    done: set[tuple[str, int, int]] = set()
+    arrived: set[tuple[str, int, int]] = set()
+    count: dict[Channel, int] = defaultdict(int)
+    t = 0.0
+    while True:
+        for r in ranks:  # finish what ends now; its messages become pending
+            if busy_until[r] == t:
+                action = running[r]
+                done.add((action.kind, action.stage, action.microbatch))
+                for send in sends_after(action, schedule):
+                    first, second = _phases(send)
+                    parts = []
+                    for op in first + second:
+                        channel, (msg,) = comm_messages(op, schedule)
+                        parts.append(((t, *channel, count[channel]), op, msg))
+                        count[channel] += 1
+                    pending[r].append((channel, send, parts))
+                busy_until[r], running[r] = None, None
+        events: dict[int, list[tuple[tuple, Action]]] = defaultdict(list)
+        for r in ranks:  # exchange with every peer that is between two actions too
+            if busy_until[r] is not None:
+                continue
+            keep = []
+            for channel, send, parts in pending[r]:
+                if busy_until[channel[1]] is not None:
+                    keep.append((channel, send, parts))
+                    continue
+                for key, op, msg in parts:
+                    events[r].append(((t, *key[1:]), op))
+                    events[channel[1]].append(((t, *key[1:]), Action(_RECV_KIND[msg[0]], *msg[1:])))
+                consumer = ("F", send.stage + 1) if send.kind == "SEND_F" else ("B", send.stage - 1)
+                arrived.add((*consumer, send.microbatch))
+            pending[r] = keep
+        for r, evs in events.items():
+            items[r].extend(_batches(sorted(evs, key=lambda e: e[0])))
+        for r in ranks:  # start what can start
+            acts = schedule.actions[r]
+            free = busy_until[r] is None and pc[r] < len(acts)
+            if free and _ready(acts[pc[r]], schedule, done, arrived):
+                running[r] = acts[pc[r]]
+                busy_until[r] = t + cost[running[r].kind][running[r].stage]
+                items[r].append(running[r])
+                pc[r] += 1
+        active = [b for b in busy_until if b is not None]
+        if not active:
+            break
+        t = min(active)
+    stuck = [r for r in ranks if pc[r] < len(schedule.actions[r])]
+    if stuck:
+        waits = ", ".join(f"rank {r} at {schedule.actions[r][pc[r]]}" for r in stuck)
+        raise ValueError(
+            f"{schedule.name}: the order cannot run, it waits forever: {waits}\n{schedule}"
+        )
+    program = Program(schedule, tuple(tuple(rank_items) for rank_items in items), key)
+    cache[key] = program
+    return program

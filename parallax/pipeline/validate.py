@@ -1,0 +1,93 @@
+"""``validate(schedule)``: everything that can be checked about a schedule without processes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from parallax.pipeline.lower import Batch, Program, channel_orders, comm_messages, lower
+from parallax.pipeline.schedule import Schedule
+from parallax.pipeline.simulate import simulate
+
+
+def _fail(schedule: Schedule, message: str) -> None:
+    raise ValueError(f"{schedule.name}: {message}\n{schedule}")
+
+
+def _check_actions(schedule: Schedule) -> None:
+    """Exactly one F and one B per (stage, microbatch) on the stage's rank, F before B (before W),
+    and a rank running two neighbouring stages runs them in dependency order."""
+    expected = {
+        (s, m) for s in range(schedule.num_stages) for m in range(schedule.num_microbatches)
+    }
+    where: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for rank, acts in enumerate(schedule.actions):
+        counts = Counter((a.kind, a.stage, a.microbatch) for a in acts)
+        for key, n in counts.items():
+            if n > 1:
+                _fail(schedule, f"rank {rank} runs {key[1]}{key[0]}{key[2]} {n} times")
+        for pos, a in enumerate(acts):
+            if (a.stage, a.microbatch) not in expected:
+                _fail(
+                    schedule,
+                    f"rank {rank} runs {a}, outside {schedule.num_stages} stages x "
+                    f"{schedule.num_microbatches} microbatches",
+                )
+            if schedule.rank_of(a.stage) != rank:
+                _fail(
+                    schedule,
+                    f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
+                    f"{schedule.rank_of(a.stage)}",
+                )
+            where[(a.kind, a.stage, a.microbatch)] = (rank, pos)
+    for s, m in sorted(expected):
+        for kind in ("F", "B"):
+            if (kind, s, m) not in where:
+                _fail(schedule, f"no rank runs {s}{kind}{m}")
+        if where[("F", s, m)][1] > where[("B", s, m)][1]:
+            _fail(schedule, f"{s}B{m} comes before {s}F{m}")
+        if ("W", s, m) in where and where[("W", s, m)][1] < where[("B", s, m)][1]:
+            _fail(schedule, f"{s}W{m} comes before {s}B{m}")
+        for kind, dep in (("F", s - 1), ("B", s + 1)):
+            if not 0 <= dep < schedule.num_stages:
+                continue
+            (r, pos), (r_dep, pos_dep) = where[(kind, s, m)], where[(kind, dep, m)]
+            if r == r_dep and pos_dep > pos:
+                _fail(schedule, f"rank {r} runs {s}{kind}{m} before {dep}{kind}{m}, its input")
+
+
+def _check_pairing(program: Program) -> None:
+    """Every channel carries the same messages in the same order on both ends."""
+    schedule = program.schedule
+    received: dict = {}
+    for items in program.ranks:
+        for item in items:
+            if isinstance(item, Batch):
+                for op in item.ops:
+                    if op.kind.startswith("RECV"):
+                        channel, msgs = comm_messages(op, schedule)
+                        received.setdefault(channel, []).extend(msgs)
+    for channel, sent in channel_orders(schedule).items():
+        got = received.get(channel, [])
+        if got != sent:
+            extra = [f"{k}{s}:{m}" for k, s, m in sent[len(got) :]]
+            _fail(
+                schedule,
+                f"rank {channel[0]} -> rank {channel[1]}: sends {len(sent)} messages, "
+                f"the peer receives {len(got)} (unmatched: {' '.join(extra[:8])})",
+            )
+
+
+def validate(schedule: Schedule) -> Program:
+    """Check a schedule and return its lowered program; raise ``ValueError`` naming the step.
+
+    Checks: each (stage, microbatch) has exactly one F and one B on the stage's rank, F before B;
+    local stage-to-stage dependencies are in order; every send has its receive, in the same order
+    on both peers; and the program runs to completion in the simulator (no deadlock).
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate expects a Schedule, got {type(schedule).__name__}")
+    _check_actions(schedule)
+    program = lower(schedule)
+    _check_pairing(program)
+    simulate(program)  # raises DeadlockError (a ValueError) naming every stuck rank
+    return program

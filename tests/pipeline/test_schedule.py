@@ -1,0 +1,225 @@
+"""Schedules as data: generated, lowered, validated and simulated with no processes."""
+
+import pytest
+
+from parallax.pipeline import (
+    Action,
+    Batch,
+    DeadlockError,
+    Schedule,
+    format_timeline,
+    gpipe,
+    interleaved_1f1b,
+    lower,
+    one_f_one_b,
+    simulate,
+    theoretical_bubble,
+    validate,
+)
+from parallax.pipeline.lower import channel_orders, comm_messages
+
+
+def _combos():
+    """(p, m, v) over stages 1..8, microbatches 1..32, chunks 1..4 (every m up to p = 4, then a
+    spread that keeps the edge cases m < p, m = p, m % p != 0)."""
+    for p in range(1, 9):
+        ms = range(1, 33) if p <= 4 else sorted({1, p - 1, p, p + 1, 2 * p, 3 * p + 1, 4 * p, 32})
+        for m in ms:
+            for v in range(1, 5):
+                yield p, m, v
+
+
+def _build(kind: str, p: int, m: int, v: int):
+    if kind == "gpipe":
+        return gpipe(p, m)
+    if kind == "1f1b":
+        return one_f_one_b(p, m)
+    return interleaved_1f1b(p, m, v)
+
+
+def test_every_schedule_validates_and_simulates_to_the_theoretical_bubble():
+    checked = 0
+    for p, m, v in _combos():
+        for kind in ("gpipe", "1f1b") if v == 1 else ("interleaved",):
+            needs_more = (kind == "1f1b" and m < p) or (kind == "interleaved" and m % p != 0)
+            if needs_more:
+                with pytest.raises(ValueError, match="use"):
+                    _build(kind, p, m, v)
+                continue
+            schedule = _build(kind, p, m, v)
+            validate(schedule)
+            result = simulate(schedule, forward_time=1.0, backward_time=2.0)
+            expected = (p - 1) / (v * m + p - 1)
+            assert result.bubble_fraction == pytest.approx(expected, abs=1e-12), (kind, p, m, v)
+            assert result.makespan == pytest.approx(3.0 * m * v / (1 - expected))
+            peaks = result.peak_activations
+            if kind == "gpipe":
+                assert peaks == (m,) * p
+            elif kind == "1f1b":
+                assert all(peaks[r] <= p - r for r in range(p)), peaks
+            elif p > 1:
+                assert result.bubble_fraction < simulate(one_f_one_b(p, m)).bubble_fraction
+            checked += 1
+    assert checked > 500
+
+
+@pytest.mark.parametrize("forward,backward", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0)])
+def test_gpipe_and_1f1b_reach_theory_whatever_the_costs(forward, backward):
+    for p, m in [(2, 2), (3, 7), (4, 8), (8, 16)]:
+        for schedule in (gpipe(p, m), one_f_one_b(p, m)):
+            result = simulate(schedule, forward, backward)
+            assert result.bubble_fraction == pytest.approx(theoretical_bubble(schedule))
+
+
+def test_interleaved_lowered_with_measured_costs_reaches_theory():
+    schedule = interleaved_1f1b(4, 16, 2)
+    costs = dict(forward_time=1.0, backward_time=1.0)
+    tuned = simulate(lower(schedule, **costs), **costs).bubble_fraction
+    assert tuned == pytest.approx(theoretical_bubble(schedule))
+    assert simulate(schedule, **costs).bubble_fraction >= tuned  # placed for backward = 2
+
+
+def test_per_stage_costs_and_comm_time():
+    schedule = one_f_one_b(2, 4)
+    even = simulate(schedule, 1.0, 2.0)
+    slow_last = simulate(schedule, [1.0, 2.0], [2.0, 4.0])
+    assert slow_last.makespan > even.makespan
+    assert slow_last.busy == (12.0, 24.0)
+    assert simulate(schedule, 1.0, 2.0, comm_time=0.5).makespan > even.makespan
+    with pytest.raises(ValueError, match="3 entries for 2 stages"):
+        simulate(schedule, [1.0, 1.0, 1.0])
+
+
+def test_actions_print_and_parse():
+    assert str(Action("F", 1, 3)) == "1F3"
+    assert Action.parse("12B7") == Action("B", 12, 7)
+    assert Action.parse("0SEND_F_META2") == Action("SEND_F_META", 0, 2)
+    with pytest.raises(ValueError):
+        Action.parse("F3")
+    with pytest.raises(ValueError, match="unknown action kind"):
+        Action("X", 0, 0)
+
+
+def test_schedule_prints_as_a_table():
+    text = str(one_f_one_b(2, 3))
+    assert text.splitlines() == [
+        "1F1B (2 ranks, 2 stages, 3 microbatches)",
+        "rank 0 | 0F0 0F1 0B0 0F2 0B1 0B2",
+        "rank 1 | 1F0 1B0 1F1 1B1 1F2 1B2",
+    ]
+    assert "rank 1 |" in format_timeline(simulate(gpipe(2, 2)))
+
+
+def test_interleaved_places_stage_s_on_rank_s_mod_p():
+    schedule = interleaved_1f1b(4, 8, 3)
+    assert schedule.num_stages == 12 and schedule.chunks_per_rank == 3
+    assert schedule.stages_of(1) == (1, 5, 9)
+    assert interleaved_1f1b(3, 6, 1) == one_f_one_b(3, 6)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: gpipe(0, 4), "num_stages must be a positive integer"),
+        (lambda: gpipe(2, 0), "num_microbatches must be a positive integer"),
+        (
+            lambda: one_f_one_b(4, 3),
+            "3 microbatches cannot fill 4 stages; use num_microbatches >= 4",
+        ),
+        (lambda: interleaved_1f1b(4, 6, 2), "not a multiple of 4 ranks .*use 4 or 8"),
+        (lambda: interleaved_1f1b(2, 4, 0), "chunks_per_rank must be a positive integer"),
+    ],
+)
+def test_bad_arguments_say_what_would_work(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _custom(rows, num_stages=2, m=2):
+    actions = tuple(tuple(Action.parse(a) for a in row.split()) for row in rows)
+    return Schedule("custom", len(rows), num_stages, m, tuple(range(num_stages)), actions)
+
+
+@pytest.mark.parametrize(
+    "rows,match",
+    [
+        (["0F0 0F1 0B0", "1F0 1F1 1B0 1B1"], "no rank runs 0B1"),
+        (["0F0 0F1 0B0 0B1 0B1", "1F0 1F1 1B0 1B1"], "runs 0B1 2 times"),
+        (["0F0 0B0 0F1 0B1 1F0", "1F1 1B0 1B1"], "stage 1 lives on rank 1"),
+        (["0B0 0F0 0F1 0B1", "1F0 1F1 1B0 1B1"], "0B0 comes before 0F0"),
+        (["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"], "waits forever"),
+    ],
+)
+def test_invalid_custom_schedules_are_named(rows, match):
+    with pytest.raises(ValueError, match=match):
+        validate(_custom(rows))
+
+
+def test_room_for_split_backward_w_actions():
+    base = one_f_one_b(2, 3)
+    rows = []
+    for acts in base.actions:
+        row = []
+        for a in acts:
+            row.append(a)
+            if a.kind == "B":
+                row.append(Action("W", a.stage, a.microbatch))
+        rows.append(tuple(row))
+    split = Schedule("1F1B+W", 2, 2, 3, (0, 1), tuple(rows))
+    validate(split)
+    assert simulate(split, 1.0, 1.0, weight_time=1.0).makespan > simulate(base, 1.0, 1.0).makespan
+    early = (rows[0][:5] + (rows[0][6], rows[0][5]) + rows[0][7:], rows[1])  # 0W1 before 0B1
+    with pytest.raises(ValueError, match="0W1 comes before 0B1"):
+        validate(Schedule("bad", 2, 2, 3, (0, 1), early))
+
+
+def test_local_stage_order_is_checked():
+    bad = Schedule(
+        "custom",
+        1,
+        2,
+        1,
+        (0, 0),
+        ((Action.parse("1F0"), Action.parse("0F0"), Action.parse("1B0"), Action.parse("0B0")),),
+    )
+    with pytest.raises(ValueError, match="runs 1F0 before 0F0, its input"):
+        validate(bad)
+
+
+def test_lowering_pairs_every_message_in_the_same_order_on_both_ends():
+    for schedule in (gpipe(3, 5), one_f_one_b(4, 6), interleaved_1f1b(2, 4, 3)):
+        program = lower(schedule)
+        received: dict = {}
+        for items in program.ranks:
+            for item in items:
+                if isinstance(item, Batch):
+                    for op in item.ops:
+                        if op.kind.startswith("RECV"):
+                            channel, msgs = comm_messages(op, schedule)
+                            received.setdefault(channel, []).extend(msgs)
+        assert received == channel_orders(schedule)
+        for items in program.ranks:  # activations are received after their metadata
+            seen = set()
+            for item in items:
+                if isinstance(item, Batch):
+                    for op in item.ops:
+                        if op.kind == "RECV_F":
+                            assert (op.stage, op.microbatch) in seen
+                    seen |= {(o.stage, o.microbatch) for o in item.ops if o.kind == "RECV_F_META"}
+
+
+def test_two_facing_stages_exchange_in_one_batch():
+    program = lower(one_f_one_b(2, 4))
+    rank0 = [str(item) for item in program.ranks[0]]
+    assert "[0SEND_F_META2 0SEND_F2 0RECV_B1]" in rank0  # steady state: send F, receive B at once
+
+
+def test_a_deadlocked_program_is_reported_per_rank():
+    schedule = one_f_one_b(2, 2)
+    program = lower(schedule)
+    rank1 = list(program.ranks[1])
+    assert str(rank1[-1]) == "[1SEND_B1]"
+    # rank 1 now sends its last gradient first: it waits for rank 0, which waits for rank 1
+    broken = type(program)(schedule, (program.ranks[0], tuple([rank1[-1]] + rank1[:-1])))
+    with pytest.raises(DeadlockError, match=r"rank 1: ...  >> \[1SEND_B1\]"):
+        simulate(broken)
