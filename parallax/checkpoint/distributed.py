@@ -8,8 +8,8 @@ a peer that will never arrive, the staging directory is removed, and no complete
 touched. The checkpoint directory must be on a filesystem every rank of the group sees.
 
 A full tensor often has to be gathered from tp or dp shards first, a collective the peers
-join. Those peers pass the same sources with ``write=False``: they call every producer in the
-same order, taking part in the gathers, and write nothing.
+join. Those peers list the same source with ``TensorSource(..., write=False)``: every rank
+calls its producers in list order, so the gathers line up, and only the writer stores it.
 """
 
 from __future__ import annotations
@@ -55,15 +55,14 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     *,
     group: Group = None,
-    write: bool = True,
     keep_last: int | None = None,
 ) -> Path:
     """Save ``step`` under ``root`` from every rank of ``group`` (``None``: this process only).
 
     Each rank passes the full logical tensors it is responsible for (sources, or a dict of
-    in-memory tensors; every name written by exactly one rank) and, if it only helps produce
-    them, ``write=False``. ``meta`` (JSON values) is taken from the group's rank 0. Returns the
-    published step directory on every rank.
+    in-memory tensors; every name written by exactly one rank), plus ``write=False`` sources
+    for the gathers it only helps with. ``meta`` (JSON values) is taken from the group's
+    rank 0. Returns the published step directory on every rank.
     """
     rank = comm.rank(group)
     stage = staging_dir(root, step)
@@ -79,12 +78,7 @@ def save_checkpoint(
     info: ShardInfo | None = None
     error = None
     try:
-        srcs = iter_sources(tensors)
-        if write and srcs:
-            info = write_shard(stage, f"shard-{rank:05d}.safetensors", srcs)
-        else:
-            for src in srcs:  # take part in the producers' collectives, keep nothing
-                src.produce()
+        info = write_shard(stage, f"shard-{rank:05d}.safetensors", iter_sources(tensors))
     except Exception as err:  # noqa: BLE001
         error = _describe(err)
     shards = comm.all_gather_object((info, error), group)

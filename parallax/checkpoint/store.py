@@ -73,17 +73,23 @@ def begin_checkpoint(root: str | Path, step: int) -> Path:
 
 def write_shard(
     stage: str | Path, file: str, tensors: Iterable[TensorSource] | dict[str, Any]
-) -> ShardInfo:
+) -> ShardInfo | None:
     """Write one shard file into the staging directory (any rank); return its description
-    for :func:`commit_checkpoint`. One full tensor is in memory at a time."""
+    for :func:`commit_checkpoint`, or ``None`` when every source is ``write=False`` (their
+    producers still run, in order). One full tensor is in memory at a time."""
     if "/" in file or "\\" in file or not file.endswith(".safetensors"):
         raise CheckpointError(f"shard file {file!r} must be a plain name ending in .safetensors")
     srcs = iter_sources(tensors)
+    written = [s for s in srcs if s.write]
+    if not written:
+        for src in srcs:
+            src.produce()
+        return None
     size = write_safetensors(Path(stage) / file, srcs)
     return {
         "file": file,
         "size": size,
-        "tensors": {s.name: {"dtype": DTYPES[s.dtype], "shape": list(s.shape)} for s in srcs},
+        "tensors": {s.name: {"dtype": DTYPES[s.dtype], "shape": list(s.shape)} for s in written},
     }
 
 

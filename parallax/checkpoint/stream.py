@@ -46,15 +46,17 @@ class CheckpointError(RuntimeError):
 class TensorSource:
     """A tensor to be written: its name, shape and dtype now, its values only when asked.
 
-    ``produce()`` is called exactly once, in file order, right before the bytes are written; it
-    may run collectives (gather a sharded parameter), which is why every rank that takes part
-    calls the producers in the same order even if it does not write (see ``save_checkpoint``).
+    ``produce()`` is called exactly once, in list order, right before its bytes are written.
+    It may run a collective (gather a sharded parameter) that peers join: they list the same
+    source with ``write=False``, so its producer runs in the same order on every rank of the
+    collective while only one rank stores the result.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     produce: Callable[[], torch.Tensor]
+    write: bool = True
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSource:
@@ -88,6 +90,7 @@ def write_safetensors(
 ) -> int:
     """Write ``tensors`` to ``path`` one at a time (data fsynced); return the file size.
 
+    Sources with ``write=False`` are produced in their turn and dropped (see ``TensorSource``).
     The caller decides where ``path`` lives; inside a checkpoint it is a staging directory that
     is renamed into place only when complete, so the file itself needs no temp name.
     """
@@ -98,6 +101,8 @@ def write_safetensors(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for src in tensors:
+        if not src.write:
+            continue
         if src.name in header or src.name == "__metadata__":
             raise CheckpointError(f"tensor name {src.name!r} appears twice in {path}")
         end = offset + src.nbytes
@@ -113,22 +118,24 @@ def write_safetensors(
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for src in tensors:
-            _write_tensor(f, src)
+            tensor = _produce(src)
+            if src.write and tensor.numel():
+                flat = tensor.detach().reshape(-1).contiguous().cpu()  # (numel,)
+                f.write(memoryview(flat.view(torch.uint8).numpy()))
+            del tensor
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(blob) + offset
 
 
-def _write_tensor(f, src: TensorSource) -> None:
+def _produce(src: TensorSource) -> torch.Tensor:
     tensor = src.produce()
     if tuple(tensor.shape) != tuple(src.shape) or tensor.dtype != src.dtype:
         raise CheckpointError(
             f"tensor {src.name!r}: producer returned {tuple(tensor.shape)} {tensor.dtype}, "
             f"declared {tuple(src.shape)} {src.dtype}"
         )
-    flat = tensor.detach().reshape(-1).contiguous().cpu()  # (numel,)
-    if flat.numel():
-        f.write(memoryview(flat.view(torch.uint8).numpy()))
+    return tensor
 
 
 def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
