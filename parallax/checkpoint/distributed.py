@@ -44,6 +44,13 @@ def _agree(error: str | None, group: Group, step: int, phase: str) -> None:
         raise CheckpointError(f"saving checkpoint step {step} failed while {phase}: {detail}")
 
 
+def _check_meta(meta: dict[str, Any] | None) -> None:
+    try:
+        json.dumps(meta or {})
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"meta must hold JSON values only ({err})") from None
+
+
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
@@ -69,7 +76,7 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
-            json.dumps(meta or {})
+            _check_meta(meta)
             begin_checkpoint(root, step)
         except Exception as err:  # noqa: BLE001 - reported on every rank below
             error = _describe(err)

@@ -37,6 +37,7 @@ from parallax.checkpoint.stream import (
     DTYPES,
     CheckpointError,
     TensorSource,
+    drain,
     iter_sources,
     write_safetensors,
 )
@@ -82,8 +83,12 @@ def write_shard(
     srcs = iter_sources(tensors)
     written = [s for s in srcs if s.write]
     if not written:
-        for src in srcs:
-            src.produce()
+        for k, src in enumerate(srcs):
+            try:
+                src.produce()
+            except Exception:
+                drain(srcs[k + 1 :])
+                raise
         return None
     size = write_safetensors(Path(stage) / file, srcs)
     return {

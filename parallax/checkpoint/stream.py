@@ -11,6 +11,7 @@ than one full tensor. The files are read back by ``safetensors.safe_open``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -114,28 +117,47 @@ def write_safetensors(
         offset = end
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for src in tensors:
-            tensor = _produce(src)
-            if src.write and tensor.numel():
-                flat = tensor.detach().reshape(-1).contiguous().cpu()  # (numel,)
-                f.write(memoryview(flat.view(torch.uint8).numpy()))
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())
+    started = 0
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for src in tensors:
+                started += 1
+                _write_one(f, src)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception:
+        drain(tensors[started:])
+        raise
     return 8 + len(blob) + offset
 
 
-def _produce(src: TensorSource) -> torch.Tensor:
+def drain(tensors: Sequence[TensorSource]) -> None:
+    """Run the remaining producers and drop their results (and errors).
+
+    After a local failure (a full disk, say) this keeps the collectives inside producers
+    matched with the peers that are still writing, so the failure is reported at the next
+    agreement point instead of leaving them blocked in a gather.
+    """
+    for src in tensors:
+        try:
+            src.produce()
+        except Exception:  # noqa: BLE001 - the first error is the one reported
+            log.debug("ignoring a failure while draining %s", src.name, exc_info=True)
+
+
+def _write_one(f, src: TensorSource) -> None:
+    """Produce one tensor and write its bytes; nothing of it outlives this call."""
     tensor = src.produce()
     if tuple(tensor.shape) != tuple(src.shape) or tensor.dtype != src.dtype:
         raise CheckpointError(
             f"tensor {src.name!r}: producer returned {tuple(tensor.shape)} {tensor.dtype}, "
             f"declared {tuple(src.shape)} {src.dtype}"
         )
-    return tensor
+    if src.write and tensor.numel():
+        flat = tensor.detach().reshape(-1).contiguous().cpu()  # (numel,)
+        f.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
 def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
