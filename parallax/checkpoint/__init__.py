@@ -17,6 +17,7 @@ See :mod:`parallax.checkpoint.store` for the directory layout.
 """
 
 from parallax.checkpoint.distributed import save_checkpoint
+from parallax.checkpoint.modules import load_module, module_sources
 from parallax.checkpoint.reader import Checkpoint
 from parallax.checkpoint.rng import rng_state, set_rng_state
 from parallax.checkpoint.store import (
@@ -45,6 +46,8 @@ __all__ = [
     "commit_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "load_module",
+    "module_sources",
     "prune_checkpoints",
     "read_header",
     "rng_state",

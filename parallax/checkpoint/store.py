@@ -49,6 +49,7 @@ VERSION = 1
 INDEX, META, LATEST = "index.json", "meta.json", "latest"
 STEP_RE = re.compile(r"^step_(\d{8,})$")
 STAGING_RE = re.compile(r"^step_(\d{8,})\.tmp$")
+OLD_RE = re.compile(r"^\.step_\d{8,}\.old-[0-9a-f]+$")  # see parallax.atomic.publish_dir
 ShardInfo = dict[str, Any]  # {"file": str, "size": int, "tensors": {name: {"dtype", "shape"}}}
 
 
@@ -174,8 +175,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and staging directories
-    older than the newest checkpoint (left by crashed writes)."""
+    """Delete all but the newest ``keep_last`` complete checkpoints, staging directories older
+    than the newest checkpoint, and replaced copies (both left by crashed writes)."""
     found = list_checkpoints(root)
     for old in found[: max(0, len(found) - keep_last)]:
         shutil.rmtree(old, ignore_errors=True)
@@ -183,5 +184,5 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> None:
         newest = int(STEP_RE.match(found[-1].name).group(1))
         for p in Path(root).iterdir():
             m = STAGING_RE.match(p.name)
-            if m and int(m.group(1)) < newest:
+            if (m and int(m.group(1)) < newest) or OLD_RE.match(p.name):
                 shutil.rmtree(p, ignore_errors=True)

@@ -1,9 +1,12 @@
-"""The built-in synthetic robot task: a top-down camera over a table, deterministic from the seed.
+"""The built-in synthetic robot task: a camera looking down on a table, deterministic from the seed.
 
 Each episode is one scene: 2-4 objects of distinct colours (red, green, blue, yellow, purple,
 orange) and random shapes (cube, ball, triangle) at random places, a gripper drawn as a dark
 cross, and an instruction naming one object, e.g. ``"pick up the red cube"`` or
-``"move to the blue ball"``. At every step a scripted expert emits the 7-D action
+``"move to the blue ball"``. The camera is either on the wrist (``camera="wrist"``, the
+default: the view, one table wide, is centred on the gripper and moves with it) or fixed
+(``"static"``: the whole table, with the gripper's cross where it is). At every step a scripted
+expert emits the 7-D action
 
 * ``x, y``: the offset from the gripper to the target divided by ``max_step``, clipped to
   [-1, 1] and rounded to ``action_levels`` values (x = image right, y = image down), and zero
@@ -159,7 +162,11 @@ class SyntheticTask:
         colours = [names[i] for i in rng.permutation(len(names))[:n]]
         shapes = [SHAPES[i] for i in rng.integers(0, len(SHAPES), n)]
         positions: list[np.ndarray] = []
-        while len(positions) < n:  # rejection sampling keeps objects apart
+        for attempt in range(10_000):  # rejection sampling keeps objects apart
+            if len(positions) == n:
+                break
+            if attempt % 100 == 99:
+                positions = []  # a crowded start: begin again
             p = rng.uniform(0.12, 0.88, 2)
             if all(np.linalg.norm(p - q) >= MIN_SEPARATION for q in positions):
                 positions.append(p)

@@ -63,6 +63,7 @@ def test_keep_last_k_and_rewriting_a_step(tmp_path):
     for step in (1, 2, 3, 4, 5):
         _save(root, step, keep_last=2)
     assert [p.name for p in list_checkpoints(root)] == ["step_00000004", "step_00000005"]
+    (root / ".step_00000003.old-0123abcd").mkdir()  # a replaced copy a crash left behind
     save_checkpoint(root, 5, {"x": torch.ones(2)}, keep_last=2)  # a resumed run saves step 5 again
     assert Checkpoint(latest_checkpoint(root)).names() == ["x"]
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000005"]
