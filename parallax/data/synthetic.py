@@ -111,6 +111,14 @@ class Scene:
         return f"{self.verb} the {self.colours[self.target]} {self.shapes[self.target]}"
 
 
+def _span(coords: np.ndarray, centre: float, extent: float) -> slice:
+    """Indices of the sorted ``coords`` within ``extent`` of ``centre``, plus one on each side
+    (the masks drawn in the window decide exactly)."""
+    lo = np.searchsorted(coords, centre - extent, side="left") - 1
+    hi = np.searchsorted(coords, centre + extent, side="right") + 1
+    return slice(max(int(lo), 0), int(hi))
+
+
 def expert_action(gripper: np.ndarray, target: np.ndarray, pick: bool, cfg: SyntheticConfig):
     """The scripted policy: 7-D action for a gripper at ``gripper`` going to ``target``."""
     offset = (target - gripper) / cfg.max_step  # (2,) in steps
@@ -136,8 +144,7 @@ class SyntheticTask:
         self.config = config
         self.name = config.name
         size = config.image_size
-        centres = (np.arange(size, dtype=np.float32) + 0.5) / size
-        self._ys, self._xs = np.meshgrid(centres, centres, indexing="ij")  # (S, S) each
+        self._centres = (np.arange(size, dtype=np.float32) + 0.5) / size  # (S,)
 
     def __len__(self) -> int:
         return self.config.num_episodes * self.config.episode_length
@@ -193,27 +200,29 @@ class SyntheticTask:
         """The camera image at ``step``: (S, S, 3) uint8."""
         rng = np.random.default_rng([self.config.seed, episode, step + 1])
         gx, gy = scene.gripper[step]
-        xs, ys = self._xs, self._ys  # pixel centres in [0, 1]
+        xs = ys = self._centres  # (S,) pixel centres in [0, 1]: x by column, y by row
         if self.config.camera == "wrist":  # the view (one table wide) moves with the gripper
             xs, ys = xs - 0.5 + gx, ys - 0.5 + gy
-        on_table = (xs >= 0) & (xs <= 1) & (ys >= 0) & (ys <= 1)
+        on_table = ((ys >= 0) & (ys <= 1))[:, None] & ((xs >= 0) & (xs <= 1))[None, :]  # (S, S)
         image = np.where(on_table[..., None], np.float32(TABLE), np.float32(FLOOR))  # (S, S, 3)
         image = image.astype(np.float32) * scene.brightness
         image += rng.uniform(-6.0, 6.0, image.shape).astype(np.float32)
         r = OBJECT_RADIUS
         for colour, shape, (cx, cy) in zip(scene.colours, scene.shapes, scene.positions):
-            dx, dy = xs - cx, ys - cy
+            rows, cols = _span(ys, cy, 1.1 * r), _span(xs, cx, 1.1 * r)  # the object's box
+            dx, dy = xs[cols][None, :] - cx, ys[rows][:, None] - cy  # (1, w), (h, 1)
             if shape == "cube":
                 mask = (np.abs(dx) <= 0.85 * r) & (np.abs(dy) <= 0.85 * r)
             elif shape == "ball":
                 mask = dx * dx + dy * dy <= r * r
             else:  # triangle, apex up, centred in its bounding box
                 mask = (np.abs(dy) <= 0.85 * r) & (np.abs(dx) <= (dy + 0.85 * r) * 0.6)
-            image[mask] = COLOURS[colour]
-        dx, dy = np.abs(xs - gx), np.abs(ys - gy)
-        arm, half_width = 0.06, max(0.012, 0.6 / xs.shape[0])
+            image[rows, cols][mask] = COLOURS[colour]
+        arm, half_width = 0.06, max(0.012, 0.6 / len(xs))
+        rows, cols = _span(ys, gy, arm), _span(xs, gx, arm)
+        dx, dy = np.abs(xs[cols][None, :] - gx), np.abs(ys[rows][:, None] - gy)  # (1, w), (h, 1)
         cross = ((dx <= arm) & (dy <= half_width)) | ((dy <= arm) & (dx <= half_width))
-        image[cross] = GRIPPER
+        image[rows, cols][cross] = GRIPPER
         return torch.from_numpy(np.clip(image, 0, 255).round().astype(np.uint8))
 
     def episode(self, episode: int) -> Episode:
