@@ -1,0 +1,88 @@
+"""Small helpers for writing files so that a crash never leaves a half-written file in place.
+
+The pattern everywhere in parallax: write under a temporary name, ``fsync`` the data, rename it
+into place (atomic on POSIX within one filesystem), then ``fsync`` the parent directory so the
+rename itself survives a power loss. Readers only ever see a complete file or the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (new names, renames) to disk; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_sibling(path: str | os.PathLike, tag: str = "tmp") -> Path:
+    """A unique name next to ``path`` (same directory, so a rename is atomic)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the directory."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Serialise first (so an unserialisable object fails before anything is touched), then
+    write atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Rename a fully written (and fsynced) directory ``tmp`` to ``final``.
+
+    An existing ``final`` is first moved aside and deleted only once the new one is in place,
+    so at every instant one complete copy exists on disk.
+    """
+    tmp, final = Path(tmp), Path(final)
+    old = None
+    if final.exists():
+        old = temp_sibling(final, "old")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,156 @@
+"""Open a checkpoint lazily, validate it up front, and read full tensors or slices of them.
+
+Opening checks everything that can be checked without reading tensor data: the directory,
+``index.json`` and ``meta.json``, that every file the index names exists, and that each file's
+safetensors header matches its size and the index (catching truncated and corrupt shards). So
+a bad checkpoint fails with one :class:`CheckpointError` naming the file or tensor before
+training starts. Reads are memory-mapped, and a slice reads only its bytes, which is how a
+rank of another layout takes just its tp/dp share.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from parallax.checkpoint.store import FORMAT, INDEX, META
+from parallax.checkpoint.stream import DTYPE_NAMES, CheckpointError, read_header
+
+Index = int | slice | tuple[int | slice, ...]
+
+
+def _load_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent} has no {path.name} ({what}); incomplete checkpoint")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: corrupt ({err})") from None
+
+
+class Checkpoint:
+    """A complete checkpoint directory, opened read-only (see module doc)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        index = _load_json(self.path / INDEX, "the tensor index")
+        self.meta: dict[str, Any] = _load_json(self.path / META, "the metadata")
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path / INDEX}: not a {FORMAT!r} index")
+        try:
+            self.weight_map: dict[str, str] = dict(index["weight_map"])
+            self.tensors: dict[str, dict[str, Any]] = dict(index["tensors"])
+            files: dict[str, int] = dict(index["files"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{self.path / INDEX}: corrupt ({err!r})") from None
+        self.step = int(self.meta.get("step", index.get("step", -1)))
+        by_file: dict[str, list[str]] = {file: [] for file in files}
+        for name, file in self.weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in sorted(by_file.items()):
+            self._check_file(file, files.get(file), names)
+        self._handles: dict[str, Any] = {}
+
+    def _check_file(self, file: str, size: int | None, names: list[str]) -> None:
+        path = self.path / file
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard file named by {INDEX} is missing")
+        header = read_header(path)
+        if size is not None and path.stat().st_size != size:
+            raise CheckpointError(
+                f"{path}: {path.stat().st_size} bytes, the index says {size} (truncated?)"
+            )
+        for name in names:
+            info, want = header.get(name), self.tensors.get(name)
+            if (
+                info is None
+                or want is None
+                or [info["dtype"], info["shape"]]
+                != [
+                    want["dtype"],
+                    want["shape"],
+                ]
+            ):
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is missing or differs from {INDEX} "
+                    f"(file: {info and [info['dtype'], info['shape']]}, index: {want})"
+                )
+
+    # -- what is inside -------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return sorted(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._info(name)["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPE_NAMES[self._info(name)["dtype"]]
+
+    def _info(self, name: str) -> dict[str, Any]:
+        if name not in self.weight_map:
+            close = difflib.get_close_matches(name, self.weight_map, n=3)
+            hint = f"; close names: {close}" if close else ""
+            raise CheckpointError(
+                f"tensor {name!r} is not in checkpoint {self.path} "
+                f"({len(self.weight_map)} tensors{hint})"
+            )
+        return self.tensors[name]
+
+    def require(self, names: Iterable[str]) -> None:
+        """Fail before training if any of ``names`` is absent (all missing ones are listed)."""
+        missing = [n for n in names if n not in self.weight_map]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise CheckpointError(
+                f"checkpoint {self.path} lacks {len(missing)} tensors: {shown}{more}"
+            )
+
+    # -- reading --------------------------------------------------------------------------
+    def get(self, name: str, index: Index | None = None) -> torch.Tensor:
+        """The full tensor ``name``, or ``tensor[index]`` (basic slicing) reading only that part."""
+        self._info(name)
+        handle = self._handle(self.weight_map[name])
+        if index is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
+
+    def shard(self, name: str, dim: int, rank: int, world: int) -> torch.Tensor:
+        """Rank ``rank``'s equal chunk of ``name`` along ``dim`` (for tp/dp re-sharding)."""
+        shape = self.shape(name)
+        dim = dim % len(shape)
+        if shape[dim] % world:
+            raise CheckpointError(
+                f"tensor {name!r}: dim {dim} of size {shape[dim]} does not split into {world}"
+            )
+        size = shape[dim] // world
+        index = (slice(None),) * dim + (slice(rank * size, (rank + 1) * size),)
+        return self.get(name, index)
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, step={self.step}, tensors={len(self.weight_map)})"

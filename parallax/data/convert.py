@@ -1,0 +1,181 @@
+"""Write a dataset in the parallax episode format (see :mod:`parallax.data.episodes`).
+
+From a folder of episodes::
+
+    python -m parallax.data.convert folder SRC OUT [--name NAME] [--image-size H [W]]
+
+    SRC/
+      instructions.json           optional: {"<episode folder>": "<instruction>", ...}
+      <episode folder>/           one per episode, taken in sorted name order
+        instruction.txt           the instruction (unless instructions.json has it)
+        actions.npy | actions.csv (T, 7) numbers; a CSV may have one header line
+        images.npy                (T, H, W, 3) uint8, or
+        images/                   T frames in name order: .npy (H, W, 3) uint8, or .png / .jpg
+                                  (PNG and JPEG need Pillow: pip install pillow)
+
+From the built-in synthetic task (to see the format, or to train from disk)::
+
+    python -m parallax.data.convert synthetic OUT [--episodes 100] [--image-size 64] [--seed 0]
+
+``--image-size`` resizes every frame (bilinear, antialiased) so that episodes of different
+cameras share one shape. Nothing is pickled; the output appears only once it is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from parallax.data.episodes import Episode, write_dataset
+from parallax.data.stats import DatasetError
+from parallax.data.synthetic import SyntheticTask
+
+log = logging.getLogger(__name__)
+FRAME_SUFFIXES = (".npy", ".png", ".jpg", ".jpeg")
+
+
+def _natural_key(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def _read_frame(path: Path) -> np.ndarray:
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DatasetError(
+            f"{path}: reading {path.suffix} frames needs Pillow (pip install pillow); "
+            "or save the frames as .npy arrays (H, W, 3) uint8"
+        ) from None
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def _read_images(ep_dir: Path) -> np.ndarray:
+    if (ep_dir / "images.npy").is_file():
+        return np.load(ep_dir / "images.npy", allow_pickle=False)
+    frames_dir = ep_dir / "images"
+    frames = sorted(
+        (p for p in frames_dir.glob("*") if p.suffix.lower() in FRAME_SUFFIXES), key=_natural_key
+    )
+    if not frames:
+        raise DatasetError(
+            f"{ep_dir}: no images.npy and no frames ({', '.join(FRAME_SUFFIXES)}) in images/"
+        )
+    return np.stack([_read_frame(p) for p in frames])
+
+
+def _read_actions(ep_dir: Path) -> np.ndarray:
+    if (ep_dir / "actions.npy").is_file():
+        return np.load(ep_dir / "actions.npy", allow_pickle=False)
+    path = ep_dir / "actions.csv"
+    if not path.is_file():
+        raise DatasetError(f"{ep_dir}: no actions.npy or actions.csv")
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    try:
+        float(lines[0].split(",")[0])
+    except (ValueError, IndexError):
+        lines = lines[1:]  # a header line
+    try:
+        return np.array([[float(v) for v in ln.split(",")] for ln in lines], dtype=np.float32)
+    except ValueError as err:
+        raise DatasetError(f"{path}: not a CSV of numbers ({err})") from None
+
+
+def _resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(T, H, W, 3) uint8 -> (T, h, w, 3) uint8."""
+    x = images.permute(0, 3, 1, 2).float()  # (T, 3, H, W)
+    x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def read_folder(src: str | Path, image_size: tuple[int, int] | None = None) -> Iterator[Episode]:
+    """Episodes of a source folder laid out as in the module doc, one at a time."""
+    src = Path(src)
+    if not src.is_dir():
+        raise DatasetError(f"source folder {src} does not exist")
+    ep_dirs = sorted((p for p in src.iterdir() if p.is_dir()), key=_natural_key)
+    if not ep_dirs:
+        raise DatasetError(f"{src} has no episode folders")
+    names: dict[str, str] = {}
+    if (src / "instructions.json").is_file():
+        names = json.loads((src / "instructions.json").read_text())
+    for ep_dir in ep_dirs:
+        if ep_dir.name in names:
+            instruction = names[ep_dir.name]
+        elif (ep_dir / "instruction.txt").is_file():
+            instruction = (ep_dir / "instruction.txt").read_text().strip()
+        else:
+            raise DatasetError(f"{ep_dir}: no instruction.txt and no entry in instructions.json")
+        images = np.asarray(_read_images(ep_dir))
+        if images.dtype != np.uint8:
+            raise DatasetError(f"{ep_dir}: images must be uint8 RGB, got {images.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(images))
+        if image_size is not None and tensor.ndim == 4 and tuple(tensor.shape[1:3]) != image_size:
+            tensor = _resize(tensor, image_size)
+        actions = torch.from_numpy(np.asarray(_read_actions(ep_dir), dtype=np.float32))
+        yield Episode(tensor, actions, instruction)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m parallax.data.convert",
+        description="Write a dataset in the parallax episode format.",
+    )
+    sub = parser.add_subparsers(dest="source", required=True)
+    folder = sub.add_parser("folder", help="convert a folder of episodes (see the module doc)")
+    folder.add_argument("src", type=Path)
+    folder.add_argument("out", type=Path)
+    folder.add_argument("--name", default=None, help="dataset name (default: OUT's name)")
+    folder.add_argument("--image-size", type=int, nargs="+", metavar="H [W]")
+    synth = sub.add_parser("synthetic", help="export the built-in synthetic task")
+    synth.add_argument("out", type=Path)
+    synth.add_argument("--episodes", type=int, default=100)
+    synth.add_argument("--episode-length", type=int, default=5)
+    synth.add_argument("--image-size", type=int, default=64)
+    synth.add_argument("--camera", choices=("wrist", "static"), default="wrist")
+    synth.add_argument("--seed", type=int, default=0)
+    for p in (folder, synth):
+        p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.source == "synthetic":
+            task = SyntheticTask(
+                seed=args.seed,
+                num_episodes=args.episodes,
+                episode_length=args.episode_length,
+                image_size=args.image_size,
+                camera=args.camera,
+            )
+            out = write_dataset(args.out, task.episodes(), task.name, args.overwrite)
+        else:
+            size = args.image_size
+            if size is not None and len(size) not in (1, 2):
+                raise DatasetError(f"--image-size takes H or H W, got {size}")
+            size = None if size is None else (size[0], size[-1])
+            name = args.name or args.out.name
+            out = write_dataset(args.out, read_folder(args.src, size), name, args.overwrite)
+    except (DatasetError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
