@@ -63,11 +63,24 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.lr_schedule not in LR_SCHEDULES:
-            problems.append(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        for name in ("steps", "global_batch_size", "micro_batch_size", "chunks", "tp", "pp",
-                     "log_interval", "save_interval", "keep_last"):
+            problems.append(
+                f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
+            )
+        for name in (
+            "steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "chunks",
+            "tp",
+            "pp",
+            "log_interval",
+            "save_interval",
+            "keep_last",
+        ):
             if getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                problems.append(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         if self.dp is not None and self.dp < 1:
             problems.append(f"--dp must be >= 1, got {self.dp}")
         if self.chunks > 1 and self.schedule != "interleaved":
@@ -92,41 +105,89 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--pp", type=int, help=f"pipeline stages (default {d.pp})")
     g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp*pp))")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help=f"tiny, openvla-7b, or an OpenVLA checkpoint dir (default {d.model})")
+    g.add_argument(
+        "--model", help=f"tiny, openvla-7b, or an OpenVLA checkpoint dir (default {d.model})"
+    )
     g.add_argument("--data", help=f"synthetic or a dataset dir (default {d.data})")
-    g.add_argument("--freeze-vision", action="store_true", default=None,
-                   help="freeze both vision towers")
+    g.add_argument(
+        "--freeze-vision", action="store_true", default=None, help="freeze both vision towers"
+    )
     g.add_argument("--precision", choices=PRECISIONS, help=f"default {d.precision}")
-    g.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="recompute each block's activations in the backward pass")
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each block's activations in the backward pass",
+    )
     g = p.add_argument_group("schedule")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    g.add_argument("--global-batch-size", type=int, help=f"samples per step (default {d.global_batch_size})")
-    g.add_argument("--micro-batch-size", type=int, help=f"samples per microbatch (default {d.micro_batch_size})")
-    g.add_argument("--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})")
+    g.add_argument(
+        "--global-batch-size", type=int, help=f"samples per step (default {d.global_batch_size})"
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help=f"samples per microbatch (default {d.micro_batch_size})",
+    )
+    g.add_argument(
+        "--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})"
+    )
     g.add_argument("--chunks", type=int, help="model chunks per pipeline rank (interleaved)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    g.add_argument("--min-lr", type=float, help=f"final lr of the cosine schedule (default {d.min_lr})")
-    g.add_argument("--warmup-steps", type=int, help=f"linear warm-up steps (default {d.warmup_steps})")
+    g.add_argument(
+        "--min-lr", type=float, help=f"final lr of the cosine schedule (default {d.min_lr})"
+    )
+    g.add_argument(
+        "--warmup-steps", type=int, help=f"linear warm-up steps (default {d.warmup_steps})"
+    )
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES, help=f"default {d.lr_schedule}")
-    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices (default {d.weight_decay})")
-    g.add_argument("--grad-clip", type=float, help=f"global grad-norm clip, 0 = off (default {d.grad_clip})")
-    g.add_argument("--no-overlap", dest="overlap_grad_reduce", action="store_false", default=None,
-                   help="reduce gradients after the backward instead of during it")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        help=f"AdamW weight decay on matrices (default {d.weight_decay})",
+    )
+    g.add_argument(
+        "--grad-clip", type=float, help=f"global grad-norm clip, 0 = off (default {d.grad_clip})"
+    )
+    g.add_argument(
+        "--no-overlap",
+        dest="overlap_grad_reduce",
+        action="store_false",
+        default=None,
+        help="reduce gradients after the backward instead of during it",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, help=f"seed of weights and data (default {d.seed})")
     g.add_argument("--out", help=f"output dir: metrics.jsonl, checkpoints/ (default {d.out})")
-    g.add_argument("--resume", action="store_true", default=None,
-                   help="continue from the latest checkpoint in --out (any layout)")
-    g.add_argument("--save-interval", type=int, help=f"checkpoint every N steps (default {d.save_interval})")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="continue from the latest checkpoint in --out (any layout)",
+    )
+    g.add_argument(
+        "--save-interval", type=int, help=f"checkpoint every N steps (default {d.save_interval})"
+    )
     g.add_argument("--keep-last", type=int, help=f"checkpoints to keep (default {d.keep_last})")
-    g.add_argument("--log-interval", type=int, help=f"print every N steps (default {d.log_interval})")
-    g.add_argument("--timeout", type=float, help=f"collective timeout in seconds (default {d.timeout:g})")
-    g.add_argument("--export-hf", action="store_true", default=None,
-                   help="also write the final weights in the Hugging Face OpenVLA layout")
-    g.add_argument("--dry-run", action="store_true", default=None,
-                   help="print the plan (layout, stages, memory, schedule) and exit")
+    g.add_argument(
+        "--log-interval", type=int, help=f"print every N steps (default {d.log_interval})"
+    )
+    g.add_argument(
+        "--timeout", type=float, help=f"collective timeout in seconds (default {d.timeout:g})"
+    )
+    g.add_argument(
+        "--export-hf",
+        action="store_true",
+        default=None,
+        help="also write the final weights in the Hugging Face OpenVLA layout",
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=None,
+        help="print the plan (layout, stages, memory, schedule) and exit",
+    )
     return p
 
 
