@@ -10,13 +10,13 @@ say so; ``torchrun --max-restarts N ... --resume`` then carries on from the last
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
 from parallax import comm
@@ -182,9 +182,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a broken group cannot always be torn down
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group cannot always be torn down
-                pass
-        del ctx
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -78,8 +78,13 @@ class Monitor:
         self._console = self._progress = None
         if self.active:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            from rich.progress import TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self._console = Console()
             if self._console.is_terminal:  # a live bar for people; plain lines for logs
