@@ -120,6 +120,28 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def _launcher_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, the launcher's store with a prefix of our own per restart attempt.
+
+    After ``torchrun --max-restarts`` restarts the workers, the default ``env://`` path of the
+    torch releases we run on can hand the new workers the dead ones' gloo addresses, and
+    ``init_process_group`` then fails with "connection refused". Keys under
+    ``parallax/attempt_<n>`` are never stale. Outside torchrun: ``None`` (plain ``env://``).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"parallax/attempt_{attempt}", store)
+
+
 def init_parallel(
     tp: int = 1,
     pp: int = 1,
@@ -162,7 +184,13 @@ def init_parallel(
         if world == 1 and "MASTER_ADDR" not in os.environ:
             return ParallelContext(dims=dims, device=device, timeout=timeout)
         backend = backend or ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timeout,
+            rank=rank,
+            world_size=world,
+            store=_launcher_store(rank, world, timeout),
+        )
     backend = dist.get_backend()
 
     groups: dict[str, Group] = {}

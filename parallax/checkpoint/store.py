@@ -165,13 +165,22 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (temp dirs of crashed writes ignored), or
-    ``None`` when there is none. ``root`` that exists but is not a directory is an error."""
+    """The newest published checkpoint under ``root``, or ``None`` when there is none.
+
+    Staging directories of crashed writes are ignored: they were never published. A published
+    step directory is returned even when files have since gone missing, so that opening it
+    (:class:`~parallax.checkpoint.Checkpoint`) reports the damage instead of a run silently
+    falling back to an older step and later overwriting the damaged one. ``root`` that exists
+    but is not a directory is an error."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} is not a directory")
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()
+    ]
+    return max(found)[1] if found else None
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:

@@ -66,6 +66,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
     over dp in its backward must build the same graph on every dp rank, or use overlap=False.
     """
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
     def __init__(
         self,
         params: Iterable,
@@ -122,9 +146,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
         )
         # The torch.optim.Optimizer interface (LR schedulers use it) is the wrapped optimizer's
-        # groups and state; Optimizer.__init__ is not called, it would register our parameters.
-        self.defaults = self.inner.defaults
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        # groups, state and defaults, through properties: load_state_dict replaces the inner
+        # lists, and a scheduler must keep steering the groups the inner optimizer really uses.
+        # Optimizer.__init__ is not called, it would register our parameters.
         for kind in ("step", "state_dict", "load_state_dict"):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())

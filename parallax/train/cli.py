@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +55,12 @@ def agree(ctx: ParallelContext, what: str, fn: Callable[[], T]) -> T:
     return value
 
 
-def run(cfg: TrainConfig, ctx: ParallelContext) -> dict[str, float]:
-    """Train as ``cfg`` says on this rank; returns the last step's metrics."""
+def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -> dict[str, float]:
+    """Train as ``cfg`` says on this rank; returns the last step's metrics.
+
+    ``stop_after`` ends this invocation after that many steps (after saving a checkpoint), as a
+    preemption would: a later ``--resume`` carries on with the same schedule.
+    """
     out = Path(cfg.out)
     model_config, checkpoint_dir = agree(ctx, "--model", lambda: resolve_model_config(cfg.model))
     data = agree(ctx, "--data", lambda: load_dataset(cfg.data, seed=cfg.seed))
@@ -114,9 +120,12 @@ def run(cfg: TrainConfig, ctx: ParallelContext) -> dict[str, float]:
             tokens = sum(mb["input_ids"].numel() for mb in microbatches) * ctx.dp_size
             tokens += cfg.global_batch_size * model_config.num_patches
             monitor.record(step, trainer.train_step(microbatches), tokens)
-            if step % cfg.save_interval == 0 or step == cfg.steps:
+            stopping = stop_after is not None and step - start >= stop_after
+            if step % cfg.save_interval == 0 or step == cfg.steps or stopping:
                 monitor.flush()
                 state.save(trainer, step, loader, {"metrics": monitor.last})
+            if stopping:
+                break
     finally:
         monitor.close()
     if cfg.export_hf:
@@ -143,6 +152,18 @@ def export_hf(trainer: Trainer, path: Path) -> None:
         log.info("exported the Hugging Face checkpoint to %s", path)
 
 
+def _on_sigterm(signum, frame) -> None:
+    rank = os.environ.get("RANK", "?")
+    print(
+        f"parallax.train: rank {rank} terminated by the launcher (SIGTERM), most likely "
+        "because another rank failed; restart with --resume to continue from the last "
+        "checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(143)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m parallax.train`` and ``parallax-train``."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -160,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parallax.train: error: {err}", file=sys.stderr)
             return 2
         return 0
+    signal.signal(signal.SIGTERM, _on_sigterm)
     ctx = None
     try:
         ctx = init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, timeout=cfg.timeout)

@@ -124,3 +124,30 @@ def test_unnamed_parameters_use_positions():
     opt = ZeroOptimizer(groups(build(), named=False), torch.optim.SGD, ctx, lr=0.1, momentum=0.9)
     assert opt.names[0] == "1"  # position 0 (frozen.weight) is not trainable
     assert opt.state_meta()["keys"]["1"] == ["master"]  # no momentum before the first step
+
+
+def test_lr_scheduler_keeps_steering_after_load():
+    """load_state_dict replaces the wrapped optimizer's groups; a scheduler built before must
+    still set the lr the wrapped optimizer steps with (it once kept steering stale groups)."""
+    import torch
+
+    from parallax import ParallelContext
+    from parallax.optim import ZeroOptimizer
+
+    model = torch.nn.Linear(3, 2)
+    ctx = ParallelContext.local()
+    opt = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, ctx, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+
+    opt2 = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, ctx, lr=1.0)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda step: 0.5**step)
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    assert opt2.inner.param_groups[0]["lr"] == 0.5
+    sched2.step()
+    assert opt2.param_groups is opt2.inner.param_groups
+    assert opt2.inner.param_groups[0]["lr"] == 0.25

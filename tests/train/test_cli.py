@@ -1,0 +1,299 @@
+"""The command a user types: torchrun -m parallax.train, its files, its failures, resume."""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+KEYS = {"step", "loss", "action_accuracy", "l1", "lr", "grad_norm", "tokens_per_s", "mfu"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(nproc: int, *args: str, extra: tuple = (), timeout: float = 240, **kw):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *extra,
+        "-m",
+        "parallax.train",
+        *args,
+    ]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def single(*args: str, timeout: float = 120):
+    cmd = [sys.executable, "-m", "parallax.train", *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+RUN = (
+    "--steps",
+    "12",
+    "--global-batch-size",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--save-interval",
+    "6",
+    "--log-interval",
+    "6",
+    "--warmup-steps",
+    "2",
+    "--lr",
+    "2e-3",
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The README's CI command: tp2 pp2 dp2 on 8 CPU ranks, a short run."""
+    out = tmp_path_factory.mktemp("tp2pp2dp2")
+    proc = torchrun(8, "--tp", "2", "--pp", "2", "--dp", "2", "--out", str(out), *RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, metrics(out)
+
+
+def test_default_command_learns_and_logs(reference):
+    out, rows = reference
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert all(KEYS <= r.keys() for r in rows)
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000006",
+        "step_00000012",
+    ]
+
+
+def _run_in_pool(tp, pp, dp, out, stop_after=None, resume=False):
+    from parallax.testing import context
+    from parallax.train.cli import run
+    from parallax.train.config import parse_args
+
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    cfg = parse_args(
+        ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN]
+        + (["--resume"] if resume else [])
+    )
+    run(cfg, ctx, stop_after=stop_after)
+    return True
+
+
+def _losses(out: Path, start: int = 1) -> list[float]:
+    return [r["loss"] for r in metrics(out) if r["step"] >= start]
+
+
+def test_resume_same_and_other_layout_matches_uninterrupted(reference, tmp_path):
+    from parallax.testing import run_ranks
+
+    _, ref = reference
+    later = [r["loss"] for r in ref if r["step"] > 6]
+    # interrupted after step 6 at tp2 pp2, resumed at dp2 (another layout) ...
+    run_ranks(_run_in_pool, 4, 2, 2, 1, str(tmp_path / "a"), 6)
+    run_ranks(_run_in_pool, 2, 1, 1, 2, str(tmp_path / "a"), None, True)
+    # ... and interrupted at dp2, resumed at dp2 (the same layout)
+    run_ranks(_run_in_pool, 2, 1, 1, 2, str(tmp_path / "b"), 6)
+    run_ranks(_run_in_pool, 2, 1, 1, 2, str(tmp_path / "b"), None, True)
+    for name in ("a", "b"):
+        steps = [r["step"] for r in metrics(tmp_path / name)]
+        assert steps == list(range(1, 13)), steps
+        assert _losses(tmp_path / name, 7) == pytest.approx(later, rel=1e-4)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _kill_one_worker(launcher: subprocess.Popen) -> None:
+    """SIGKILL one training worker (a child of torchrun's agent)."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert children, "no worker processes found"
+    os.kill(int(children[-1]), signal.SIGKILL)
+
+
+def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_path):
+    _, ref = reference
+    args = ("--out", str(tmp_path / "k"), *RUN, "--save-interval", "3")
+    # without restarts: the run stops promptly and says why
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "parallax.train",
+            *args,
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000003", launcher)
+    _kill_one_worker(launcher)
+    t0 = time.monotonic()
+    _, err = launcher.communicate(timeout=90)
+    assert launcher.returncode != 0 and time.monotonic() - t0 < 60
+    assert "parallax.train: rank" in err or "ChildFailedError" in err, err[-2000:]
+    # torchrun --max-restarts with --resume carries on from the last checkpoint
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "-m",
+            "parallax.train",
+            *args,
+            "--resume",
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000009", launcher)
+    _kill_one_worker(launcher)
+    _, err = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, err[-3000:]
+    rows = metrics(tmp_path / "k")
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_launch_on_one_machine(tmp_path):
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={n}",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "parallax.train",
+                "--tp",
+                "2",
+                "--dp",
+                "2",
+                "--steps",
+                "3",
+                "--global-batch-size",
+                "8",
+                "--micro-batch-size",
+                "2",
+                "--out",
+                str(tmp_path / "nodes"),
+            ],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2, 3]
+
+
+def test_bad_layout_fails_on_every_rank(tmp_path):
+    proc = torchrun(2, "--tp", "3", "--out", str(tmp_path))
+    assert proc.returncode != 0
+    assert proc.stderr.count("world size 2 is not divisible by tp*pp = 3*1") == 2, proc.stderr
+
+
+def test_bad_inputs_fail_before_training(tmp_path):
+    cases = [
+        (["--global-batch-size", "30", "--micro-batch-size", "4"], "not divisible by micro batch"),
+        (["--data", str(tmp_path / "nope")], "nope"),
+        (["--model", "llama-9000"], "neither a preset"),
+        (["--schedule", "1f1b", "--pp", "2"], "world size 1"),
+        (["--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
+    ]
+    for args, message in cases:
+        proc = single("--out", str(tmp_path / "o"), *args)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+        assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path):
+    import shutil
+
+    src, _ = reference
+    for damage, message in (("truncate", "shard-00000.safetensors"), ("meta", "meta.json")):
+        out = tmp_path / damage
+        shutil.copytree(src / "checkpoints", out / "checkpoints")
+        last = out / "checkpoints" / "step_00000012"
+        if damage == "truncate":
+            shard = last / "shard-00000.safetensors"
+            shard.write_bytes(shard.read_bytes()[:-100])
+        else:
+            (last / "meta.json").unlink()
+        before = _digest(out)
+        proc = single("--out", str(out), *RUN, "--resume", "--steps", "14")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert message in proc.stderr, proc.stderr[-2000:]
+        assert _digest(out) == before  # nothing written, nothing removed
+
+
+def test_dry_run_prints_the_plan():
+    proc = single("--dry-run", "--tp", "2", "--pp", "2", "--dp", "2")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("tp2 pp2 dp2 = 8 ranks", "vision", "head", "rank 1 | 1F0", "bubble"):
+        assert text in proc.stdout, proc.stdout
+
+
+def test_toml_config_and_flag_override(tmp_path):
+    from parallax.train.config import parse_args
+
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nglobal-batch-size = 64\nschedule = "gpipe"\n')
+    cfg = parse_args(["--config", str(path), "--steps", "9"])
+    assert (cfg.steps, cfg.global_batch_size, cfg.schedule) == (9, 64, "gpipe")
+    path.write_text("stepz = 3\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_args(["--config", str(path)])
