@@ -120,7 +120,9 @@ def fmt(value: object) -> str:
     return str(value)
 
 
-def print_table(title: str, columns: list[str], rows: list[list[object]]) -> None:
+def print_table(
+    title: str, columns: list[str], rows: list[list[object]], width: int | None = None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -129,7 +131,7 @@ def print_table(title: str, columns: list[str], rows: list[list[object]]) -> Non
         table.add_column(col)
     for row in rows:
         table.add_row(*(fmt(v) for v in row))
-    Console(width=max(120, Console().width)).print(table)
+    Console(width=width or max(120, Console().width)).print(table)
 
 
 def append_results(
@@ -154,11 +156,14 @@ def append_results(
     with open(RESULTS_MD, "a") as f:
         f.write("\n".join(lines) + "\n")
     if records:
-        with open(RESULTS_JSONL, "a") as f:
-            for rec in records:
-                f.write(
-                    json.dumps(
-                        {**{k: info[k] for k in ("run_id", "date", "commit", "hardware")}, **rec}
-                    )
-                    + "\n"
-                )
+        append_records(records, info)
+
+
+def append_records(records: list[dict], info: dict[str, str] | None = None) -> None:
+    """Append one JSON line per record to results.jsonl, led by run id, date, commit, hardware
+    (scripts that may not live to the end write each row as soon as it is measured)."""
+    info = info or env_info()
+    with open(RESULTS_JSONL, "a") as f:
+        for rec in records:
+            head = {k: info[k] for k in ("run_id", "date", "commit", "hardware")}
+            f.write(json.dumps({**head, **rec}) + "\n")
