@@ -1,0 +1,5 @@
+import sys
+
+from parallax.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""Raw samples (image, instruction, action) -> the tensors OpenVLA trains on.
+
+As OpenVLA's own pipeline does: actions are normalised with the dataset's q01/q99 bounds and
+turned into action tokens, the prompt ``In: What action should the robot take to {instruction}?
+Out:`` is tokenised, only the 7 action tokens and the closing EOS carry labels, sequences are
+right-padded with the pad id (labels -100), and the image is resized and normalised for both
+vision towers (6 channels).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from parallax.models import OpenVLAConfig
+from parallax.models.action_tokenizer import ActionTokenizer, normalize_actions
+from parallax.models.preprocess import pixel_values
+from parallax.models.tokenizer import IGNORE_INDEX, TinyTokenizer, get_tokenizer, training_example
+
+log = logging.getLogger(__name__)
+
+
+def text_tokenizer(config: OpenVLAConfig, checkpoint_dir=None):
+    """The checkpoint's tokenizer when one can be loaded, else parallax's character-level one.
+
+    The fallback keeps every id below 256, so it fits any vocabulary; it is what the ``tiny``
+    preset uses and what a randomly initialised ``openvla-7b`` can train on. A real OpenVLA
+    checkpoint needs its own tokenizer (``pip install tokenizers``).
+    """
+    tok = get_tokenizer(config, checkpoint_dir)
+    if tok is not None:
+        return tok
+    if checkpoint_dir is not None:
+        raise ValueError(
+            f"cannot load the tokenizer of {checkpoint_dir}: install the optional `tokenizers` "
+            "(or `sentencepiece`) package, and make sure tokenizer.json is in the directory"
+        )
+    log.info("no text tokenizer for this model: using the built-in character-level tokenizer")
+    return TinyTokenizer()
+
+
+class BatchBuilder:
+    """Turns lists of raw samples into ``{"pixel_values", "input_ids", "labels"}`` tensors."""
+
+    def __init__(self, config: OpenVLAConfig, stats: Mapping, tokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.action_tokenizer = ActionTokenizer.from_config(config)
+        if len(stats) != 1:
+            raise ValueError(f"expected statistics of one dataset, got {sorted(stats)}")
+        self.action_stats = next(iter(stats.values()))["action"]
+
+    def __call__(self, samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
+        ids, labels = [], []
+        for s in samples:
+            action = normalize_actions(np.asarray(s["action"], dtype=np.float64), self.action_stats)
+            i, lab = training_example(
+                self.tokenizer, self.action_tokenizer, s["instruction"], action
+            )
+            ids.append(i)
+            labels.append(lab)
+        width = max(len(i) for i in ids)
+        pad = self.config.pad_token_id
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
+        label_t = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (i, lab) in enumerate(zip(ids, labels)):
+            input_ids[row, : len(i)] = torch.tensor(i)
+            label_t[row, : len(lab)] = torch.tensor(lab)
+        images = [torch.as_tensor(s["image"]) for s in samples]
+        return {
+            "pixel_values": pixel_values(images, self.config),  # (b, 6, S, S)
+            "input_ids": input_ids,  # (b, t)
+            "labels": label_t,  # (b, t)
+        }

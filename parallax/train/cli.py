@@ -1,0 +1,186 @@
+"""``torchrun -m parallax.train``: parse flags, build, train, log, checkpoint, resume.
+
+Every failure that a user can cause (a bad layout, batch sizes that do not divide, a missing
+dataset, a corrupt or partial checkpoint) ends with one clear message and exit status 2,
+before training starts and without touching existing checkpoints. Ranks agree on such errors
+before any collective that depends on them, so none is left waiting. A peer that dies or hangs
+mid-run ends the others' collectives within ``--timeout`` seconds: they exit with status 1 and
+say so; ``torchrun --max-restarts N ... --resume`` then carries on from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from parallax import comm
+from parallax.checkpoint import CheckpointError
+from parallax.context import ParallelContext, init_parallel
+from parallax.data import BatchLoader, DatasetError, load_dataset
+from parallax.train import state
+from parallax.train.batches import BatchBuilder, text_tokenizer
+from parallax.train.config import TrainConfig, parse_args
+from parallax.train.monitor import Monitor, truncate_metrics
+from parallax.train.trainer import Trainer, resolve_model_config
+
+log = logging.getLogger("parallax.train")
+T = TypeVar("T")
+
+USER_ERRORS = (ValueError, CheckpointError, DatasetError, FileNotFoundError)
+
+
+class UserError(Exception):
+    """A problem with the run's inputs, agreed on by every rank."""
+
+
+def agree(ctx: ParallelContext, what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it fails with a user error on any rank, raise that error's
+    message on all of them (so no rank walks into a collective its peers never reach)."""
+    error, value = None, None
+    try:
+        value = fn()
+    except USER_ERRORS as err:
+        error = f"{what}: {err}"
+    errors = [e for e in comm.all_gather_object(error, ctx.world_group) if e]
+    if errors:
+        raise UserError(errors[0])
+    return value
+
+
+def run(cfg: TrainConfig, ctx: ParallelContext) -> dict[str, float]:
+    """Train as ``cfg`` says on this rank; returns the last step's metrics."""
+    out = Path(cfg.out)
+    model_config, checkpoint_dir = agree(ctx, "--model", lambda: resolve_model_config(cfg.model))
+    data = agree(ctx, "--data", lambda: load_dataset(cfg.data, seed=cfg.seed))
+    loader = agree(
+        ctx,
+        "batch sizes",
+        lambda: BatchLoader(
+            data,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=cfg.seed,
+        ),
+    )
+    ckpt = agree(ctx, "--resume", lambda: state.find_resume(out) if cfg.resume else None)
+    trainer = agree(
+        ctx, "building the model", lambda: Trainer(cfg, ctx, model_config, checkpoint_dir)
+    )
+    builder = agree(
+        ctx,
+        "tokenizer",
+        lambda: BatchBuilder(
+            model_config, data.statistics, text_tokenizer(model_config, checkpoint_dir)
+        ),
+    )
+    start = 0
+    if ckpt is not None:
+        agree(ctx, f"checkpoint {ckpt.path}", lambda: state.check_resumable(ckpt, trainer))
+        start = state.load(trainer, ckpt, loader)
+        log.info(
+            "resumed from %s at step %d (written at %s)", ckpt.path, start, ckpt.meta.get("layout")
+        )
+    elif cfg.resume:
+        log.info("--resume: no checkpoint in %s yet, starting from scratch", out)
+    if ctx.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if start:
+            truncate_metrics(out / "metrics.jsonl", start)
+        elif (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").unlink()
+    comm.barrier(ctx.world_group)
+
+    flops = _flops_per_sample(trainer)
+    monitor = Monitor(
+        out,
+        rank=ctx.rank,
+        world=ctx.world_size,
+        device=ctx.device,
+        log_interval=cfg.log_interval,
+        total_steps=cfg.steps,
+        flops_per_step=flops * cfg.global_batch_size,
+    )
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            microbatches = [builder(samples) for samples in loader.next_batch()]
+            tokens = sum(mb["input_ids"].numel() for mb in microbatches) * ctx.dp_size
+            tokens += cfg.global_batch_size * model_config.num_patches
+            monitor.record(step, trainer.train_step(microbatches), tokens)
+            if step % cfg.save_interval == 0 or step == cfg.steps:
+                monitor.flush()
+                state.save(trainer, step, loader, {"metrics": monitor.last})
+    finally:
+        monitor.close()
+    if cfg.export_hf:
+        export_hf(trainer, out / "hf")
+    return monitor.last
+
+
+def _flops_per_sample(trainer: Trainer) -> float:
+    """Model FLOPs of one training sample (see :mod:`parallax.train.flops`)."""
+    try:
+        from parallax.train.flops import training_flops_per_sample
+    except ImportError:  # pragma: no cover - until the FLOPs model lands
+        n = sum(p.numel() for _, p in trainer.named_parameters())
+        return 6.0 * n * trainer.ctx.tp_size * trainer.ctx.pp_size * 300
+    return training_flops_per_sample(trainer.model_config)
+
+
+def export_hf(trainer: Trainer, path: Path) -> None:
+    """Write the trained weights in the Hugging Face OpenVLA layout (collective)."""
+    if len(trainer.chunks) != 1:
+        raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
+    trainer.chunks[0].save_pretrained(path)
+    if trainer.ctx.rank == 0:
+        log.info("exported the Hugging Face checkpoint to %s", path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m parallax.train`` and ``parallax-train``."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        cfg = parse_args(argv)
+    except ValueError as err:
+        print(f"parallax.train: error: {err}", file=sys.stderr)
+        return 2
+    if cfg.dry_run:
+        from parallax.train.plan import print_plan
+
+        try:
+            print_plan(cfg)
+        except ValueError as err:
+            print(f"parallax.train: error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    ctx = None
+    try:
+        ctx = init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, timeout=cfg.timeout)
+        if ctx.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        run(cfg, ctx)
+        return 0
+    except (UserError, *USER_ERRORS) as err:
+        if ctx is None or ctx.rank == 0 or not isinstance(err, UserError):
+            print(f"parallax.train: error: {err}", file=sys.stderr)
+        return 2
+    except (RuntimeError, dist.DistBackendError) as err:
+        rank = "?" if ctx is None else ctx.rank
+        print(
+            f"parallax.train: rank {rank} stopped: a collective failed or timed out "
+            f"(--timeout {cfg.timeout:g} s), most likely because another rank died or hung; "
+            f"restart with --resume to continue from the last checkpoint. Cause: {err}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):  # a broken group cannot always be torn down
+                dist.destroy_process_group()

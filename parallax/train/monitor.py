@@ -1,0 +1,152 @@
+"""What a person watches and what a script reads: a live rich display and ``metrics.jsonl``.
+
+Step values come from the last pipeline stage (the trainer reduces them onto every rank), and
+they are read one step late, after the next step has been launched, so logging never stalls
+the GPU. Rank 0 writes and displays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from parallax.train.trainer import StepOutput
+
+PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator
+METRIC_FIELDS = (
+    "step",
+    "loss",
+    "action_accuracy",
+    "l1",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "memory_gib",
+    "step_time_s",
+)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated GPU memory, or the CPU process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines after ``last_step`` (written after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+class Monitor:
+    """Collects each step's outputs; rank 0 prints and appends to ``metrics.jsonl``."""
+
+    def __init__(
+        self,
+        out: Path,
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+        log_interval: int,
+        total_steps: int,
+        flops_per_step: float,
+    ) -> None:
+        self.active = rank == 0
+        self.world, self.device = world, device
+        self.log_interval, self.total_steps = log_interval, total_steps
+        self.flops_per_step = flops_per_step
+        self.path = out / "metrics.jsonl"
+        self.pending: tuple[int, StepOutput, float, float] | None = None
+        self.last: dict[str, float] = {}
+        self._t = time.perf_counter()
+        self._console = self._progress = None
+        if self.active:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._console = Console()
+            if self._console.is_terminal:  # a live bar for people; plain lines for logs
+                self._progress = Progress(
+                    TextColumn("[bold]train"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeRemainingColumn(),
+                    TextColumn("{task.description}"),
+                    console=self._console,
+                )
+                self._task = self._progress.add_task("", total=total_steps)
+                self._progress.start()
+
+    def record(self, step: int, output: StepOutput, tokens: float) -> None:
+        """Register step ``step``; report the previous one (its tensors are ready by now)."""
+        now = time.perf_counter()
+        elapsed, self._t = now - self._t, now
+        if self.pending is not None:
+            self._report(*self.pending)
+        self.pending = (step, output, tokens, elapsed)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._report(*self.pending)
+            self.pending = None
+
+    def close(self) -> None:
+        self.flush()
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def _report(self, step: int, out: StepOutput, tokens: float, seconds: float) -> None:
+        m = out.metrics.tolist()  # the one host sync, a step late
+        counts = max(m[3], 1.0)
+        row = {
+            "step": step,
+            "loss": float(out.loss),
+            "action_accuracy": m[1] / counts,
+            "l1": m[2] / counts,
+            "lr": out.lr,
+            "grad_norm": float(out.grad_norm),
+            "tokens_per_s": tokens / seconds,
+            "mfu": self.flops_per_step / seconds / (self.world * PEAK_TFLOPS * 1e12),
+            "memory_gib": peak_memory_gib(self.device),
+            "step_time_s": seconds,
+        }
+        self.last = row
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        line = (
+            f"loss {row['loss']:.4f}  acc {row['action_accuracy']:.3f}  l1 {row['l1']:.3f}  "
+            f"lr {row['lr']:.2e}  gnorm {row['grad_norm']:.2f}  "
+            f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.2f}%  "
+            f"mem {row['memory_gib']:.2f} GiB"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=line)
+        if step % self.log_interval == 0 or step == self.total_steps or step == 1:
+            self._console.print(
+                f"step {step:>6}/{self.total_steps}  {line}", highlight=False, soft_wrap=True
+            )

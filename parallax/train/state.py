@@ -1,0 +1,149 @@
+"""Saving and resuming a training run, layout-free.
+
+A checkpoint holds the model's weights and the optimizer's state as full logical tensors (named
+by global parameter names, so any dp x tp x pp can read them) plus JSON metadata: the step, the
+run's flags, the model config, the data position, the lr schedule, RNG state and the layout it
+was written with. Each pipeline stage's (dp 0, tp 0) rank writes its own shard; the store
+publishes the step directory atomically and keeps the last K.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallax import comm
+from parallax.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TensorSource,
+    latest_checkpoint,
+    load_module,
+    module_sources,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from parallax.optim.state import FORMAT as OPTIM_FORMAT
+from parallax.optim.state import state_kinds
+from parallax.tensor import logical_shape
+
+log = logging.getLogger(__name__)
+
+OPTIM_PREFIX = "optim."
+
+
+def checkpoint_root(out: str | Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def _optimizer_sources(trainer, write: bool) -> list[TensorSource]:
+    """The optimizer's full logical tensors as sources, produced one at a time in the order
+    ``state_tensors()`` yields them (a collective over dp and tp that every rank consumes)."""
+    opt = trainer.optimizer
+    kinds = state_kinds(opt)  # collective: the same on every rank of the stage
+    stream = opt.state_tensors()
+
+    def produce(expect: str):
+        got, tensor = next(stream)
+        if got != expect:
+            raise RuntimeError(f"optimizer state out of order: {got} != {expect}")
+        return tensor
+
+    out = []
+    for i, name in enumerate(opt.names):
+        entries = [("master", ("tensor", "float32"))] + sorted(kinds.get(i, {}).items())
+        for key, (kind, dtype) in entries:
+            shape = () if kind == "scalar" else logical_shape(opt.params[i])
+            dtype = torch.float32 if kind == "scalar" else getattr(torch, dtype)
+            out.append(
+                TensorSource(
+                    OPTIM_PREFIX + f"{name}.{key}",
+                    tuple(shape),
+                    dtype,
+                    lambda k=f"{name}.{key}": produce(k),
+                    write=write,
+                )
+            )
+    return out
+
+
+def _merge_optim_meta(metas: list[dict]) -> dict:
+    """One optimizer meta for the whole model from each pipeline stage's own."""
+    merged = dict(metas[0])
+    merged["keys"] = {k: v for m in metas for k, v in m["keys"].items()}
+    merged["param_groups"] = [
+        {**g, "params": [n for m in metas for n in m["param_groups"][j]["params"]]}
+        for j, g in enumerate(metas[0]["param_groups"])
+    ]
+    return merged
+
+
+def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint of step ``step`` (collective: every rank calls it)."""
+    ctx, cfg = trainer.ctx, trainer.cfg
+    optim_meta = trainer.optimizer.state_meta()  # collective
+    stage_metas = comm.all_gather_object(optim_meta, ctx.pp_group)
+    writer = ctx.dp_rank == 0 and ctx.tp_rank == 0
+    sources: list[TensorSource] = []
+    if ctx.dp_rank == 0:  # tp peers of other dp ranks hold the same weights: they sit out
+        for chunk in trainer.chunks:
+            sources += module_sources(chunk, ctx.tp_group, write=writer)
+    sources += _optimizer_sources(trainer, writer)
+    meta = {
+        "step": step,
+        "config": cfg.to_dict(),
+        "model_config": trainer.model_config.to_dict(),
+        "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size},
+        "data": loader.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "optimizer": _merge_optim_meta(stage_metas),
+        "rng": rng_state(),
+        **(extra_meta or {}),
+    }
+    return save_checkpoint(
+        checkpoint_root(cfg.out),
+        step,
+        sources,
+        meta,
+        group=ctx.world_group,
+        keep_last=cfg.keep_last,
+    )
+
+
+def find_resume(out: str | Path) -> Checkpoint | None:
+    """The latest complete checkpoint under ``out``, validated (or ``None`` when there is none).
+
+    Raises :class:`CheckpointError` naming what is wrong with a corrupt or partial one.
+    """
+    path = latest_checkpoint(checkpoint_root(out))
+    return None if path is None else Checkpoint(path)
+
+
+def check_resumable(ckpt: Checkpoint, trainer) -> None:
+    """Every tensor this rank will read must be there, before any state is touched."""
+    names = [n for chunk in trainer.chunks for n, _ in chunk.named_parameters()]
+    meta = ckpt.meta.get("optimizer")
+    if not meta or meta.get("format") != OPTIM_FORMAT:
+        raise CheckpointError(f"{ckpt.path}: meta.json has no {OPTIM_FORMAT} optimizer state")
+    keys = [
+        OPTIM_PREFIX + f"{n}.{k}" for n in trainer.optimizer.names for k in meta["keys"].get(n, [])
+    ]
+    ckpt.require(names + keys)
+
+
+def load(trainer, ckpt: Checkpoint, loader) -> int:
+    """Restore weights, optimizer, lr schedule, data position and RNG; returns the step."""
+    for chunk in trainer.chunks:
+        load_module(chunk, ckpt)
+    meta = ckpt.meta
+    trainer.optimizer.load_state_tensors(
+        meta["optimizer"], lambda key: ckpt.get(OPTIM_PREFIX + key)
+    )
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    loader.load_state_dict(meta["data"])
+    set_rng_state(meta["rng"])
+    return int(meta["step"])
