@@ -89,7 +89,7 @@ class Measured:
 
 
 def time_steps(
-    step: Callable[[], dict[str, torch.Tensor]], device: torch.device, warmup: int, steps: int
+    step: Callable[[], object], device: torch.device, warmup: int, steps: int
 ) -> tuple[list[float], float]:
     """Seconds per step after ``warmup`` steps (synchronised at each step's end), and the last
     loss (read once, after timing)."""
@@ -103,8 +103,12 @@ def time_steps(
         out = step()
         sync(device)
         times.append(time.perf_counter() - start)
-    loss = float(out["loss"].detach()) if out is not None else math.nan
-    return times, loss
+    return times, math.nan if out is None else float(_loss(out).detach())
+
+
+def _loss(out) -> torch.Tensor:
+    """The loss of a step's output: a dict (natives) or parallax's ``StepOutput``."""
+    return out["loss"] if isinstance(out, dict) else out.loss
 
 
 def run_native(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallax.models import OpenVLA, OpenVLAConfig, vla_loss
-from parallax.models.stages import partition
+from parallax.pipeline import split
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 try:  # torch >= 2.5
@@ -81,9 +81,9 @@ def _check_dense(layer: nn.Module, name: str) -> None:
 
 
 def stage_ranges(config: OpenVLAConfig, pp: int) -> list[range]:
-    """The block ranges of ``pp`` pipeline stages: OpenVLA's own cost-balanced split (vision,
-    projector and embedding on stage 0), as ``OpenVLA(config, ctx)`` takes at ``ctx.pp_size``."""
-    return partition([b.cost for b in OpenVLA.stage_blocks(config)], pp)
+    """The block ranges of ``pp`` pipeline stages, split by cost as parallax's Trainer splits
+    them (the vision block, with both towers, the projector and the embedding, on stage 0)."""
+    return split([b.cost for b in OpenVLA.stage_blocks(config)], pp, 1, pin_first=1)
 
 
 def dense_openvla(wl: Workload, device: torch.device, blocks: range | None = None) -> OpenVLA:
@@ -176,7 +176,7 @@ def adamw(named_params: Iterable[tuple[str, nn.Parameter]], wl: Workload, **extr
         for (_, decay), ps in sorted(groups.items())
     ]
     impl = {"fused": True} if wl.optimizer == "fused" else {"foreach": True}
-    return param_groups, dict(lr=wl.lr, betas=(0.9, 0.95), eps=1e-8, **impl, **extra)
+    return param_groups, dict(lr=wl.lr, **impl, **extra)  # betas, eps: torch defaults
 
 
 def make_adamw(named_params, wl: Workload) -> torch.optim.AdamW:

@@ -1,6 +1,7 @@
 """The PyTorch-native baselines train the same network as parallax: densify changes nothing,
-and every native framework on 2 gloo ranks reproduces the single-process step (loss and
-gradient norm of two consecutive steps: the second one sees the first update)."""
+and every native framework on 2 gloo ranks, and parallax's Trainer as the benchmark configures
+it, reproduce the single-process step (loss and gradient norm of two consecutive steps: the
+second one sees the first update)."""
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from benchmarks.native import (
 )
 from benchmarks.native.base import loss_of
 from parallax.models import OpenVLA, OpenVLAConfig
-from parallax.testing import run_ranks
+from parallax.testing import context, run_ranks
 
 MULTI = {
     "torch-ddp-zero": build_ddp_zero,
@@ -85,12 +86,28 @@ def _two_steps(runner, microbatches) -> list[float]:
     return out
 
 
+def _parallax_two_steps(wl: Workload, microbatches) -> list[float]:
+    """parallax's Trainer at dp=2 on the same workload (what the benchmark's parallax rows run)."""
+    from benchmarks.openvla_runs import Layout, parallax_config
+    from parallax.train import Trainer
+
+    ctx = context(dp=2)
+    trainer = Trainer(parallax_config(Layout(dp=2), wl, "tiny", 8), ctx)
+    mine = dp_share(microbatches, ctx.dp_rank, ctx.dp_size)
+    out = []
+    for _ in range(2):
+        result = trainer.train_step(mine)
+        out += [float(result.loss), float(result.grad_norm)]
+    return out
+
+
 def _natives(names: list[str]) -> dict[str, list[float]]:
     """On every rank: the single-process reference, then each native over both ranks."""
     wl, device = _workload(), torch.device("cpu")
     batch = synthetic_batch(wl.config, 8, 12, 8, seed=1)  # 4 micro-batches: 2 per dp rank
     microbatches = split_batch(batch, wl.micro_batch)
     out = {"torch-single": _two_steps(build_single(wl, device), microbatches)}
+    out["parallax"] = _parallax_two_steps(wl, microbatches)
     for name in names:
         if name == "torch-pipelining":
             runner = build_pipelining(wl, device, len(microbatches), microbatches[0])
@@ -107,6 +124,6 @@ def test_natives_match_the_single_process_step():
     assert ref[2] < ref[0]  # the first update lowered the loss: the steps are real
     for rank, result in enumerate(results):
         assert result["torch-single"] == ref
-        for name in names:
+        for name in ["parallax", *names]:
             # 2e-5: float32 sums taken in another order (reduce-scatter, tp partial sums)
             assert result[name] == pytest.approx(ref, rel=2e-5), (rank, name)
