@@ -212,19 +212,23 @@ def pipeline_bubbles(trainer, microbatches: Sequence[Batch]) -> dict[str, float]
     }
 
 
-def gather(obj: object, world: int) -> list:
-    if world == 1:
+def gather(obj: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's ``obj`` over the gloo control group (``None``: one process). Control
+    messages never share a communicator with the frameworks' own NCCL collectives, so a rank
+    that failed mid-step cannot match them against a peer's pending gradient reduction."""
+    if group is None:
         return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def free_memory(device: torch.device) -> None:
+def free_memory(device: torch.device, reset_peak: bool = False) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def run_config(layout, framework, wl, args, device, microbatches, contexts) -> dict:

@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def init_world(args) -> tuple[torch.device, int, int]:
-    """The default process group (NCCL on GPUs, gloo for --smoke) and this rank's device."""
+def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None]:
+    """The default process group (NCCL on GPUs, gloo for --smoke), this rank's device, and a
+    gloo group over every rank for the benchmark's own control messages."""
     use_cuda = torch.cuda.is_available() and not args.smoke
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = torch.device("cpu")
@@ -130,12 +131,12 @@ def init_world(args) -> tuple[torch.device, int, int]:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
-            timeout=timedelta(seconds=args.timeout),
-        )
-    return device, world, rank
+    if world == 1:
+        return device, world, rank, None
+    timeout = timedelta(seconds=args.timeout)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    return device, world, rank, dist.new_group(backend="gloo", timeout=timeout)
 
 
 def summarise(layout, framework, merged, args, flops_step, seq) -> tuple[dict, dict]:
@@ -172,13 +173,9 @@ def default_layouts(world: int) -> list[Layout]:
     return [Layout(tp=world), Layout(pp=world), Layout(dp=world), Layout()]
 
 
-def agree(flag: bool, world: int) -> bool:
+def agree(flag: bool, control: dist.ProcessGroup | None) -> bool:
     """Rank 0's decision, on every rank."""
-    if world == 1:
-        return flag
-    box = [flag]
-    dist.broadcast_object_list(box, src=0)
-    return bool(box[0])
+    return bool(gather(flag, control)[0])
 
 
 def ratio_notes(rows: list[dict]) -> str:
@@ -221,6 +218,7 @@ class Bench:
     device: torch.device
     world: int
     rank: int
+    control: dist.ProcessGroup | None  # gloo, for the benchmark's own messages
     config: OpenVLAConfig
     batch: dict[str, torch.Tensor]  # the global batch, the same on every rank
     seq: int  # tokens per sample through the language model
@@ -231,7 +229,7 @@ class Bench:
 
 
 def setup(args: argparse.Namespace) -> Bench:
-    device, world, rank = init_world(args)
+    device, world, rank, control = init_world(args)
     config = OpenVLAConfig.preset(args.model)
     text = 1 + args.text_tokens  # input ids per sample, BOS included
     positions = None if args.logits == "all" else args.labelled
@@ -241,6 +239,7 @@ def setup(args: argparse.Namespace) -> Bench:
         device=device,
         world=world,
         rank=rank,
+        control=control,
         config=config,
         batch=synthetic_batch(config, gb, text, args.labelled, seed=0, device=device),
         seq=config.num_patches + text,
@@ -279,8 +278,9 @@ def measure(b: Bench, layout: Layout, fw: str, micro: int) -> dict:
     except ValueError as err:
         return {"error": str(err)}
     wl = replace(b.base, micro_batch=micro)
+    free_memory(b.device, reset_peak=True)
     result = run_config(layout, fw, wl, b.args, b.device, microbatches, b.contexts)
-    merged = merge(gather(result, b.world))
+    merged = merge(gather(result, b.control))
     free_memory(b.device)
     return merged
 
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if skip is None and b.args.time_budget is not None and ran:
             # start only what should end in time, judged by the longest so far
             late = time.monotonic() - start + longest > b.args.time_budget
-            skip = "skipped: time budget" if agree(late, b.world) else None
+            skip = "skipped: time budget" if agree(late, b.control) else None
         began = time.monotonic()
         merged = {"error": skip} if skip else measure(b, layout, fw, micro)
         longest, ran = max(longest, time.monotonic() - began), ran or not skip

@@ -43,7 +43,8 @@ def build_single(wl: Workload, device: torch.device) -> Runner:
 
 
 def build_ddp_zero(wl: Workload, device: torch.device) -> Runner:
-    """DDP (gradients as bucket views: no second copy) + ZeroRedundancyOptimizer(AdamW)."""
+    """DDP (gradients as bucket views: no second copy) + ZeroRedundancyOptimizer(AdamW): each
+    rank steps the AdamW state of its share of the parameters, then broadcasts them."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,7 +57,12 @@ def build_ddp_zero(wl: Workload, device: torch.device) -> Runner:
         bucket_cap_mb=100,
     )
     groups, kwargs = adamw(model.named_parameters(), wl)
-    opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    opt = ZeroRedundancyOptimizer(
+        groups,
+        optimizer_class=torch.optim.AdamW,
+        parameters_as_bucket_view=True,  # one broadcast per rank's shard, not per tensor
+        **kwargs,
+    )
 
     def step(microbatches: Sequence[Batch]) -> dict[str, torch.Tensor]:
         opt.zero_grad(set_to_none=True)
