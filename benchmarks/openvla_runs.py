@@ -172,10 +172,8 @@ def run_parallax(
 ) -> Measured:
     """parallax's Trainer on this layout; for pp, one more step recorded on a Timeline gives
     the measured bubble and the simulated one (the schedule fed the measured stage times)."""
-    try:
-        from parallax.train.trainer import Trainer
-    except ImportError as err:
-        raise RuntimeError(f"parallax.train.trainer is not available: {err}") from None
+    from parallax.train.trainer import Trainer
+
     cfg = parallax_config(layout, wl, model, len(microbatches) * wl.micro_batch)
     trainer = Trainer(cfg, ctx)
     mine = dp_share(microbatches, trainer.ctx.dp_rank, trainer.ctx.dp_size)
@@ -187,14 +185,13 @@ def run_parallax(
 
 
 def pipeline_bubbles(trainer, microbatches: Sequence[Batch]) -> dict[str, float]:
-    """Measured, simulated and textbook bubble of one recorded step (on global rank 0)."""
+    """Measured and simulated bubble of one recorded step (on global rank 0)."""
     from benchmarks.pipeline_bubble import measured_costs
     from parallax.pipeline import (
         Timeline,
         gather_events,
         measured_bubble,
         simulate,
-        theoretical_bubble,
     )
 
     timeline = Timeline()
@@ -208,7 +205,6 @@ def pipeline_bubbles(trainer, microbatches: Sequence[Batch]) -> dict[str, float]
     return {
         "bubble_measured": measured_bubble(events),
         "bubble_simulated": simulate(schedule, fwd, bwd).bubble_fraction,
-        "bubble_theory": theoretical_bubble(schedule),
     }
 
 

@@ -109,10 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
     args.global_batch = args.global_batch or (8 if args.smoke else 32)
-    args.warmup = 1 if args.smoke and args.warmup is None else (args.warmup or 3)
-    args.steps = args.steps or (2 if args.smoke else 10)
-    if args.steps < 10 and not args.smoke:
-        p.error(f"--steps must be >= 10 for a measurement, got {args.steps}")
+    if args.warmup is None:
+        args.warmup = 1 if args.smoke else 3
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 10
+    if args.steps < (1 if args.smoke else 10) or args.warmup < 0:
+        p.error(f"--steps must be >= 10 (1 with --smoke) and --warmup >= 0, got {args.steps}")
     if args.smoke:
         args.text_tokens = min(args.text_tokens, 12)
     unknown = set(args.frameworks.split(",")) - set(FRAMEWORKS)

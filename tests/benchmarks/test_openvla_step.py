@@ -4,6 +4,8 @@ without stopping the others, and the JSON record has exactly the issue's keys.""
 
 import math
 
+import pytest
+
 from benchmarks.openvla_runs import Layout, merge
 from benchmarks.openvla_step import main, parse_args, summarise
 
@@ -49,6 +51,10 @@ def test_rows_skips_and_errors():
 
 
 def test_record_has_the_issue_keys():
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "5"])  # a measurement times at least 10 steps
+    with pytest.raises(SystemExit):
+        parse_args(["--frameworks", "parallax,torch-ddp"])
     args = parse_args(["--smoke"])
     merged = merge([{"times": [1.0, 2.0, 3.0], "peak": 1.5, "loss": 2.0}] * 2)
     row, record = summarise(Layout(dp=2), "parallax", {**merged, "micro": 2}, args, 1e12, 28)
