@@ -140,9 +140,11 @@ def append_results(
     rows: list[list[object]],
     notes: str = "",
     records: list[dict] | None = None,
+    info: dict[str, str] | None = None,
 ) -> None:
-    """Append the table to RESULTS.md and the records (one per row) to results.jsonl."""
-    info = env_info()
+    """Append the table to RESULTS.md and the records (one per row) to results.jsonl.
+    ``info``: the :func:`env_info` taken when the run started (default: now)."""
+    info = info or env_info()
     lines = [
         f"\n## {title}\n",
         f"- hardware: {info['hardware']}; torch {info['torch']}",

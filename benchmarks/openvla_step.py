@@ -306,7 +306,8 @@ def report(b: Bench, rows: list[dict]) -> None:
             f"/ (step x GPUs x {PEAK_TFLOPS:g} TFLOP/s)"
         )
         smoke = "CPU smoke run, sizes scaled down" if args.smoke else ""
-        append_results(title, COLUMNS, table, notes="; ".join(filter(None, [smoke, how, notes])))
+        notes = "; ".join(filter(None, [smoke, how, notes]))
+        append_results(title, COLUMNS, table, notes=notes, info=b.info)  # the start's commit
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
