@@ -120,7 +120,9 @@ def fmt(value: object) -> str:
     return str(value)
 
 
-def print_table(title: str, columns: list[str], rows: list[list[object]]) -> None:
+def print_table(
+    title: str, columns: list[str], rows: list[list[object]], width: int | None = None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -129,7 +131,7 @@ def print_table(title: str, columns: list[str], rows: list[list[object]]) -> Non
         table.add_column(col)
     for row in rows:
         table.add_row(*(fmt(v) for v in row))
-    Console(width=max(120, Console().width)).print(table)
+    Console(width=width or max(120, Console().width)).print(table)
 
 
 def append_results(
@@ -138,9 +140,11 @@ def append_results(
     rows: list[list[object]],
     notes: str = "",
     records: list[dict] | None = None,
+    info: dict[str, str] | None = None,
 ) -> None:
-    """Append the table to RESULTS.md and the records (one per row) to results.jsonl."""
-    info = env_info()
+    """Append the table to RESULTS.md and the records (one per row) to results.jsonl.
+    ``info``: the :func:`env_info` taken when the run started (default: now)."""
+    info = info or env_info()
     lines = [
         f"\n## {title}\n",
         f"- hardware: {info['hardware']}; torch {info['torch']}",
@@ -154,11 +158,14 @@ def append_results(
     with open(RESULTS_MD, "a") as f:
         f.write("\n".join(lines) + "\n")
     if records:
-        with open(RESULTS_JSONL, "a") as f:
-            for rec in records:
-                f.write(
-                    json.dumps(
-                        {**{k: info[k] for k in ("run_id", "date", "commit", "hardware")}, **rec}
-                    )
-                    + "\n"
-                )
+        append_records(records, info)
+
+
+def append_records(records: list[dict], info: dict[str, str] | None = None) -> None:
+    """Append one JSON line per record to results.jsonl, led by run id, date, commit, hardware
+    (scripts that may not live to the end write each row as soon as it is measured)."""
+    info = info or env_info()
+    with open(RESULTS_JSONL, "a") as f:
+        for rec in records:
+            head = {k: info[k] for k in ("run_id", "date", "commit", "hardware")}
+            f.write(json.dumps({**head, **rec}) + "\n")

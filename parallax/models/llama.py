@@ -170,9 +170,10 @@ class LlamaAttention(nn.Module):
             q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each (b, s, h/tp)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/tp, s, hd)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: the local count, also when a DTensor plan shards the projections
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv/tp, s, hd)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (b, kv/tp, past + s, hd)

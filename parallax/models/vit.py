@@ -133,7 +133,7 @@ class ViTAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        qkv = self.qkv(x).view(b, n, 3, self.heads, self.head_dim)  # (b, n, 3, nh/tp, hd)
+        qkv = self.qkv(x).view(b, n, 3, -1, self.head_dim)  # (b, n, 3, nh/tp, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh/tp, n, hd)
         o = F.scaled_dot_product_attention(q, k, v)  # (b, nh/tp, n, hd)
         return self.proj(o.transpose(1, 2).reshape(b, n, -1))  # (b, n, w)

@@ -1,0 +1,343 @@
+"""OpenVLA-7B full fine-tuning steps: parallax against PyTorch's own parallelism, in one run.
+
+Workload: synthetic batches of BOS + 256 image patches + ``--text-tokens`` (40) text tokens, the
+loss on the last ``--labelled`` (8) positions (7 action tokens and EOS); bf16 compute, fp32
+master weights and fp32 AdamW state everywhere. Every layout that fits the GPUs present runs
+(``1gpu``; with 2 GPUs also ``tp2``, ``pp2``, ``dp2``), each under parallax's Trainer and the
+PyTorch tools that cover it: ``torch-single`` (1gpu), ``torch-ddp-zero`` and ``torch-fsdp2``
+(dp), ``torch-dtensor-tp`` (tp), ``torch-pipelining`` (pp, 1F1B), all on the same model code
+and the same global batch (gradient accumulation over micro-batches where it needs it).
+
+Per configuration: the median step time over ``--steps`` (>= 10) after ``--warmup``, tokens/s
+per GPU (tokens = the 297-token sequence the language model sees), samples/s, model TFLOP/s per
+GPU and MFU (``parallax.train.flops``: 6 x params x tokens per component plus attention, against
+989 TFLOP/s), peak memory per GPU (max over ranks) and, for parallax pipelines, the bubble
+measured on a Timeline next to the one simulated from the measured stage times. The table's
+``x best native`` is tokens/s per GPU over the best PyTorch-native configuration with as many
+GPUs. Each configuration runs in its own try/except (an OOM becomes an error row) and writes
+its JSON line to ``benchmarks/results.jsonl`` as soon as it is measured; ``--time-budget``
+skips what would not finish in time. A configuration that fails on one rank only leaves its
+peers waiting in a collective until ``--timeout``.
+
+    torchrun --nproc-per-node 2 -m benchmarks.openvla_step --time-budget 480       # 2 H200
+    torchrun --nproc-per-node 2 -m benchmarks.openvla_step --smoke --model tiny    # CPU, gloo
+
+Memory plan at 7.5 B parameters (H200: ~140 GiB usable; activations ~3.3 GB per sample at
+bf16 without checkpointing; ``expandable_segments`` is switched on against fragmentation):
+
+- torch-single: fp32 params + grads + AdamW = 16 B/param = 120 GB, plus the bf16 weight copies
+  autocast keeps for the backward (15 GB): micro-batch 2 is at the edge, it may OOM (fused
+  AdamW, so no multi-tensor temporaries; ``--activation-checkpointing`` frees most of the rest).
+- parallax 1gpu: bf16 params and grads + fp32 master, gradient and moments = 20 B/param =
+  150 GB: does not fit on one H200 (needs dp >= 2, or an fp32 gradient shared with the master).
+- torch-ddp-zero dp2: 4 + 4 (gradients as bucket views) + 8/2 = 12 B/param = 90 GB + 15 GB.
+- parallax dp2: 2 + 2 + 16/2 = 12 B/param = 90 GB.  torch-fsdp2 dp2: 16/2 = 8 B/param = 60 GB.
+- tp2 and pp2 (both frameworks): about half the parameters per GPU: 60 GB (natives), 75 GB
+  (parallax) plus activations; micro-batch 4 fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import append_records, append_results, env_info, print_table
+from benchmarks.native import Workload, split_batch, synthetic_batch
+from benchmarks.openvla_runs import (
+    FRAMEWORKS,
+    NATIVE,
+    Layout,
+    free_memory,
+    gather,
+    merge,
+    run_config,
+)
+from parallax import ParallelContext
+from parallax.models import OpenVLAConfig
+from parallax.train.flops import PEAK_TFLOPS, openvla_flops_per_sample
+
+COLUMNS = [
+    "layout",
+    "framework",
+    "GPUs",
+    "micro",
+    "step s",
+    "tokens/s/GPU",
+    "samples/s",
+    "TFLOP/s/GPU",
+    "MFU",
+    "peak GiB",
+    "x best native",
+    "bubble measured",
+    "bubble simulated",
+    "loss",
+    "status",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, fp32, small sizes")
+    p.add_argument("--model", default=None, help="openvla-7b (default), small, tiny (smoke)")
+    p.add_argument("--layouts", default=None, help="comma list, e.g. 1gpu,tp2,pp2,dp2")
+    p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step (32)")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: 2 on 1 GPU, else 4")
+    p.add_argument("--text-tokens", type=int, default=40, help="text tokens after BOS")
+    p.add_argument("--labelled", type=int, default=8, help="positions that carry the loss")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps, >= 10 (10)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: a configuration starts only if, at the pace of the longest so far, it "
+        "ends within the budget (the first always runs)",
+    )
+    p.add_argument("--timeout", type=float, default=180.0, help="collective timeout, seconds")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--native-optimizer", choices=("fused", "foreach"), default="fused")
+    p.add_argument("--logits", choices=("all", "labelled"), default="all", help="FLOPs count")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    args = p.parse_args(argv)
+    args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
+    args.global_batch = args.global_batch or (8 if args.smoke else 32)
+    if args.warmup is None:
+        args.warmup = 1 if args.smoke else 3
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 10
+    if args.steps < (1 if args.smoke else 10) or args.warmup < 0:
+        p.error(f"--steps must be >= 10 (1 with --smoke) and --warmup >= 0, got {args.steps}")
+    if args.smoke:
+        args.text_tokens = min(args.text_tokens, 12)
+    unknown = set(args.frameworks.split(",")) - set(FRAMEWORKS)
+    if unknown:
+        p.error(f"unknown --frameworks {sorted(unknown)}; choose from {', '.join(FRAMEWORKS)}")
+    return args
+
+
+def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None]:
+    """The default process group (NCCL on GPUs, gloo for --smoke), this rank's device, and a
+    gloo group over every rank for the benchmark's own control messages."""
+    use_cuda = torch.cuda.is_available() and not args.smoke
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = torch.device("cpu")
+    if use_cuda:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world == 1:
+        return device, world, rank, None
+    timeout = timedelta(seconds=args.timeout)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    return device, world, rank, dist.new_group(backend="gloo", timeout=timeout)
+
+
+def summarise(layout, framework, merged, args, flops_step, seq) -> tuple[dict, dict]:
+    """The table row and the JSON record of one configuration."""
+    step, gpus, gb = merged.get("step", math.nan), layout.gpus, args.global_batch
+    tokens = gb * seq / step / gpus if "step" in merged else math.nan
+    tflops = flops_step / step / gpus / 1e12 if "step" in merged else math.nan
+    mfu = tflops / PEAK_TFLOPS
+    status = merged.get("error", "ok")
+    values = [layout.name, framework, gpus, merged.get("micro"), step, tokens, gb / step, tflops,
+              mfu, merged.get("peak", math.nan), math.nan, merged.get("bubble_measured", math.nan),
+              merged.get("bubble_simulated", math.nan), merged.get("loss", math.nan),
+              status if len(status) <= 60 else status[:57] + "..."]  # fmt: skip
+    row = dict(zip(COLUMNS, values))
+    record = {
+        "gpus": gpus,
+        "framework": framework,
+        "layout": layout.name,
+        "global_batch": gb,
+        "step_time_s": step,
+        "tokens_per_s_per_gpu": tokens,
+        "mfu": mfu,
+        "peak_mem_gib": merged.get("peak", math.nan),
+    }
+    finite = {k: v for k, v in record.items() if not isinstance(v, float) or math.isfinite(v)}
+    return row, {k: finite.get(k) for k in record}  # NaN (no measurement) -> null
+
+
+def default_layouts(world: int) -> list[Layout]:
+    """The single-axis layouts over every rank, then one device (its rows are run on every rank
+    at once, each rank its own replica)."""
+    if world == 1:
+        return [Layout()]
+    return [Layout(tp=world), Layout(pp=world), Layout(dp=world), Layout()]
+
+
+def agree(flag: bool, control: dist.ProcessGroup | None) -> bool:
+    """Rank 0's decision, on every rank."""
+    return bool(gather(flag, control)[0])
+
+
+def ratio_notes(rows: list[dict]) -> str:
+    """Fill ``x best native`` (tokens/s per GPU over the best native row with as many GPUs) and
+    say how parallax's best multi-GPU layout compares and how dp scales (weak: vs 1gpu)."""
+
+    def tokens(r: dict) -> float:
+        return r["tokens/s/GPU"] if math.isfinite(r["tokens/s/GPU"]) else 0.0
+
+    best: dict[int, float] = {}
+    for r in rows:
+        if r["framework"] in NATIVE and tokens(r) > 0:
+            best[r["GPUs"]] = max(best.get(r["GPUs"], 0.0), tokens(r))
+    for r in rows:
+        r["x best native"] = tokens(r) / best[r["GPUs"]] if best.get(r["GPUs"]) else math.nan
+    notes = []
+    ours = [r for r in rows if r["framework"] == "parallax" and r["GPUs"] > 1 and tokens(r) > 0]
+    if ours:
+        top = max(ours, key=tokens)
+        if best.get(top["GPUs"]):
+            notes.append(
+                f"parallax's best {top['GPUs']}-GPU layout ({top['layout']}) at "
+                f"{top['x best native']:.2f}x the best native"
+            )
+    for fw, one in (("parallax", "parallax"), ("torch-ddp-zero", "torch-single")):
+        dp = [tokens(r) for r in rows if r["framework"] == fw and r["layout"].startswith("dp")]
+        single = [tokens(r) for r in rows if r["framework"] == one and r["layout"] == "1gpu"]
+        if dp and single and dp[0] > 0 and single[0] > 0:
+            notes.append(
+                f"{fw} dp weak scaling (tokens/s per GPU vs 1gpu): {dp[0] / single[0]:.1%}"
+            )
+    return "; ".join(notes)
+
+
+@dataclass
+class Bench:
+    """What every configuration of one invocation shares."""
+
+    args: argparse.Namespace
+    device: torch.device
+    world: int
+    rank: int
+    control: dist.ProcessGroup | None  # gloo, for the benchmark's own messages
+    config: OpenVLAConfig
+    batch: dict[str, torch.Tensor]  # the global batch, the same on every rank
+    seq: int  # tokens per sample through the language model
+    flops_step: float
+    base: Workload
+    info: dict[str, str]
+    contexts: dict[str, ParallelContext] = field(default_factory=dict)
+
+
+def setup(args: argparse.Namespace) -> Bench:
+    device, world, rank, control = init_world(args)
+    config = OpenVLAConfig.preset(args.model)
+    text = 1 + args.text_tokens  # input ids per sample, BOS included
+    positions = None if args.logits == "all" else args.labelled
+    gb = args.global_batch
+    return Bench(
+        args=args,
+        device=device,
+        world=world,
+        rank=rank,
+        control=control,
+        config=config,
+        batch=synthetic_batch(config, gb, text, args.labelled, seed=0, device=device),
+        seq=config.num_patches + text,
+        flops_step=gb * openvla_flops_per_sample(config, text, logit_positions=positions),
+        base=Workload(
+            config,
+            micro_batch=1,
+            autocast=None if args.smoke else torch.bfloat16,
+            activation_checkpointing=args.activation_checkpointing,
+            optimizer=args.native_optimizer,
+        ),
+        info=env_info(),
+    )
+
+
+def plan(b: Bench) -> list[tuple[Layout, str, str | None]]:
+    """(layout, framework, reason to skip or None) in running order."""
+    layouts = (
+        [Layout.parse(x) for x in b.args.layouts.split(",")]
+        if b.args.layouts
+        else default_layouts(b.world)
+    )
+    out = []
+    for layout in layouts:
+        fits = layout.gpus in (1, b.world)
+        for fw in b.args.frameworks.split(","):
+            if layout.supports(fw):
+                out.append((layout, fw, None if fits else f"skipped: needs {layout.gpus} GPUs"))
+    return out
+
+
+def measure(b: Bench, layout: Layout, fw: str, micro: int) -> dict:
+    """Run one configuration on every rank; the merged outcome (on every rank)."""
+    try:
+        microbatches = split_batch(b.batch, micro)
+    except ValueError as err:
+        return {"error": str(err)}
+    wl = replace(b.base, micro_batch=micro)
+    free_memory(b.device, reset_peak=True)
+    result = run_config(layout, fw, wl, b.args, b.device, microbatches, b.contexts)
+    merged = merge(gather(result, b.control))
+    free_memory(b.device)
+    return merged
+
+
+def report(b: Bench, rows: list[dict]) -> None:
+    args = b.args
+    notes = ratio_notes(rows)
+    precision = "fp32 (smoke)" if args.smoke else "bf16 compute, fp32 master + AdamW"
+    title = (
+        f"openvla_step: {args.model}, global batch {args.global_batch}, sequence {b.seq} (BOS + "
+        f"{b.config.num_patches} patches + {args.text_tokens} text), loss on last "
+        f"{args.labelled}, {precision}, {b.flops_step / 1e12:.4g} TFLOP per step"
+    )
+    table = [[r[c] for c in COLUMNS] for r in rows]
+    print_table(title, COLUMNS, table, width=220)
+    if notes:
+        print(notes)
+    if not args.no_write:
+        how = (
+            f"MFU = model FLOPs (parallax.train.flops, lm_head on {args.logits} positions) "
+            f"/ (step x GPUs x {PEAK_TFLOPS:g} TFLOP/s)"
+        )
+        smoke = "CPU smoke run, sizes scaled down" if args.smoke else ""
+        notes = "; ".join(filter(None, [smoke, how, notes]))
+        append_results(title, COLUMNS, table, notes=notes, info=b.info)  # the start's commit
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every planned configuration; returns the rows (on rank 0; empty elsewhere)."""
+    b = setup(parse_args(argv))
+    rows, start, longest, ran = [], time.monotonic(), 0.0, False
+    for layout, fw, skip in plan(b):
+        micro = b.args.micro_batch or (2 if b.args.smoke or layout.gpus == 1 else 4)
+        if skip is None and b.args.time_budget is not None and ran:
+            # start only what should end in time, judged by the longest so far
+            late = time.monotonic() - start + longest > b.args.time_budget
+            skip = "skipped: time budget" if agree(late, b.control) else None
+        began = time.monotonic()
+        merged = {"error": skip} if skip else measure(b, layout, fw, micro)
+        longest, ran = max(longest, time.monotonic() - began), ran or not skip
+        if b.rank != 0:
+            continue
+        row, record = summarise(layout, fw, {**merged, "micro": micro}, b.args, b.flops_step, b.seq)
+        rows.append(row)
+        status = merged.get("error") or "ok"
+        print(f"{layout.name:>6} {fw:<18} step {row['step s']:.4g} s, MFU {row['MFU']:.3g}, "
+              f"peak {row['peak GiB']:.3g} GiB: {status}", flush=True)  # fmt: skip
+        if not skip and not b.args.no_write:
+            append_records([record], b.info)
+    if b.rank == 0:
+        report(b, rows)
+    if dist.is_initialized() and b.world > 1:
+        dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

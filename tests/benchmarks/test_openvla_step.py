@@ -1,0 +1,64 @@
+"""The benchmark driver in one process: configurations that do not fit are skipped with a
+reason, the time budget skips what comes after it, a failing configuration becomes an error row
+without stopping the others, and the JSON record has exactly the issue's keys."""
+
+import math
+
+import pytest
+
+from benchmarks.openvla_runs import Layout, merge
+from benchmarks.openvla_step import main, parse_args, summarise
+
+KEYS = {
+    "gpus",
+    "framework",
+    "layout",
+    "global_batch",
+    "step_time_s",
+    "tokens_per_s_per_gpu",
+    "mfu",
+    "peak_mem_gib",
+}  # with run_id, date, commit, hardware added when written
+
+
+def test_layouts():
+    assert Layout.parse("1gpu") == Layout() and Layout.parse("tp2pp2dp2") == Layout(2, 2, 2)
+    assert Layout.parse("dp2").name == "dp2" and Layout(tp=2, dp=2).name == "tp2dp2"
+    for bad in ("tp", "tp2tp2", "xx2", "tp2 pp2"):
+        try:
+            Layout.parse(bad)
+        except ValueError as err:
+            assert "1gpu, tp2" in str(err)
+        else:
+            raise AssertionError(f"{bad!r} parsed")
+    assert Layout(dp=2).supports("torch-fsdp2") and not Layout(tp=2).supports("torch-fsdp2")
+    assert Layout().supports("torch-single") and not Layout(tp=2, pp=2).supports("torch-dtensor-tp")
+
+
+def test_rows_skips_and_errors():
+    argv = ["--smoke", "--no-write", "--layouts", "1gpu,dp2", "--steps", "1", "--warmup", "0"]
+    rows = main([*argv, "--frameworks", "torch-single,torch-ddp-zero"])
+    by = {(r["layout"], r["framework"]): r for r in rows}
+    ok = by[("1gpu", "torch-single")]
+    assert ok["status"] == "ok" and ok["step s"] > 0 and math.isfinite(ok["loss"])
+    assert ok["x best native"] == 1.0 and ok["MFU"] > 0
+    assert by[("dp2", "torch-ddp-zero")]["status"] == "skipped: needs 2 GPUs"
+    # a budget of 0 s runs the first configuration only
+    rows = main([*argv, "--frameworks", "torch-single", "--time-budget", "0", "--micro-batch", "3"])
+    assert rows[0]["status"].startswith("a batch of 8 does not split into micro-batches of 3")
+    rows = main([*argv, "--frameworks", "torch-single,parallax", "--time-budget", "0"])
+    assert rows[0]["status"] == "ok" and rows[1]["status"] == "skipped: time budget"
+
+
+def test_record_has_the_issue_keys():
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "5"])  # a measurement times at least 10 steps
+    with pytest.raises(SystemExit):
+        parse_args(["--frameworks", "parallax,torch-ddp"])
+    args = parse_args(["--smoke"])
+    merged = merge([{"times": [1.0, 2.0, 3.0], "peak": 1.5, "loss": 2.0}] * 2)
+    row, record = summarise(Layout(dp=2), "parallax", {**merged, "micro": 2}, args, 1e12, 28)
+    assert set(record) == KEYS and record["step_time_s"] == 2.0 and record["gpus"] == 2
+    assert record["tokens_per_s_per_gpu"] == 8 * 28 / 2.0 / 2
+    _, failed = summarise(Layout(), "torch-single", {"error": "OOM", "micro": 2}, args, 1e12, 28)
+    assert set(failed) == KEYS and failed["step_time_s"] is None and failed["mfu"] is None
