@@ -121,7 +121,8 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             tokens += cfg.global_batch_size * model_config.num_patches
             monitor.record(step, trainer.train_step(microbatches), tokens)
             stopping = stop_after is not None and step - start >= stop_after
-            if step % cfg.save_interval == 0 or step == cfg.steps or stopping:
+            periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
+            if periodic or stopping:
                 monitor.flush()
                 state.save(trainer, step, loader, {"metrics": monitor.last})
             if stopping:

@@ -74,13 +74,16 @@ class TrainConfig:
             "tp",
             "pp",
             "log_interval",
-            "save_interval",
             "keep_last",
         ):
             if getattr(self, name) < 1:
                 problems.append(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.save_interval < 0:
+            problems.append(
+                f"--save-interval must be >= 0 (0: no checkpoints), got {self.save_interval}"
+            )
         if self.dp is not None and self.dp < 1:
             problems.append(f"--dp must be >= 1, got {self.dp}")
         if self.chunks > 1 and self.schedule != "interleaved":
@@ -167,7 +170,9 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in --out (any layout)",
     )
     g.add_argument(
-        "--save-interval", type=int, help=f"checkpoint every N steps (default {d.save_interval})"
+        "--save-interval",
+        type=int,
+        help=f"checkpoint every N steps and at the end; 0: never (default {d.save_interval})",
     )
     g.add_argument("--keep-last", type=int, help=f"checkpoints to keep (default {d.keep_last})")
     g.add_argument(
