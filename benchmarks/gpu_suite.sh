@@ -22,32 +22,36 @@ run() {  # run SECONDS NAME COMMAND...
   timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$logs/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$logs/suite.log"
   tail -n 25 "$logs/$name.log"
+  save
+}
+save() {  # after every script, so a run cut short still returns what it measured
+  for d in "$scratch"/*/; do
+    [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$logs/metrics_$(basename "$d").jsonl"
+  done
+  tar czf "$out/logs.tgz" -C "$scratch" logs
+  cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
 }
 tr="torchrun --nproc-per-node $n"
 
-run 90 tp_layers $tr -m benchmarks.tp_layers
-run 120 pipeline_bubble $tr -m benchmarks.pipeline_bubble --out "$scratch/traces"
-run 150 zero_memory $tr -m benchmarks.zero_memory
-run 200 openvla_load $tr -m benchmarks.openvla_load --out "$scratch/openvla-7b-random"
+run 60 tp_layers $tr -m benchmarks.tp_layers
+run 90 pipeline_bubble $tr -m benchmarks.pipeline_bubble --out "$scratch/traces"
+run 100 zero_memory $tr -m benchmarks.zero_memory
+run 150 openvla_load $tr -m benchmarks.openvla_load --out "$scratch/openvla-7b-random"
 rm -rf "$scratch/openvla-7b-random"
 
 # issue 6: the default tiny run, and openvla-7b (random weights, bf16) at tp2, pp2, dp2
-run 120 train_tiny $tr -m parallax.train --out "$scratch/tiny" --save-interval 0 --log-interval 50
-big="--model openvla-7b --precision bf16 --steps 6 --warmup-steps 1 --global-batch-size 16 \
+run 60 train_tiny $tr -m parallax.train --out "$scratch/tiny" --save-interval 0 --log-interval 50
+big="--model openvla-7b --precision bf16 --steps 5 --warmup-steps 1 --global-batch-size 16 \
   --micro-batch-size 4 --save-interval 0 --log-interval 1"
 for layout in "--tp $n" "--pp $n" "--dp $n"; do
   name=7b$(echo "$layout" | tr -d ' -')
   # shellcheck disable=SC2086
-  run 150 "train_$name" $tr -m parallax.train $big $layout --out "$scratch/$name"
+  run 100 "train_$name" $tr -m parallax.train $big $layout --out "$scratch/$name"
 done
 python -m benchmarks.train_report --title "parallax.train on $n GPUs (issue 6 runs)" --gpus "$n" \
   --run "tiny dp$n (default command)=$scratch/tiny" --run "openvla-7b tp$n=$scratch/7btp$n" \
   --run "openvla-7b pp$n=$scratch/7bpp$n" --run "openvla-7b dp$n=$scratch/7bdp$n" \
   --command "$tr -m parallax.train [--save-interval 0]; $tr -m parallax.train $big --tp|--pp|--dp $n" \
-  --notes "median after 2 warm-up steps; tiny: 300 steps, gbs 32 fp32; 7b: 6 steps, gbs 16, mbs 4" \
+  --notes "median after 2 warm-up steps; tiny: 300 steps, gbs 32 fp32; 7b: 5 steps, gbs 16, mbs 4" \
   2>&1 | tee "$logs/train_report.log"
-for d in "$scratch"/*/; do
-  [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$logs/metrics_$(basename "$d").jsonl"
-done
-tar czf "$out/logs.tgz" -C "$scratch" logs
-cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
+save
