@@ -34,7 +34,8 @@ save() {  # after every script, so a run cut short still returns what it measure
 tr="torchrun --nproc-per-node $n"
 
 run 60 tp_layers $tr -m benchmarks.tp_layers
-run 90 pipeline_bubble $tr -m benchmarks.pipeline_bubble --out "$scratch/traces"
+run 120 pipeline_bubble $tr -m benchmarks.pipeline_bubble --out "$scratch/traces" \
+  --microbatches 4,8,16 --iters 5
 run 100 zero_memory $tr -m benchmarks.zero_memory
 run 150 openvla_load $tr -m benchmarks.openvla_load --out "$scratch/openvla-7b-random"
 rm -rf "$scratch/openvla-7b-random"
