@@ -67,6 +67,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     and a parameter without a gradient holds back its bucket and all later ones until ``step()``.
     The hooks' collectives share ``ctx.dp_group`` with the model's: a model that communicates
     over dp in its backward must build the same graph on every dp rank, or use overlap=False.
+    With 16-bit parameters at dp >= 2, overlap keeps each bucket's fp32 reduced gradient in a
+    persistent slice (4/dp bytes per parameter); without it, the fp32 result is written over the
+    bucket's own 16-bit gradient bytes. At dp=1 no fp32 gradient outlives the step of its bucket
+    (see :mod:`parallax.optim.buckets`, ``grad_homes``). Either way, after the reduction the
+    ``.grad`` of 16-bit parameters holds unspecified values.
     """
 
     @property
@@ -278,7 +283,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         ``.grad`` stays a (zeroed) view into the buffer whatever ``set_to_none`` says; whether a
         parameter got a gradient is tracked by hooks instead. Call it between steps: after
-        ``step()``, gradients hold unspecified (partly reduced) values.
+        ``step()`` (and, for 16-bit parameters, after ``grad_norm()``), gradients hold
+        unspecified (partly reduced) values.
         """
         if self.overlap and self.reducer.dirty and not self.reducer.done:
             self.reducer.finish()  # keep every rank's sequence of collectives aligned
