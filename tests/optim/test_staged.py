@@ -98,9 +98,10 @@ def _compare_on_ranks(world: int) -> list[tuple]:
 
 
 def test_homes_match_the_persistent_slice_bitwise():
-    """bf16 models, at dp=1 (every bucket staged), dp=2 (overlap off: in place) and dp=1 x tp=2
-    with sequence-parallel buckets (which keep a slice): the same weights, optimizer state and
-    clip norms as the persistent fp32 slice, bit for bit. Two param groups, accumulation,
+    """bf16 models, at dp=1 (every bucket staged), dp=2 (overlap off: in place), dp=1 x tp=2
+    (sequence-parallel buckets keep a slice, the others are staged) and dp=2 x tp=2 (the
+    sequence-parallel buckets in place): the same weights, optimizer state and clip norms as
+    the persistent fp32 slice, bit for bit. Two param groups, accumulation,
     clipping, AdamW (default, foreach, fused) and SGD, a frozen, an unused and a sometimes-used
     parameter (the tower: steps 1 and 3; unused shares its bucket, which on even steps has no
     gradient at all)."""
