@@ -28,12 +28,17 @@ bf16 without checkpointing; ``expandable_segments`` is switched on against fragm
 - torch-single: fp32 params + grads + AdamW = 16 B/param = 120 GB, plus the bf16 weight copies
   autocast keeps for the backward (15 GB): micro-batch 2 is at the edge, it may OOM (fused
   AdamW, so no multi-tensor temporaries; ``--activation-checkpointing`` frees most of the rest).
-- parallax 1gpu: bf16 params and grads + fp32 master, gradient and moments = 20 B/param =
-  150 GB: does not fit on one H200 (needs dp >= 2, or an fp32 gradient shared with the master).
+- parallax 1gpu: bf16 params and grads + fp32 master and moments = 2 + 2 + 12 = 16 B/param,
+  plus one fp32 staging buffer of the largest bucket (0.5 GB: each bucket's fp32 gradient is
+  made right before the optimizer steps it, no whole-model fp32 gradient) = 120.5 GB = 112 GiB
+  (7.5e9 trainable): fits, with about 27 GiB left for activations at micro-batch 2. (It was
+  20 B/param = 150 GB = 140 GiB, which did not fit, while the fp32 gradient was kept whole.)
 - torch-ddp-zero dp2: 4 + 4 (gradients as bucket views) + 8/2 = 12 B/param = 90 GB + 15 GB.
-- parallax dp2: 2 + 2 + 16/2 = 12 B/param = 90 GB.  torch-fsdp2 dp2: 16/2 = 8 B/param = 60 GB.
-- tp2 and pp2 (both frameworks): about half the parameters per GPU: 60 GB (natives), 75 GB
-  (parallax) plus activations; micro-batch 4 fits.
+- parallax dp2 (overlap): 2 + 2 + 16/2 = 12.1 B/param (staging included) = 91 GB; without
+  overlap the fp32 gradient goes over the bf16 gradient bytes: 10.1 B/param = 76 GB.
+  torch-fsdp2 dp2: 16/2 = 8 B/param = 60 GB.
+- tp2 and pp2 (both frameworks, dp=1): about half the parameters per GPU: 60 GB (natives and
+  parallax) plus activations; micro-batch 4 fits.
 """
 
 from __future__ import annotations

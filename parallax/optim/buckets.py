@@ -164,3 +164,58 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# Where a bucket's fp32 reduced gradient (this rank's chunk) lives between the reduction and
+# the optimizer step. The choice is static, the same on every rank.
+OWN = "own"  # fp32 gradients: the rank's own chunk of the gradient buffer, reduced in place
+SHARD = "shard"  # a persistent fp32 slice: the reduction may finish during backward (overlap)
+INPLACE = "inplace"  # fp32 over the bucket's own 16-bit gradient bytes, reduced inside step()
+STAGED = "staged"  # dp=1: made in a reused buffer right before the bucket is stepped
+HOMES = (OWN, SHARD, INPLACE, STAGED)
+
+
+def grad_homes(layout: FlatLayout, overlap: bool) -> list[str]:
+    """The cheapest correct home of each bucket's fp32 reduced gradient.
+
+    fp32 buckets are reduced in place. Otherwise, at dp=1 there is nothing to reduce (only the
+    tp sum of sequence-parallel buckets, which are small and keep a slice): the fp32 gradient
+    is made in a reused staging buffer when the optimizer steps the bucket. At dp >= 2, a
+    bucket reduced inside ``step()`` (overlap off, or sequence-parallel buckets, which always
+    wait for ``step()``) writes its fp32 chunk over its own gradient bytes, which hold
+    ``dp * itemsize >= 4`` bytes per chunk element and are dead once copied into the fp32
+    staging buffer; a bucket that overlap may reduce during backward keeps a persistent slice.
+    """
+    homes = []
+    for b in layout.buckets:
+        dtype = layout.dtypes[b.buffer]
+        if dtype == torch.float32:
+            homes.append(OWN)
+        elif layout.dp == 1:
+            homes.append(SHARD if b.sequence_parallel else STAGED)
+        elif (b.sequence_parallel or not overlap) and layout.dp * dtype.itemsize >= 4:
+            homes.append(INPLACE)
+        else:
+            homes.append(SHARD)
+    return homes
+
+
+def check_homes(layout: FlatLayout, homes: Sequence[str]) -> None:
+    """Reject homes that cannot hold a bucket's reduced gradient (an internal consistency
+    check: :func:`grad_homes` never makes them)."""
+    if len(homes) != len(layout.buckets):
+        raise ValueError(f"{len(homes)} gradient homes for {len(layout.buckets)} buckets")
+    for b, home in zip(layout.buckets, homes):
+        fp32 = layout.dtypes[b.buffer] == torch.float32
+        bad = (
+            home not in HOMES
+            or (home == OWN and not fp32)  # only fp32 gradients are their own fp32 home
+            or (fp32 and home not in (OWN, STAGED))
+            or (home == INPLACE and layout.dp * layout.dtypes[b.buffer].itemsize < 4)
+            or (home == STAGED and (layout.dp != 1 or b.sequence_parallel))
+        )
+        if bad:
+            raise ValueError(
+                f"bucket {b.index} ({layout.dtypes[b.buffer]}, dp={layout.dp}, "
+                f"sequence_parallel={b.sequence_parallel}) cannot keep its gradient {home!r}"
+            )

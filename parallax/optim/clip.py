@@ -11,7 +11,7 @@ stages hold different parameters, so they simply add up. A parameter that two st
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from parallax.context import ParallelContext
 
 
 def global_grad_norm(
-    grads: Sequence[torch.Tensor],
+    grads: Iterable[torch.Tensor],
     replicated: Sequence[bool],
     ctx: ParallelContext,
     norm_type: float = 2.0,
@@ -29,19 +29,21 @@ def global_grad_norm(
     """The ``norm_type`` norm of all gradients of all ranks, as a 0-d fp32 tensor everywhere.
 
     ``grads`` are this rank's owned (reduced) gradient pieces; ``replicated[i]`` says whether
-    piece ``i`` belongs to a parameter replicated across tp. Every rank must call this.
+    piece ``i`` belongs to a parameter replicated across tp. Each piece is read once, in order,
+    before the next is asked for (they may be views of one reused buffer). Every rank must call
+    this.
     """
     norm_type = float(norm_type)
-    counted = [g for g, rep in zip(grads, replicated) if not rep or ctx.tp_rank == 0]
-    device = device or (grads[0].device if grads else ctx.device)
+    device = device or ctx.device
     local = torch.zeros((), dtype=torch.float64, device=device)
+    counted = (g.detach() for g, rep in zip(grads, replicated) if not rep or ctx.tp_rank == 0)
     if math.isinf(norm_type):
         for g in counted:
-            local = torch.maximum(local, g.detach().abs().max().double())
+            local = torch.maximum(local, g.abs().max().double())
         comm.all_reduce(local, ctx.world_group, op="max")
         return local.float()
     for g in counted:  # per-piece norms in fp32, their powers summed in fp64
-        local += torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type
+        local += torch.linalg.vector_norm(g, norm_type).double() ** norm_type
     comm.all_reduce(local, ctx.world_group, op="sum")
     return (local ** (1.0 / norm_type)).float()
 

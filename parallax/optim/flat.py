@@ -3,20 +3,23 @@
 One parameter buffer and one gradient buffer per dtype; every trainable parameter's ``.data``
 and ``.grad`` become views into them, so the all-gather writes straight into the model and the
 reduce-scatter reads straight from the gradients. For each bucket, this rank's fp32 master chunk
-and the fp32 chunk its reduced gradient lands in: for fp32 buckets these are the rank's own
-chunks of the two buffers (in-place collectives, no copies); for other dtypes, separate fp32
-slices. The wrapped optimizer steps *pieces*: views of those chunks, one per parameter part.
+and the home of its fp32 reduced gradient (see :func:`~parallax.optim.buckets.grad_homes`): for
+fp32 buckets both are the rank's own chunks of the two buffers (in-place collectives, no
+copies); for other dtypes the master is a separate fp32 slice, and the gradient a separate fp32
+slice, an fp32 view over the bucket's own gradient bytes, or (dp=1) the staging buffer, filled
+bucket by bucket when the optimizer steps. The wrapped optimizer steps *pieces*: views of those
+chunks, one per parameter part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.optim.buckets import FlatLayout, Piece
+from parallax.optim.buckets import INPLACE, SHARD, STAGED, FlatLayout, Piece, check_homes
 
 
 class FlatBuffers:
@@ -27,8 +30,10 @@ class FlatBuffers:
         layout: FlatLayout,
         dp_rank: int,
         device: torch.device,
+        homes: Sequence[str],
     ) -> None:
-        self.params, self.layout, self.dp_rank = params, layout, dp_rank
+        check_homes(layout, homes)
+        self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
         sizes = list(zip(layout.dtypes, layout.sizes))
         self.param_buffers = [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
         self.grad_buffers = [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
@@ -44,33 +49,49 @@ class FlatBuffers:
             p.grad = grad
             self.grad_views.append(grad)
 
-        separate = sum(b.chunk for b in layout.buckets if layout.dtypes[b.buffer] != torch.float32)
+        buckets = layout.buckets
+        separate = sum(b.chunk for b in buckets if layout.dtypes[b.buffer] != torch.float32)
+        shard = sum(b.chunk for b, home in zip(buckets, homes) if home == SHARD)
+        staged = [b.chunk for b, home in zip(buckets, homes) if home == STAGED]
         self.master_flat = torch.zeros(separate, device=device) if separate else None
-        self.grad_shard_flat = torch.zeros(separate, device=device) if separate else None
+        self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
+        # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped
+        self.staging = torch.zeros(max(staged), device=device) if staged else None
         self.masters: list[torch.Tensor] = []  # per bucket: this rank's fp32 master chunk
-        self.grad_outs: list[torch.Tensor] = []  # per bucket: where its reduced chunk lands
-        offset = 0
-        for b in layout.buckets:
-            mine, grad = self.own_chunk(b.index, self.param_buffers), None
+        self.grad_outs: list[torch.Tensor | None] = []  # per bucket: where its reduced chunk lands
+        offset = shard_offset = 0
+        for b, home in zip(buckets, homes):
+            mine = self.own_chunk(b.index, self.param_buffers)
+            grad = None  # STAGED: no home between steps
             if mine.dtype == torch.float32:
-                master, grad = mine, self.own_chunk(b.index, self.grad_buffers)
+                master = mine
+                if home != STAGED:
+                    grad = self.own_chunk(b.index, self.grad_buffers)
             else:
                 master = self.master_flat[offset : offset + b.chunk]
                 master.copy_(mine)
-                grad = self.grad_shard_flat[offset : offset + b.chunk]
                 offset += b.chunk
+                if home == SHARD:
+                    grad = self.grad_shard_flat[shard_offset : shard_offset + b.chunk]
+                    shard_offset += b.chunk
+                elif home == INPLACE:  # the first chunk * 4 bytes of the bucket's gradients
+                    grads = self.grad_buffers[b.buffer][b.start : b.end]  # (bucket,) 16-bit
+                    grad = grads.view(torch.float32)[: b.chunk]  # (bucket/dp,) fp32
             self.masters.append(master)
             self.grad_outs.append(grad)
 
         self.pieces: list[Piece] = layout.pieces(dp_rank)
         self.piece_params = [self._piece(self.masters, pc) for pc in self.pieces]
-        self.piece_grads = [self._piece(self.grad_outs, pc) for pc in self.pieces]
+        self.piece_grads = [  # None for pieces of staged buckets
+            None if self.grad_outs[pc.bucket] is None else self._piece(self.grad_outs, pc)
+            for pc in self.pieces
+        ]
         self.pieces_of: list[list[tuple[Piece, torch.Tensor]]] = [[] for _ in params]
         for pc, t in zip(self.pieces, self.piece_params):
             self.pieces_of[pc.param].append((pc, t))
 
     @staticmethod
-    def _piece(chunks: list[torch.Tensor], pc: Piece) -> torch.Tensor:
+    def _piece(chunks: Sequence[torch.Tensor | None], pc: Piece) -> torch.Tensor:
         return chunks[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
 
     def own_chunk(self, b: int, buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -78,6 +99,28 @@ class FlatBuffers:
         bucket = self.layout.buckets[b]
         lo = bucket.chunk_start(self.dp_rank)
         return buffers[bucket.buffer][lo : lo + bucket.chunk]
+
+    @torch.no_grad()
+    def stage(self, b: int, coefs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """Staged bucket ``b``'s fp32 gradient chunk, made in the staging buffer (valid until
+        the next call) and scaled by the clip coefficients ``coefs``, one after the other, as
+        the other homes are scaled in place."""
+        stage = self.staging[: self.layout.buckets[b].chunk]  # (bucket/dp,) fp32
+        stage.copy_(self.own_chunk(b, self.grad_buffers))
+        for coef in coefs:
+            stage.mul_(coef)
+        return stage
+
+    def reduced_grads(self, coefs: Sequence[torch.Tensor] = ()) -> Iterator[torch.Tensor]:
+        """Every piece's fp32 reduced gradient, in piece order; a staged bucket's pieces are
+        views of the staging buffer, valid until the next bucket's first piece is asked for."""
+        staged, stage = -1, None
+        for pc, grad in zip(self.pieces, self.piece_grads):
+            if grad is None:
+                if pc.bucket != staged:
+                    staged, stage = pc.bucket, self.stage(pc.bucket, coefs)
+                grad = stage[pc.chunk_offset : pc.chunk_offset + pc.numel]
+            yield grad
 
     @torch.no_grad()
     def reload_masters(self) -> None:

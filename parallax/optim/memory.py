@@ -30,9 +30,10 @@ class MemoryReport:
     param_bytes: int  # flat parameter buffers (every dp rank holds all of them)
     grad_bytes: int  # flat gradient buffers (same)
     master_bytes: int  # fp32 master slice kept apart from the parameters (none for fp32 params)
-    grad_shard_bytes: int  # fp32 reduced-gradient slice kept apart (none for fp32 grads)
+    grad_shard_bytes: int  # persistent fp32 reduced-gradient slice (see buckets.grad_homes)
     state_bytes: int  # the wrapped optimizer's state tensors (its 1/dp slice)
     plain_adamw_bytes: int  # unsharded AdamW on the same parameters, see plain_adamw_bytes()
+    staging_bytes: int = 0  # fp32 buffers of about one bucket each, whatever the model's size
 
     @property
     def optimizer_bytes(self) -> int:
@@ -41,7 +42,7 @@ class MemoryReport:
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.staging_bytes
 
     def bytes_per_param(self) -> dict[str, float]:
         n = max(self.numel, 1)
@@ -49,6 +50,7 @@ class MemoryReport:
             "params": self.param_bytes / n,
             "grads": self.grad_bytes / n,
             "optimizer": self.optimizer_bytes / n,
+            "staging": self.staging_bytes / n,
             "total": self.total_bytes / n,
             "plain_adamw": self.plain_adamw_bytes / n,
         }
@@ -60,6 +62,7 @@ class MemoryReport:
             ("fp32 master slice", self.master_bytes),
             ("fp32 reduced-grad slice", self.grad_shard_bytes),
             ("optimizer state slice", self.state_bytes),
+            ("fp32 staging buffers", self.staging_bytes),
             ("total", self.total_bytes),
             ("plain AdamW would need", self.plain_adamw_bytes),
         ]

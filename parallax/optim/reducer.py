@@ -9,8 +9,10 @@ collectives in the same order and a missing gradient delays a bucket instead of 
 
 Buckets of fp32 gradients are reduced in place: rank ``r``'s chunk of the gradient buffer ends
 up holding the dp average of that chunk. Other dtypes are copied into one of two fp32 staging
-buffers first and reduced into a separate fp32 shard. Buckets of ``sequence_parallel``
-parameters are staged too, summed over tp, then reduced over dp.
+buffers first and reduced into their fp32 home (``outputs[b]``). Buckets of
+``sequence_parallel`` parameters are staged too, summed over tp, then reduced over dp. A bucket
+without a home (``outputs[b] is None``: dp=1, its fp32 gradient is made when it is stepped) is
+only marked as reduced, so misuse raises the same errors whatever the home.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class GradReducer:
         self,
         layout: FlatLayout,
         grad_buffers: Sequence[torch.Tensor],
-        outputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor | None],
         names: Sequence[str],
         ctx: ParallelContext,
         overlap: bool,
@@ -41,8 +43,8 @@ class GradReducer:
         self.bucket_of = [slot.bucket for slot in layout.slots]
         staged = [
             b.numel
-            for b in layout.buckets
-            if b.sequence_parallel or layout.dtypes[b.buffer] != torch.float32
+            for b, out in zip(layout.buckets, outputs)
+            if out is not None and (b.sequence_parallel or layout.dtypes[b.buffer] != torch.float32)
         ]
         device = grad_buffers[0].device if grad_buffers else torch.device("cpu")
         self.staging = [torch.empty(max(staged), device=device) for _ in range(2)] if staged else []
@@ -95,6 +97,9 @@ class GradReducer:
             self._launch(self.launched)
 
     def _launch(self, b: int) -> None:
+        if self.outputs[b] is None:  # nothing to reduce
+            self.launched = b + 1
+            return
         bucket = self.layout.buckets[b]
         grads = self.grad_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
         k = None
@@ -123,5 +128,6 @@ class GradReducer:
             comm.wait(work)
         if self.ctx.dp_size > 1:
             for out in self.outputs:
-                out.div_(self.ctx.dp_size)
+                if out is not None:
+                    out.div_(self.ctx.dp_size)
         self.works, self.done = [], True

@@ -5,6 +5,8 @@ parameters are views into) but keeps optimizer state for its own slice of each b
 A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapped optimizer on
 this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
+At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
+only while the optimizer steps that bucket (:mod:`parallax.optim.staged`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from parallax import comm
 from parallax.context import ParallelContext
 from parallax.optim import state as state_io
-from parallax.optim.buckets import build_layout
+from parallax.optim.buckets import build_layout, grad_homes
 from parallax.optim.clip import clip_coefficient, global_grad_norm
 from parallax.optim.flat import FlatBuffers
 from parallax.optim.groups import (
@@ -33,6 +35,7 @@ from parallax.optim.groups import (
 )
 from parallax.optim.memory import MemoryReport, plain_adamw_bytes, tensor_bytes
 from parallax.optim.reducer import GradReducer
+from parallax.optim.staged import StagedSteps
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     and a parameter without a gradient holds back its bucket and all later ones until ``step()``.
     The hooks' collectives share ``ctx.dp_group`` with the model's: a model that communicates
     over dp in its backward must build the same graph on every dp rank, or use overlap=False.
+    With 16-bit parameters at dp >= 2, overlap keeps each bucket's fp32 reduced gradient in a
+    persistent slice (4/dp bytes per parameter); without it, the fp32 result is written over the
+    bucket's own 16-bit gradient bytes. At dp=1 no fp32 gradient outlives the step of its bucket
+    (see :mod:`parallax.optim.buckets`, ``grad_homes``). Either way, after the reduction the
+    ``.grad`` of 16-bit parameters holds unspecified values.
     """
 
     @property
@@ -138,10 +146,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket_numel,
             forward_order(self.params, self.names, param_order),
         )
-        self.flat = FlatBuffers(self.params, self.layout, ctx.dp_rank, self.device)
+        self.flat = FlatBuffers(
+            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes()
+        )
         members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
         for pc, t in zip(self.flat.pieces, self.flat.piece_params):
             members[group_of[pc.param]].append(t)
+        self.staged = StagedSteps(self.flat, [group_of[pc.param] for pc in self.flat.pieces])
+        self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
         self.inner = optimizer_class(
             [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
         )
@@ -177,6 +189,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             len(self.layout.buckets),
             self.memory_report(),
         )
+
+    def _grad_homes(self) -> list[str]:
+        """Where each bucket's fp32 reduced gradient lives (see ``buckets.grad_homes``)."""
+        return grad_homes(self.layout, self.overlap)
 
     @torch.no_grad()
     def reload_master_weights(self) -> None:
@@ -249,12 +265,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         flags = self._reduce()
+        stepped = False  # pieces whose fp32 gradient already has its home: one step for all
         for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
-            t.grad = g if flags[pc.param] else None
-        self.inner.step()
+            t.grad = g if g is not None and flags[pc.param] else None
+            stepped = stepped or g is not None
+        if stepped:
+            self.inner.step()
+        self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
         self.flat.gather_params(self.ctx.dp_group, flags)
         self.reducer.reset()
-        self._flags = None
+        self._flags, self._coefs = None, []
         return loss
 
     @torch.no_grad()
@@ -263,12 +283,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         ``.grad`` stays a (zeroed) view into the buffer whatever ``set_to_none`` says; whether a
         parameter got a gradient is tracked by hooks instead. Call it between steps: after
-        ``step()``, gradients hold unspecified (partly reduced) values.
+        ``step()`` (and, for 16-bit parameters, after ``grad_norm()``), gradients hold
+        unspecified (partly reduced) values.
         """
         if self.overlap and self.reducer.dirty and not self.reducer.done:
             self.reducer.finish()  # keep every rank's sequence of collectives aligned
         self.reducer.reset()
-        self._flags = None
+        self._flags, self._coefs = None, []
         for buf in self.flat.grad_buffers:
             buf.zero_()
         self._has_grad = [False] * len(self.params)
@@ -282,18 +303,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
         gradients first if ``step()`` has not yet."""
         self._reduce()
-        pieces, grads = self.flat.pieces, self.flat.piece_grads
-        replicated = [getattr(self.params[pc.param], "tp_shard", None) is None for pc in pieces]
+        replicated = [
+            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
+        ]
+        grads = self.flat.reduced_grads(self._coefs)  # staged buckets: made one at a time
         return global_grad_norm(grads, replicated, self.ctx, norm_type, self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the reduced gradients so their global norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before."""
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
+        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
         total = self.grad_norm(norm_type)
         coef = clip_coefficient(total, max_norm)
         for out in self.flat.grad_outs:
-            out.mul_(coef)
+            if out is not None:
+                out.mul_(coef)
+        if self.staged:
+            self._coefs.append(coef)
         return total
 
     # -- state ---------------------------------------------------------------------------------
@@ -338,6 +365,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
             state_bytes=tensor_bytes(states),
             plain_adamw_bytes=plain_adamw_bytes(self.params),
+            staging_bytes=tensor_bytes([self.flat.staging, *self.reducer.staging]),
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

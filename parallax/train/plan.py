@@ -52,7 +52,10 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
         trainable += sum(p.numel() for p in chunk.parameters() if p.requires_grad)
         layers += sum(1 for i in r if blocks[i].name.startswith("llm."))
     wbytes = 2 if cfg.precision == "bf16" else 4
-    optim = trainable * ((16 if cfg.precision == "bf16" else 8) / dims.dp)
+    # ZeroOptimizer with AdamW: fp32 master and moments over dp (fp32 weights are their own
+    # masters), and an fp32 gradient slice only where overlap may reduce during backward
+    per = 12 + (4 if dims.dp > 1 and cfg.overlap_grad_reduce else 0) if wbytes == 2 else 8
+    optim = trainable * per / dims.dp
     seq = config.num_patches + 48  # patches + a typical prompt and action
     h = config.text.hidden_size
     in_flight = peak_activations(schedule)[pp_rank]
