@@ -50,8 +50,18 @@ def main() -> None:
     p.add_argument("--command", default="", help="the exact commands that made the runs")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
-    columns = ["run", "steps", "first loss", "last loss", "last acc", "step s", "tokens/s",
-               "tokens/s/GPU", "MFU", "rank-0 peak GiB"]
+    columns = [
+        "run",
+        "steps",
+        "first loss",
+        "last loss",
+        "last acc",
+        "step s",
+        "tokens/s",
+        "tokens/s/GPU",
+        "MFU",
+        "rank-0 peak GiB",
+    ]
     rows, records = [], []
     for spec in args.run:
         label, _, path = spec.partition("=")
@@ -61,9 +71,17 @@ def main() -> None:
             rows.append([label, f"missing: {err}"] + ["-"] * (len(columns) - 2))
             continue
         rows.append([label, *values])
-        records.append({"benchmark": "train", "framework": "parallax", "layout": label,
-                        "step_time_s": values[4], "tokens_per_s_per_gpu": values[6],
-                        "mfu": values[7], "peak_mem_gib": values[8]})
+        records.append(
+            {
+                "benchmark": "train",
+                "framework": "parallax",
+                "layout": label,
+                "step_time_s": values[4],
+                "tokens_per_s_per_gpu": values[6],
+                "mfu": values[7],
+                "peak_mem_gib": values[8],
+            }
+        )
     print_table(args.title, columns, rows)
     if not args.no_write:
         notes = args.notes + (f"; commands: `{args.command}`" if args.command else "")

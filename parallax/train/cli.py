@@ -11,6 +11,7 @@ say so; ``torchrun --max-restarts N ... --resume`` then carries on from the last
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -130,7 +131,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     finally:
         monitor.close()
     if cfg.export_hf:
-        export_hf(trainer, out / "hf")
+        export_hf(trainer, out / "hf", data.statistics)
     return monitor.last
 
 
@@ -144,11 +145,18 @@ def _flops_per_sample(trainer: Trainer) -> float:
     return training_flops_per_sample(trainer.model_config)
 
 
-def export_hf(trainer: Trainer, path: Path) -> None:
-    """Write the trained weights in the Hugging Face OpenVLA layout (collective)."""
+def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:
+    """Write the trained weights in the Hugging Face OpenVLA layout (collective), with the
+    training data's action statistics added to ``norm_stats`` (what ``predict_action`` uses to
+    un-normalise actions)."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
-    trainer.chunks[0].save_pretrained(path)
+    chunk = trainer.chunks[0]
+    if statistics:
+        chunk.config = dataclasses.replace(
+            chunk.config, norm_stats={**chunk.config.norm_stats, **statistics}
+        )
+    chunk.save_pretrained(path)
     if trainer.ctx.rank == 0:
         log.info("exported the Hugging Face checkpoint to %s", path)
 

@@ -86,6 +86,8 @@ class TrainConfig:
             )
         if self.dp is not None and self.dp < 1:
             problems.append(f"--dp must be >= 1, got {self.dp}")
+        if self.export_hf and self.chunks > 1:
+            problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
         if self.chunks > 1 and self.schedule != "interleaved":
             problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
         if problems:

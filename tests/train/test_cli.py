@@ -297,3 +297,35 @@ def test_toml_config_and_flag_override(tmp_path):
     path.write_text("stepz = 3\n")
     with pytest.raises(ValueError, match="unknown keys"):
         parse_args(["--config", str(path)])
+
+
+def _export_in_pool(out):
+    from parallax.testing import context
+    from parallax.train.cli import run
+    from parallax.train.config import parse_args
+
+    ctx = context(pp=2)
+    run(parse_args(["--pp", "2", "--out", out, *RUN, "--steps", "2", "--export-hf"]), ctx)
+    return True
+
+
+def test_export_hf_matches_the_trained_weights(tmp_path):
+    import torch
+
+    from parallax.checkpoint import Checkpoint, latest_checkpoint, load_module
+    from parallax.models import OpenVLA, OpenVLAConfig
+    from parallax.testing import run_ranks
+
+    out = tmp_path / "exp"
+    run_ranks(_export_in_pool, 2, str(out))
+    exported = OpenVLA.from_pretrained(out / "hf", None, dtype=torch.float32)
+    assert "parallax_synthetic" in exported.config.norm_stats  # the data's action statistics
+    trained = OpenVLA(OpenVLAConfig.preset("tiny"))
+    load_module(trained, Checkpoint(latest_checkpoint(out / "checkpoints")))
+    with torch.no_grad():  # the export is bf16: compare with the trained weights rounded so
+        for p in trained.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    torch.manual_seed(0)
+    px, ids = torch.randn(2, 6, 56, 56), torch.randint(3, 200, (2, 9))
+    ids[:, 0] = 1
+    torch.testing.assert_close(exported(px, ids), trained(px, ids), rtol=1e-5, atol=1e-5)
