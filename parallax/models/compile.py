@@ -27,11 +27,13 @@ def compile_modules(modules: Iterable[nn.Module], **options) -> int:
 
 
 def _allow_recompiles(count: int) -> None:
-    """Before torch 2.5 the compiler guarded on each module object, so every layer compiled
-    anew: let that many compilations happen instead of falling back to eager after 8."""
-    if torch.__version__ >= "2.5":
-        return  # parameters are graph inputs: one compilation serves every layer
+    """Let the compiler recompile more often than its default 8 times per function before it
+    falls back to eager. With tp, each collective breaks the graph and the layer forwards it
+    sits in (a row-parallel linear, say) compile as functions of their own, once per shape they
+    meet (a ViT's and a Llama's). Before torch 2.5 the compiler also guarded on each module
+    object, so every layer compiled anew."""
     import torch._dynamo.config as config
 
-    if not config.inline_inbuilt_nn_modules:
-        config.cache_size_limit = max(config.cache_size_limit, 2 * count + 8)
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    need = 64 if torch.__version__ >= "2.5" else 2 * count + 64
+    setattr(config, name, max(getattr(config, name), need))

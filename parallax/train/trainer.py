@@ -49,7 +49,7 @@ from parallax.pipeline import (
     split,
 )
 from parallax.train.config import TrainConfig
-from parallax.train.flops import Component, openvla_flops_per_sample
+from parallax.train.flops import batch_flops
 
 log = logging.getLogger(__name__)
 
@@ -331,22 +331,14 @@ class Trainer:
         return StepOutput(loss=loss, grad_norm=grad_norm.detach(), metrics=metrics, lr=lr)
 
     def model_flops(self, microbatches: list[dict]) -> float:
-        """Model FLOPs of one step over these microbatches (:mod:`parallax.train.flops`: 6 x
-        params x tokens per component plus attention), the lm_head counted where it runs: at
-        every position, or at the labelled ones (read from host labels without a sync)."""
-        mc, total = self.model_config, 0.0
-        head = mc.text.hidden_size * mc.text.vocab_size
-        for mb in microbatches:
-            b, t = mb["input_ids"].shape
-            per_sample = openvla_flops_per_sample(
-                mc, t, logit_positions=0, frozen_vision=self.cfg.freeze_vision
-            )
-            if self.cfg.logits == "labelled":
-                positions = int(loss_token_count(mb["labels"]))
-            else:
-                positions = b * (mc.num_patches + t)
-            total += b * per_sample + Component(head, positions, 0.0).flops
-        return total
+        """Model FLOPs of one step over these microbatches, the lm_head counted where it runs
+        (:func:`parallax.train.flops.batch_flops`)."""
+        return batch_flops(
+            self.model_config,
+            microbatches,
+            labelled_logits=self.cfg.logits == "labelled",
+            frozen_vision=self.cfg.freeze_vision,
+        )
 
     def _reduce_metrics(self) -> torch.Tensor:
         """Metric sums over the global batch, on every rank (from the last stage)."""
