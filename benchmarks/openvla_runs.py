@@ -35,6 +35,9 @@ from parallax.context import ParallelContext, init_parallel
 Batch = dict[str, torch.Tensor]
 NATIVE = ("torch-single", "torch-ddp-zero", "torch-fsdp2", "torch-dtensor-tp", "torch-pipelining")
 FRAMEWORKS = ("parallax", *NATIVE)
+# parallax's speed options per variant (TrainConfig fields); "opt" is the Trainer's defaults
+BASE = dict(logits="all", fused_projections=False, compile=False, pipeline_syncs=True)
+VARIANTS = {"opt": {}, "base": BASE, "opt+compile": dict(compile=True)}
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,11 @@ def run_native(
     return Measured(times, peak_memory_gib(device), loss)
 
 
-def parallax_config(layout: Layout, wl: Workload, model: str, global_batch: int):
-    """The :class:`~parallax.train.config.TrainConfig` of the parallax rows."""
+def parallax_config(
+    layout: Layout, wl: Workload, model: str, global_batch: int, variant: str = "opt"
+):
+    """The :class:`~parallax.train.config.TrainConfig` of the parallax rows of ``variant``
+    (:data:`VARIANTS`: ``base`` turns every speed option off)."""
     from parallax.train.config import TrainConfig
 
     cfg = TrainConfig(
@@ -156,6 +162,7 @@ def parallax_config(layout: Layout, wl: Workload, model: str, global_batch: int)
         overlap_grad_reduce=True,
         activation_checkpointing=wl.activation_checkpointing,
         seed=wl.seed,
+        **VARIANTS[variant],
     )
     cfg.check()
     return cfg
@@ -169,14 +176,19 @@ def run_parallax(
     microbatches: Sequence[Batch],
     warmup: int,
     steps: int,
+    variant: str = "opt",
+    compile_backend: str = "inductor",
 ) -> Measured:
     """parallax's Trainer on this layout; for pp, one more step recorded on a Timeline gives
-    the measured bubble and the simulated one (the schedule fed the measured stage times)."""
+    the measured bubble and the simulated one (the schedule fed the measured stage times).
+    Labels stay on the host, as the data loader gives them: the Trainer reads the labelled
+    positions from them without a device synchronisation."""
     from parallax.train.trainer import Trainer
 
-    cfg = parallax_config(layout, wl, model, len(microbatches) * wl.micro_batch)
-    trainer = Trainer(cfg, ctx)
+    cfg = parallax_config(layout, wl, model, len(microbatches) * wl.micro_batch, variant)
+    trainer = Trainer(cfg, ctx, compile_options={"backend": compile_backend})
     mine = dp_share(microbatches, trainer.ctx.dp_rank, trainer.ctx.dp_size)
+    mine = [{**mb, "labels": mb["labels"].cpu()} for mb in mine]
     times, loss = time_steps(lambda: trainer.train_step(mine), ctx.device, warmup, steps)
     measured = Measured(times, peak_memory_gib(ctx.device), loss)
     if layout.pp > 1:
@@ -227,8 +239,9 @@ def free_memory(device: torch.device, reset_peak: bool = False) -> None:
             torch.cuda.reset_peak_memory_stats(device)
 
 
-def run_config(layout, framework, wl, args, device, microbatches, contexts) -> dict:
-    """This rank's outcome of one configuration: measurements or the error, never raising."""
+def run_config(layout, framework, wl, args, device, microbatches, contexts, variant=None) -> dict:
+    """This rank's outcome of one configuration (``variant``: parallax's, see
+    :data:`VARIANTS`): measurements or the error, never raising."""
     try:
         if framework == "parallax":
             if layout.name not in contexts:
@@ -244,7 +257,15 @@ def run_config(layout, framework, wl, args, device, microbatches, contexts) -> d
                     )
                 )
             m = run_parallax(
-                layout, wl, contexts[layout.name], args.model, microbatches, args.warmup, args.steps
+                layout,
+                wl,
+                contexts[layout.name],
+                args.model,
+                microbatches,
+                args.warmup,
+                args.steps,
+                variant or "opt",
+                args.compile_backend,
             )
         else:
             m = run_native(framework, wl, device, microbatches, args.warmup, args.steps)
@@ -252,7 +273,7 @@ def run_config(layout, framework, wl, args, device, microbatches, contexts) -> d
     except Exception as err:  # an OOM or a missing piece: record it, keep going
         print(
             f"[rank {dist.get_rank() if dist.is_initialized() else 0}] {layout.name} "
-            f"{framework} failed:\n{traceback.format_exc()}",
+            f"{framework} {variant or ''} failed:\n{traceback.format_exc()}",
             file=sys.stderr,
             flush=True,
         )

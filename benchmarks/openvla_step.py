@@ -19,8 +19,15 @@ its JSON line to ``benchmarks/results.jsonl`` as soon as it is measured; ``--tim
 skips what would not finish in time. A configuration that fails on one rank only leaves its
 peers waiting in a collective until ``--timeout``.
 
+parallax runs as ``--parallax-variants`` (``variant`` column and JSON key): ``opt`` is the
+Trainer's defaults (lm_head on the labelled positions only, fused q/k/v and gate/up, no
+per-step pipeline host syncs), ``base`` all of that off, ``opt+compile`` adds ``torch.compile``
+of each block. Running order puts what answers the issue first: parallax ``opt`` on the
+multi-GPU layouts, the natives there, the one-GPU rows, then the other variants. Each row's
+MFU counts the FLOPs it runs (the lm_head over all positions, or the labelled ones).
+
     torchrun --nproc-per-node 2 -m benchmarks.openvla_step --time-budget 480       # 2 H200
-    torchrun --nproc-per-node 2 -m benchmarks.openvla_step --smoke --model tiny    # CPU, gloo
+    torchrun --nproc-per-node 2 -m benchmarks.openvla_step --smoke --model tiny --no-write
 
 Memory plan at 7.5 B parameters (H200: ~140 GiB usable; activations ~3.3 GB per sample at
 bf16 without checkpointing; ``expandable_segments`` is switched on against fragmentation):
@@ -44,7 +51,6 @@ bf16 without checkpointing; ``expandable_segments`` is switched on against fragm
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -57,34 +63,18 @@ from benchmarks.common import append_records, append_results, env_info, print_ta
 from benchmarks.native import Workload, split_batch, synthetic_batch
 from benchmarks.openvla_runs import (
     FRAMEWORKS,
-    NATIVE,
+    VARIANTS,
     Layout,
     free_memory,
     gather,
     merge,
     run_config,
 )
+from benchmarks.openvla_table import COLUMNS, ratio_notes, summarise
 from parallax import ParallelContext
 from parallax.models import OpenVLAConfig
+from parallax.train.config import TrainConfig
 from parallax.train.flops import PEAK_TFLOPS, openvla_flops_per_sample
-
-COLUMNS = [
-    "layout",
-    "framework",
-    "GPUs",
-    "micro",
-    "step s",
-    "tokens/s/GPU",
-    "samples/s",
-    "TFLOP/s/GPU",
-    "MFU",
-    "peak GiB",
-    "x best native",
-    "bubble measured",
-    "bubble simulated",
-    "loss",
-    "status",
-]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,8 +99,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=180.0, help="collective timeout, seconds")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--native-optimizer", choices=("fused", "foreach"), default="fused")
-    p.add_argument("--logits", choices=("all", "labelled"), default="all", help="FLOPs count")
-    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument(
+        "--parallax-variants",
+        default="opt,base,opt+compile",
+        help=f"comma list of parallax variants ({', '.join(VARIANTS)})",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of opt+compile (inductor; aot_eager with --smoke)",
+    )
+    p.add_argument("--no-write", action="store_true", help="print only, append no results")
     args = p.parse_args(argv)
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
     args.global_batch = args.global_batch or (8 if args.smoke else 32)
@@ -125,6 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.frameworks.split(",")) - set(FRAMEWORKS)
     if unknown:
         p.error(f"unknown --frameworks {sorted(unknown)}; choose from {', '.join(FRAMEWORKS)}")
+    args.variants = [v for v in args.parallax_variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown or not args.variants:
+        p.error(
+            f"--parallax-variants {args.parallax_variants!r}: choose from {', '.join(VARIANTS)}"
+        )
+    args.compile_backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")
     return args
 
 
@@ -146,32 +152,6 @@ def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None]:
     return device, world, rank, dist.new_group(backend="gloo", timeout=timeout)
 
 
-def summarise(layout, framework, merged, args, flops_step, seq) -> tuple[dict, dict]:
-    """The table row and the JSON record of one configuration."""
-    step, gpus, gb = merged.get("step", math.nan), layout.gpus, args.global_batch
-    tokens = gb * seq / step / gpus if "step" in merged else math.nan
-    tflops = flops_step / step / gpus / 1e12 if "step" in merged else math.nan
-    mfu = tflops / PEAK_TFLOPS
-    status = merged.get("error", "ok")
-    values = [layout.name, framework, gpus, merged.get("micro"), step, tokens, gb / step, tflops,
-              mfu, merged.get("peak", math.nan), math.nan, merged.get("bubble_measured", math.nan),
-              merged.get("bubble_simulated", math.nan), merged.get("loss", math.nan),
-              status if len(status) <= 60 else status[:57] + "..."]  # fmt: skip
-    row = dict(zip(COLUMNS, values))
-    record = {
-        "gpus": gpus,
-        "framework": framework,
-        "layout": layout.name,
-        "global_batch": gb,
-        "step_time_s": step,
-        "tokens_per_s_per_gpu": tokens,
-        "mfu": mfu,
-        "peak_mem_gib": merged.get("peak", math.nan),
-    }
-    finite = {k: v for k, v in record.items() if not isinstance(v, float) or math.isfinite(v)}
-    return row, {k: finite.get(k) for k in record}  # NaN (no measurement) -> null
-
-
 def default_layouts(world: int) -> list[Layout]:
     """The single-axis layouts over every rank, then one device (its rows are run on every rank
     at once, each rank its own replica)."""
@@ -183,38 +163,6 @@ def default_layouts(world: int) -> list[Layout]:
 def agree(flag: bool, control: dist.ProcessGroup | None) -> bool:
     """Rank 0's decision, on every rank."""
     return bool(gather(flag, control)[0])
-
-
-def ratio_notes(rows: list[dict]) -> str:
-    """Fill ``x best native`` (tokens/s per GPU over the best native row with as many GPUs) and
-    say how parallax's best multi-GPU layout compares and how dp scales (weak: vs 1gpu)."""
-
-    def tokens(r: dict) -> float:
-        return r["tokens/s/GPU"] if math.isfinite(r["tokens/s/GPU"]) else 0.0
-
-    best: dict[int, float] = {}
-    for r in rows:
-        if r["framework"] in NATIVE and tokens(r) > 0:
-            best[r["GPUs"]] = max(best.get(r["GPUs"], 0.0), tokens(r))
-    for r in rows:
-        r["x best native"] = tokens(r) / best[r["GPUs"]] if best.get(r["GPUs"]) else math.nan
-    notes = []
-    ours = [r for r in rows if r["framework"] == "parallax" and r["GPUs"] > 1 and tokens(r) > 0]
-    if ours:
-        top = max(ours, key=tokens)
-        if best.get(top["GPUs"]):
-            notes.append(
-                f"parallax's best {top['GPUs']}-GPU layout ({top['layout']}) at "
-                f"{top['x best native']:.2f}x the best native"
-            )
-    for fw, one in (("parallax", "parallax"), ("torch-ddp-zero", "torch-single")):
-        dp = [tokens(r) for r in rows if r["framework"] == fw and r["layout"].startswith("dp")]
-        single = [tokens(r) for r in rows if r["framework"] == one and r["layout"] == "1gpu"]
-        if dp and single and dp[0] > 0 and single[0] > 0:
-            notes.append(
-                f"{fw} dp weak scaling (tokens/s per GPU vs 1gpu): {dp[0] / single[0]:.1%}"
-            )
-    return "; ".join(notes)
 
 
 @dataclass
@@ -229,7 +177,8 @@ class Bench:
     config: OpenVLAConfig
     batch: dict[str, torch.Tensor]  # the global batch, the same on every rank
     seq: int  # tokens per sample through the language model
-    flops_step: float
+    flops_step: float  # the lm_head over every position
+    flops_labelled: float  # the lm_head over the labelled positions only
     base: Workload
     info: dict[str, str]
     contexts: dict[str, ParallelContext] = field(default_factory=dict)
@@ -239,7 +188,6 @@ def setup(args: argparse.Namespace) -> Bench:
     device, world, rank, control = init_world(args)
     config = OpenVLAConfig.preset(args.model)
     text = 1 + args.text_tokens  # input ids per sample, BOS included
-    positions = None if args.logits == "all" else args.labelled
     gb = args.global_batch
     return Bench(
         args=args,
@@ -250,7 +198,8 @@ def setup(args: argparse.Namespace) -> Bench:
         config=config,
         batch=synthetic_batch(config, gb, text, args.labelled, seed=0, device=device),
         seq=config.num_patches + text,
-        flops_step=gb * openvla_flops_per_sample(config, text, logit_positions=positions),
+        flops_step=gb * openvla_flops_per_sample(config, text),
+        flops_labelled=gb * openvla_flops_per_sample(config, text, logit_positions=args.labelled),
         base=Workload(
             config,
             micro_batch=1,
@@ -262,23 +211,45 @@ def setup(args: argparse.Namespace) -> Bench:
     )
 
 
-def plan(b: Bench) -> list[tuple[Layout, str, str | None]]:
-    """(layout, framework, reason to skip or None) in running order."""
+def plan(b: Bench) -> list[tuple[Layout, str, str | None, str | None]]:
+    """(layout, framework, parallax variant, reason to skip or None) in running order: the lead
+    parallax variant (``opt``) on the multi-GPU layouts, the natives there, the one-GPU rows,
+    then the other variants; within each, the layouts in order."""
     layouts = (
         [Layout.parse(x) for x in b.args.layouts.split(",")]
         if b.args.layouts
         else default_layouts(b.world)
     )
+    frameworks = b.args.frameworks.split(",")
+    variants = b.args.variants
+    lead = "opt" if "opt" in variants else variants[0]
+    ours = "parallax" in frameworks
+    natives = [fw for fw in frameworks if fw != "parallax"]
+    multi, single = [x for x in layouts if x.gpus > 1], [x for x in layouts if x.gpus == 1]
+    order: list[tuple[Layout, str, str | None]] = []
+    for group in (multi, single):
+        order += [(x, "parallax", lead) for x in group if ours]
+        order += [(x, fw, None) for x in group for fw in natives]
+    order += [(x, "parallax", v) for v in variants if v != lead for x in multi + single if ours]
     out = []
-    for layout in layouts:
-        fits = layout.gpus in (1, b.world)
-        for fw in b.args.frameworks.split(","):
-            if layout.supports(fw):
-                out.append((layout, fw, None if fits else f"skipped: needs {layout.gpus} GPUs"))
+    for layout, fw, variant in order:
+        if layout.supports(fw):
+            fits = layout.gpus in (1, b.world)
+            out.append(
+                (layout, fw, variant, None if fits else f"skipped: needs {layout.gpus} GPUs")
+            )
     return out
 
 
-def measure(b: Bench, layout: Layout, fw: str, micro: int) -> dict:
+def row_flops(b: Bench, fw: str, variant: str | None) -> float:
+    """Model FLOPs of one step as this row runs it: parallax variants with labelled logits
+    apply the lm_head to the labelled positions only, everything else to all of them."""
+    if fw == "parallax" and VARIANTS[variant].get("logits", TrainConfig.logits) == "labelled":
+        return b.flops_labelled
+    return b.flops_step
+
+
+def measure(b: Bench, layout: Layout, fw: str, micro: int, variant: str | None = None) -> dict:
     """Run one configuration on every rank; the merged outcome (on every rank)."""
     try:
         microbatches = split_batch(b.batch, micro)
@@ -286,7 +257,7 @@ def measure(b: Bench, layout: Layout, fw: str, micro: int) -> dict:
         return {"error": str(err)}
     wl = replace(b.base, micro_batch=micro)
     free_memory(b.device, reset_peak=True)
-    result = run_config(layout, fw, wl, b.args, b.device, microbatches, b.contexts)
+    result = run_config(layout, fw, wl, b.args, b.device, microbatches, b.contexts, variant)
     merged = merge(gather(result, b.control))
     free_memory(b.device)
     return merged
@@ -299,7 +270,8 @@ def report(b: Bench, rows: list[dict]) -> None:
     title = (
         f"openvla_step: {args.model}, global batch {args.global_batch}, sequence {b.seq} (BOS + "
         f"{b.config.num_patches} patches + {args.text_tokens} text), loss on last "
-        f"{args.labelled}, {precision}, {b.flops_step / 1e12:.4g} TFLOP per step"
+        f"{args.labelled}, {precision}, {b.flops_step / 1e12:.4g} TFLOP per step "
+        f"({b.flops_labelled / 1e12:.4g} with the lm_head on the labelled positions only)"
     )
     table = [[r[c] for c in COLUMNS] for r in rows]
     print_table(title, COLUMNS, table, width=220)
@@ -307,8 +279,9 @@ def report(b: Bench, rows: list[dict]) -> None:
         print(notes)
     if not args.no_write:
         how = (
-            f"MFU = model FLOPs (parallax.train.flops, lm_head on {args.logits} positions) "
-            f"/ (step x GPUs x {PEAK_TFLOPS:g} TFLOP/s)"
+            "MFU = model FLOPs as each row runs them (parallax.train.flops; lm_head on the "
+            f"labelled positions for parallax opt, on all for the others) / (step x GPUs x "
+            f"{PEAK_TFLOPS:g} TFLOP/s)"
         )
         smoke = "CPU smoke run, sizes scaled down" if args.smoke else ""
         notes = "; ".join(filter(None, [smoke, how, notes]))
@@ -319,22 +292,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run every planned configuration; returns the rows (on rank 0; empty elsewhere)."""
     b = setup(parse_args(argv))
     rows, start, longest, ran = [], time.monotonic(), 0.0, False
-    for layout, fw, skip in plan(b):
+    for layout, fw, variant, skip in plan(b):
         micro = b.args.micro_batch or (2 if b.args.smoke or layout.gpus == 1 else 4)
         if skip is None and b.args.time_budget is not None and ran:
             # start only what should end in time, judged by the longest so far
             late = time.monotonic() - start + longest > b.args.time_budget
             skip = "skipped: time budget" if agree(late, b.control) else None
         began = time.monotonic()
-        merged = {"error": skip} if skip else measure(b, layout, fw, micro)
+        merged = {"error": skip} if skip else measure(b, layout, fw, micro, variant)
         longest, ran = max(longest, time.monotonic() - began), ran or not skip
         if b.rank != 0:
             continue
-        row, record = summarise(layout, fw, {**merged, "micro": micro}, b.args, b.flops_step, b.seq)
+        flops = row_flops(b, fw, variant)
+        row, record = summarise(
+            layout, fw, {**merged, "micro": micro}, b.args, flops, b.seq, variant
+        )
         rows.append(row)
         status = merged.get("error") or "ok"
-        print(f"{layout.name:>6} {fw:<18} step {row['step s']:.4g} s, MFU {row['MFU']:.3g}, "
-              f"peak {row['peak GiB']:.3g} GiB: {status}", flush=True)  # fmt: skip
+        print(f"{layout.name:>6} {fw:<18} {variant or '':<12} step {row['step s']:.4g} s, "
+              f"MFU {row['MFU']:.3g}, peak {row['peak GiB']:.3g} GiB: {status}",
+              flush=True)  # fmt: skip
         if not skip and not b.args.no_write:
             append_records([record], b.info)
     if b.rank == 0:

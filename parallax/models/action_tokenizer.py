@@ -27,6 +27,7 @@ class ActionTokenizer:
         self.bins = np.linspace(min_action, max_action, n_bins)  # edges
         self.bin_centers = (self.bins[:-1] + self.bins[1:]) / 2.0  # n_bins - 1 centres
         self.action_token_begin_idx = vocab_size - (n_bins + 1)  # ids above this are actions
+        self._centers: dict[torch.device, torch.Tensor] = {}  # bin_centers on each device
 
     @classmethod
     def from_config(cls, config) -> ActionTokenizer:
@@ -47,8 +48,14 @@ class ActionTokenizer:
         return self.bin_centers[d]
 
     def decode_torch(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`decode` on a tensor, on its device (float32); used by the training metrics."""
-        centers = torch.as_tensor(self.bin_centers, dtype=torch.float32, device=token_ids.device)
+        """:meth:`decode` on a tensor, on its device (float32); used by the training metrics.
+
+        The centres are copied to a device once: a copy from host memory on every call would
+        synchronise the GPU stream each training step."""
+        centers = self._centers.get(token_ids.device)
+        if centers is None:
+            centers = torch.as_tensor(self.bin_centers, dtype=torch.float32)
+            centers = self._centers.setdefault(token_ids.device, centers.to(token_ids.device))
         d = (self.vocab_size - token_ids - 1).clamp(0, centers.shape[0] - 1)
         return centers[d]
 

@@ -34,13 +34,22 @@ _FUSED = {
 }
 
 
-def hf_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-    """The checkpoint tensors ``(name, shape)`` that make up parameter ``name`` (row blocks)."""
+def fused_parts(name: str) -> list[str]:
+    """The separate checkpoint names that (fused) parameter ``name`` stands for, in block order
+    (``[name]`` for an ordinary parameter). ``name`` may carry a prefix or suffix."""
     for fused, parts in _FUSED.items():
         if fused in name:
-            rows = shape[0] // len(parts)
-            return [(name.replace(fused, p), (rows, *shape[1:])) for p in parts]
-    return [(name, tuple(shape))]
+            return [name.replace(fused, p) for p in parts]
+    return [name]
+
+
+def hf_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors ``(name, shape)`` that make up parameter ``name`` (row blocks)."""
+    parts = fused_parts(name)
+    if len(parts) == 1:
+        return [(name, tuple(shape))]
+    rows = shape[0] // len(parts)
+    return [(p, (rows, *shape[1:])) for p in parts]
 
 
 def expected_tensors(config: OpenVLAConfig) -> dict[str, tuple[int, ...]]:

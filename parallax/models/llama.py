@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from parallax.models.compile import compile_modules
 from parallax.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -290,4 +291,9 @@ class LlamaLM(nn.Module):
         return x  # (b, s, h)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x))  # (b, s, V/tp)
+        return self.lm_head(self.model.norm(x))  # (..., V/tp)
+
+    def compile_layers(self, **options) -> None:
+        """``torch.compile`` each decoder layer's forward in place
+        (:func:`parallax.models.compile.compile_modules`)."""
+        compile_modules(self.model.layers.values(), **options)

@@ -6,6 +6,10 @@ Face's ``LlamaForCausalLM`` does. Metrics follow OpenVLA's fine-tuning script: p
 ``argmax(logits[:, P:-1])`` against ``labels[:, 1:]`` on the tokens that are actions, accuracy
 and L1 distance between bin centres in normalised [-1, 1] space. Everything is returned as sums
 and counts (tensors, no host sync) so a trainer can add them up over microbatches and dp ranks.
+
+Training only needs logits where a label is: :func:`labelled_rows` lists those positions (a few
+per sample against ``P + t``), and :func:`rows_loss` / :func:`rows_action_metrics` give the same
+sums as :func:`vla_loss` / :func:`action_metrics` from the logits of those rows alone.
 """
 
 from __future__ import annotations
@@ -54,6 +58,35 @@ def vla_loss(
     )
 
 
+def labelled_rows(labels: torch.Tensor, num_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence positions whose next token carries a label, as flat row indices into the
+    ``(b * (P + t))`` hidden states, and those labels: ``(rows (n,), targets (n,))``.
+
+    The count ``n`` depends on the labels' values: call it on host (CPU) labels, where it costs
+    no device synchronisation, and move the result over with ``non_blocking=True``.
+    """
+    full = expand_labels(labels, num_patches)  # (b, P + t)
+    nxt = full[:, 1:]  # (b, P + t - 1): the label each position predicts
+    b_idx, pos = (nxt != IGNORE_INDEX).nonzero(as_tuple=True)  # (n,), (n,)
+    rows = b_idx * full.shape[1] + pos  # (n,) into the flattened (b * (P + t))
+    return rows, nxt[b_idx, pos]
+
+
+def rows_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ctx: TPLike,
+    *,
+    vocab_size: int,
+    reduction: str = "sum",
+) -> torch.Tensor:
+    """Cross-entropy of the logits of :func:`labelled_rows` ``(n, V/tp)`` against their
+    ``targets (n,)``: the labelled terms of :func:`vla_loss`, so the sums agree."""
+    return vocab_parallel_cross_entropy(
+        logits, targets, ctx, reduction=reduction, vocab_size=vocab_size
+    )
+
+
 def tp_argmax(logits: torch.Tensor, ctx: TPLike, vocab_size: int | None = None) -> torch.Tensor:
     """Global argmax ids ``(...)`` of logits whose last dim is this rank's vocab shard.
 
@@ -91,9 +124,29 @@ def action_metrics(
     """
     with torch.no_grad():
         pred = tp_argmax(logits[:, num_patches:-1], ctx, vocab_size)  # (b, t - 1)
-        gt = labels[:, 1:]  # (b, t - 1)
-        mask = action_tokenizer.is_action(gt)
-        correct = ((pred == gt) & mask).sum().float()
-        dist = (action_tokenizer.decode_torch(pred) - action_tokenizer.decode_torch(gt)).abs()
-        l1 = (dist * mask).sum()
-        return {"action_correct": correct, "action_l1_sum": l1, "action_tokens": mask.sum().float()}
+        return _action_sums(pred, labels[:, 1:], action_tokenizer)  # against (b, t - 1)
+
+
+def rows_action_metrics(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ctx: TPLike,
+    *,
+    vocab_size: int,
+    action_tokenizer: ActionTokenizer,
+) -> dict[str, torch.Tensor]:
+    """:func:`action_metrics` from the logits of :func:`labelled_rows` ``(n, V/tp)``: action
+    tokens are labelled, so every position the metrics count is among the rows."""
+    with torch.no_grad():
+        pred = tp_argmax(logits, ctx, vocab_size)  # (n,)
+        return _action_sums(pred, targets, action_tokenizer)
+
+
+def _action_sums(
+    pred: torch.Tensor, gt: torch.Tensor, action_tokenizer: ActionTokenizer
+) -> dict[str, torch.Tensor]:
+    mask = action_tokenizer.is_action(gt)
+    correct = ((pred == gt) & mask).sum().float()
+    dist = (action_tokenizer.decode_torch(pred) - action_tokenizer.decode_torch(gt)).abs()
+    l1 = (dist * mask).sum()
+    return {"action_correct": correct, "action_l1_sum": l1, "action_tokens": mask.sum().float()}

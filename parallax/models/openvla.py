@@ -7,7 +7,9 @@ towers, the projector, the token embedding and the multimodal merge; "head" the 
 lm_head. ``OpenVLA(config, ctx, blocks=range(a, b))`` builds only blocks ``a..b-1`` (a pipeline
 stage), named as in the whole model. A stage's forward takes the previous stage's output
 positionally: the first stage ``(pixel_values (b, 6, S, S), input_ids (b, t))``, every other
-stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits ``(b, P + t, V/tp)``.
+stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits ``(b, P + t, V/tp)``
+(or, with ``return_hidden`` set for training, the hidden states: the loss then applies
+:meth:`head` to the few labelled positions only).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.init import InitFn, init_parameters
+from parallax.init import InitFn, init_parameters, param_seed
 from parallax.models import objectives
 from parallax.models.action_tokenizer import ActionTokenizer
 from parallax.models.config import OpenVLAConfig
@@ -82,6 +84,25 @@ def openvla_init_fn(config: OpenVLAConfig, std: float = 0.02) -> InitFn:
     return init
 
 
+def unfused_init(init: InitFn, seed: int) -> InitFn:
+    """``init`` for fused projections (``qkv_proj``, ``gate_up_proj``) drawn as the separate
+    Hugging Face tensors they stand for, each from its own name's seed, then stacked: fused and
+    separate projections start from the same logical weights."""
+    from parallax.models.hf import hf_names
+
+    def fused_aware(name: str, shape: tuple[int, ...], gen: torch.Generator, device):
+        parts = hf_names(name, shape)
+        if len(parts) == 1:
+            return init(name, shape, gen, device)
+        blocks = []
+        for part, part_shape in parts:
+            g = torch.Generator(device=device).manual_seed(param_seed(seed, part))
+            blocks.append(init(part, part_shape, g, device))
+        return torch.cat(blocks)  # (k * rows, ...): the blocks in partition order
+
+    return fused_aware
+
+
 class OpenVLA(nn.Module):
     """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds.
 
@@ -129,6 +150,7 @@ class OpenVLA(nn.Module):
         self._tokenizer, self._tokenizer_loaded = None, False
         self.load_stats = None
         self.hf_unused: dict[str, torch.Tensor] = {}  # checkpoint-only tensors kept for saving
+        self.return_hidden = False  # True: the last stage leaves norm + lm_head to the loss
         self.set_activation_checkpointing(activation_checkpointing)
         if freeze_vision:
             self.freeze_vision()
@@ -200,7 +222,12 @@ class OpenVLA(nn.Module):
                 raise ValueError("a later stage takes the hidden states (b, s, h) only")
             x = inputs[0]
         x = self.language_model.forward_layers(x)  # (b, s, h)
-        return self.language_model.head(x) if self.has_head else x
+        return self.head(x) if self.has_head and not self.return_hidden else x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: hidden states ``(..., h)`` -> this rank's logits
+        ``(..., V/tp)``, for any leading shape (all positions, or gathered rows)."""
+        return self.language_model.head(x)
 
     # -- training helpers -------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
@@ -225,8 +252,10 @@ class OpenVLA(nn.Module):
         )
 
     def init_weights(self, seed: int, init_fn: InitFn | None = None) -> None:
-        """Layout-free init: the same seed gives the same logical weights at any tp and pp."""
-        init_parameters(self, seed, init_fn=init_fn or openvla_init_fn(self.config))
+        """Layout-free init: the same seed gives the same logical weights at any tp and pp,
+        with fused or separate projections."""
+        init = unfused_init(init_fn or openvla_init_fn(self.config), seed)
+        init_parameters(self, seed, init_fn=init)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each ViT block and decoder layer in the backward (non-reentrant)."""
@@ -234,6 +263,15 @@ class OpenVLA(nn.Module):
         if self.has_vision:
             self.vision_backbone.featurizer.activation_checkpointing = enabled
             self.vision_backbone.fused_featurizer.activation_checkpointing = enabled
+
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` each ViT block and decoder layer (their forward, in place), not the
+        whole model: the graphs stay small, repeat across layers and keep activation
+        checkpointing and pipeline cuts outside. ``options`` go to ``torch.compile``."""
+        self.language_model.compile_layers(**options)
+        if self.has_vision:
+            self.vision_backbone.featurizer.compile_blocks(**options)
+            self.vision_backbone.fused_featurizer.compile_blocks(**options)
 
     def freeze_vision(self, frozen: bool = True) -> None:
         """Stop training both vision towers (the projector stays trainable)."""

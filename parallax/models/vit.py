@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallax.context import ParallelContext
+from parallax.models.compile import compile_modules
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, heads_per_rank, resolve_tp
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
@@ -213,6 +214,11 @@ class VisionTransformer(nn.Module):
         )
         if cfg.final_norm:
             self.norm = nn.LayerNorm(w, eps=cfg.ln_eps, **kw)
+
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` each block's forward in place
+        (:func:`parallax.models.compile.compile_modules`)."""
+        compile_modules(self.blocks.values(), **options)
 
     def _prefix(self, b: int) -> list[torch.Tensor]:
         out = []

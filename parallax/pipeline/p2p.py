@@ -63,7 +63,9 @@ def encode(metas: Sequence[TensorMeta], device: torch.device, what: str = "") ->
             "pass fewer or lower-dimensional tensors between stages"
         )
     values += [0] * (META_LEN - len(values))
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    # built on the host and copied without waiting: torch.tensor(..., device=cuda) would
+    # synchronise the stream on every message
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def decode(buffer: torch.Tensor) -> list[TensorMeta]:

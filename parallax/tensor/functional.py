@@ -15,6 +15,10 @@ reduce_scatter_to_sp reduce-scatter          all-gather
 
 The last two are the sequence-parallel pair: activations outside the tp region are split along
 the sequence dimension instead of replicated.
+
+Under ``torch.compile`` the communicating calls run eagerly (``torch.compiler.disable``): a
+compiled block breaks its graph around each collective instead of tracing ``torch.distributed``.
+With no group (one rank) they are the identity and compile away.
 """
 
 from __future__ import annotations
@@ -99,31 +103,43 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return comm.all_gather(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
 
 
+def _eager(fn):
+    """``fn`` kept out of ``torch.compile`` graphs (torch >= 2.1; otherwise unchanged)."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return fn if disable is None else disable(fn)
+
+
+@_eager
+def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: Group, *args) -> torch.Tensor:
+    return x if comm.size(group) == 1 else fn.apply(x, group, *args)
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a tp region: identity forward, all-reduce of the gradient backward."""
-    return x if comm.size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if group is None else _apply(_CopyToTP, x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a tp region by summing partial results: all-reduce forward, identity backward."""
-    return x if comm.size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if group is None else _apply(_ReduceFromTP, x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate the tp ranks' pieces along ``dim``; backward keeps this rank's piece."""
-    return x if comm.size(group) == 1 else _GatherFromTP.apply(x, group, dim)
+    return x if group is None else _apply(_GatherFromTP, x, group, dim)
 
 
 def scatter_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's piece of ``x`` along ``dim``; backward all-gathers the gradient."""
-    return x if comm.size(group) == 1 else _ScatterToTP.apply(x, group, dim)
+    return x if group is None else _apply(_ScatterToTP, x, group, dim)
 
 
 def gather_from_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: all-gather the sequence pieces; backward reduce-scatters."""
-    return x if comm.size(group) == 1 else _GatherFromSP.apply(x, group, dim)
+    return x if group is None else _apply(_GatherFromSP, x, group, dim)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: sum partial results and keep this rank's sequence piece."""
-    return x if comm.size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim)
+    return x if group is None else _apply(_ReduceScatterToSP, x, group, dim)

@@ -105,7 +105,6 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             (out / "metrics.jsonl").unlink()
     comm.barrier(ctx.world_group)
 
-    flops = _flops_per_sample(trainer)
     monitor = Monitor(
         out,
         rank=ctx.rank,
@@ -113,14 +112,14 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
         device=ctx.device,
         log_interval=cfg.log_interval,
         total_steps=cfg.steps,
-        flops_per_step=flops * cfg.global_batch_size,
     )
     try:
         for step in range(start + 1, cfg.steps + 1):
             microbatches = [builder(samples) for samples in loader.next_batch()]
             tokens = sum(mb["input_ids"].numel() for mb in microbatches) * ctx.dp_size
             tokens += cfg.global_batch_size * model_config.num_patches
-            monitor.record(step, trainer.train_step(microbatches), tokens)
+            flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
+            monitor.record(step, trainer.train_step(microbatches), tokens, flops)
             stopping = stop_after is not None and step - start >= stop_after
             periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
             if periodic or stopping:
@@ -133,16 +132,6 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     if cfg.export_hf:
         export_hf(trainer, out / "hf", data.statistics)
     return monitor.last
-
-
-def _flops_per_sample(trainer: Trainer) -> float:
-    """Model FLOPs of one training sample (see :mod:`parallax.train.flops`)."""
-    try:
-        from parallax.train.flops import training_flops_per_sample
-    except ImportError:  # pragma: no cover - until the FLOPs model lands
-        n = sum(p.numel() for _, p in trainer.named_parameters())
-        return 6.0 * n * trainer.ctx.tp_size * trainer.ctx.pp_size * 300
-    return training_flops_per_sample(trainer.model_config)
 
 
 def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:

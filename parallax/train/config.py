@@ -17,6 +17,7 @@ from typing import Any
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
+LOGITS = ("labelled", "all")
 
 
 @dataclass
@@ -50,6 +51,10 @@ class TrainConfig:
     log_interval: int = 10
     timeout: float = 300.0
     overlap_grad_reduce: bool = True
+    logits: str = "labelled"
+    fused_projections: bool = True
+    compile: bool = False
+    pipeline_syncs: bool = False
     export_hf: bool = False
     dry_run: bool = False
     config: str | None = None
@@ -62,6 +67,8 @@ class TrainConfig:
             problems.append(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.logits not in LOGITS:
+            problems.append(f"--logits must be one of {LOGITS}, got {self.logits!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             problems.append(
                 f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
@@ -161,6 +168,33 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         default=None,
         help="reduce gradients after the backward instead of during it",
+    )
+    g = p.add_argument_group("speed (same results either way)")
+    g.add_argument(
+        "--logits",
+        choices=LOGITS,
+        help="where the last stage applies the final norm and lm_head: at the labelled "
+        f"positions only, inside the loss, or at every position (default {d.logits})",
+    )
+    g.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="q/k/v and gate/up as one weight each: fewer, larger matmuls; checkpoints keep "
+        f"the separate tensors (default {'on' if d.fused_projections else 'off'})",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each ViT block and decoder layer (the first steps compile)",
+    )
+    g.add_argument(
+        "--pipeline-syncs",
+        action="store_true",
+        default=None,
+        help="agree on the pipeline program every step and size received activations from "
+        "their metadata (host syncs); default: agree once, sizes from the batch",
     )
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, help=f"seed of weights and data (default {d.seed})")

@@ -16,7 +16,8 @@ tokens); ``T_c`` is the number of tokens the component sees:
 - Llama decoder layers and the final norm over the whole sequence ``S = P + t`` (``t`` text
   tokens including BOS);
 - lm_head over the positions where logits are computed: all ``S`` (what the model runs, the
-  default) or only the labelled ones.
+  default) or only the labelled ones (what the Trainer runs with ``--logits labelled``; the
+  final norm is counted over all ``S`` either way, a negligible ``h`` per token).
 
 Attention scores ``QK^T`` and context ``AV`` cost ``2 x n^2 x d`` each in the forward (``d`` =
 heads x head dim) for a bidirectional ViT block over ``n`` tokens. For the causal Llama layers
@@ -29,7 +30,10 @@ H100/H200 SXM).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from parallax.models.config import OpenVLAConfig
 from parallax.models.llama import LlamaConfig
@@ -125,6 +129,32 @@ def openvla_flops_per_sample(
         config, text_tokens, logit_positions=logit_positions, frozen_vision=frozen_vision
     )
     return sum(c.flops for c in parts.values())
+
+
+def batch_flops(
+    config: OpenVLAConfig,
+    microbatches: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    labelled_logits: bool = False,
+    frozen_vision: bool = False,
+) -> float:
+    """Training FLOPs of these microbatches (``input_ids`` and ``labels`` ``(b, t)``), with the
+    lm_head over every position or, with ``labelled_logits``, over the labelled ones only (the
+    count is read from the labels: keep them on the host to avoid a device sync)."""
+    from parallax.models.objectives import loss_token_count
+
+    head, total = config.text.hidden_size * config.text.vocab_size, 0.0
+    for mb in microbatches:
+        b, t = mb["input_ids"].shape
+        per_sample = openvla_flops_per_sample(
+            config, t, logit_positions=0, frozen_vision=frozen_vision
+        )
+        if labelled_logits:
+            positions = int(loss_token_count(mb["labels"]))
+        else:
+            positions = b * (config.num_patches + t)
+        total += b * per_sample + Component(head, positions, 0.0).flops
+    return total
 
 
 def model_tflops_per_gpu(flops_per_step: float, step_time_s: float, num_gpus: int) -> float:

@@ -65,14 +65,12 @@ class Monitor:
         device: torch.device,
         log_interval: int,
         total_steps: int,
-        flops_per_step: float,
     ) -> None:
         self.active = rank == 0
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
-        self.flops_per_step = flops_per_step
         self.path = out / "metrics.jsonl"
-        self.pending: tuple[int, StepOutput, float, float] | None = None
+        self.pending: tuple[int, StepOutput, float, float, float] | None = None
         self.last: dict[str, float] = {}
         self._t = time.perf_counter()
         self._console = self._progress = None
@@ -99,13 +97,14 @@ class Monitor:
                 self._task = self._progress.add_task("", total=total_steps)
                 self._progress.start()
 
-    def record(self, step: int, output: StepOutput, tokens: float) -> None:
-        """Register step ``step``; report the previous one (its tensors are ready by now)."""
+    def record(self, step: int, output: StepOutput, tokens: float, flops: float) -> None:
+        """Register step ``step`` (its tokens and model FLOPs over the global batch); report
+        the previous one (its tensors are ready by now)."""
         now = time.perf_counter()
         elapsed, self._t = now - self._t, now
         if self.pending is not None:
             self._report(*self.pending)
-        self.pending = (step, output, tokens, elapsed)
+        self.pending = (step, output, tokens, flops, elapsed)
 
     def flush(self) -> None:
         if self.pending is not None:
@@ -118,7 +117,9 @@ class Monitor:
             self._progress.stop()
             self._progress = None
 
-    def _report(self, step: int, out: StepOutput, tokens: float, seconds: float) -> None:
+    def _report(
+        self, step: int, out: StepOutput, tokens: float, flops: float, seconds: float
+    ) -> None:
         m = out.metrics.tolist()  # the one host sync, a step late
         counts = max(m[3], 1.0)
         row = {
@@ -129,7 +130,7 @@ class Monitor:
             "lr": out.lr,
             "grad_norm": float(out.grad_norm),
             "tokens_per_s": tokens / seconds,
-            "mfu": self.flops_per_step / seconds / (self.world * PEAK_TFLOPS * 1e12),
+            "mfu": flops / seconds / (self.world * PEAK_TFLOPS * 1e12),
             "memory_gib": peak_memory_gib(self.device),
             "step_time_s": seconds,
         }

@@ -4,7 +4,8 @@ A checkpoint holds the model's weights and the optimizer's state as full logical
 by global parameter names, so any dp x tp x pp can read them) plus JSON metadata: the step, the
 run's flags, the model config, the data position, the lr schedule, RNG state and the layout it
 was written with. Each pipeline stage's (dp 0, tp 0) rank writes its own shard; the store
-publishes the step directory atomically and keeps the last K.
+publishes the step directory atomically and keeps the last K. Fused projections are stored as
+their separate tensors (:mod:`parallax.train.names`), so a run resumes with them on or off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from parallax.checkpoint import (
 from parallax.optim.state import FORMAT as OPTIM_FORMAT
 from parallax.optim.state import state_kinds
 from parallax.tensor import logical_shape
+from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
         for chunk in trainer.chunks:
             sources += module_sources(chunk, ctx.tp_group, write=writer)
     sources += _optimizer_sources(trainer, writer)
+    sources = split_fused(sources)  # the separate tensors of fused projections
     meta = {
         "step": step,
         "config": cfg.to_dict(),
@@ -100,7 +103,7 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
         "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size},
         "data": loader.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
-        "optimizer": _merge_optim_meta(stage_metas),
+        "optimizer": separate_meta(_merge_optim_meta(stage_metas)),
         "rng": rng_state(),
         **(extra_meta or {}),
     }
@@ -129,19 +132,22 @@ def check_resumable(ckpt: Checkpoint, trainer) -> None:
     meta = ckpt.meta.get("optimizer")
     if not meta or meta.get("format") != OPTIM_FORMAT:
         raise CheckpointError(f"{ckpt.path}: meta.json has no {OPTIM_FORMAT} optimizer state")
+    meta = model_meta(meta, trainer.optimizer.names)
     keys = [
         OPTIM_PREFIX + f"{n}.{k}" for n in trainer.optimizer.names for k in meta["keys"].get(n, [])
     ]
-    ckpt.require(names + keys)
+    SeparateView(ckpt).require(names + keys)
 
 
 def load(trainer, ckpt: Checkpoint, loader) -> int:
     """Restore weights, optimizer, lr schedule, data position and RNG; returns the step."""
+    view = SeparateView(ckpt)
     for chunk in trainer.chunks:
-        load_module(chunk, ckpt)
+        load_module(chunk, view)
     meta = ckpt.meta
     trainer.optimizer.load_state_tensors(
-        meta["optimizer"], lambda key: ckpt.get(OPTIM_PREFIX + key)
+        model_meta(meta["optimizer"], trainer.optimizer.names),
+        lambda key: view.get(OPTIM_PREFIX + key),
     )
     trainer.scheduler.load_state_dict(meta["scheduler"])
     loader.load_state_dict(meta["data"])

@@ -5,6 +5,14 @@ learning-rate schedule from a :class:`~parallax.train.config.TrainConfig`, and r
 step per :meth:`Trainer.train_step` without host synchronisation. Loss normalisation follows the
 global batch: each microbatch contributes ``sum of token losses / tokens in the global batch``,
 so the loss (and the update) is the same at every layout.
+
+Speed options, each computing the same step (see ``TrainConfig``): ``logits="labelled"`` has the
+last stage return hidden states and applies the final norm and lm_head inside the loss, to the
+labelled positions only (8 of 297 per OpenVLA sample); ``fused_projections`` builds q/k/v and
+gate/up as one weight each; ``compile`` compiles each block; without ``pipeline_syncs`` the
+pipeline agrees on its program once and sizes received activations from the batch. Pass labels
+on the host (as the data loader does): the labelled positions and the token count are read from
+them without a device synchronisation.
 """
 
 from __future__ import annotations
@@ -19,11 +27,19 @@ import torch
 from parallax import comm
 from parallax.context import ParallelContext
 from parallax.models import OpenVLA, OpenVLAConfig
-from parallax.models.objectives import action_metrics, loss_token_count, vla_loss
+from parallax.models.objectives import (
+    action_metrics,
+    labelled_rows,
+    loss_token_count,
+    rows_action_metrics,
+    rows_loss,
+    vla_loss,
+)
 from parallax.optim import ZeroOptimizer
 from parallax.pipeline import (
     PipelineStage,
     Schedule,
+    TensorMeta,
     Timeline,
     gpipe,
     interleaved_1f1b,
@@ -33,6 +49,7 @@ from parallax.pipeline import (
     split,
 )
 from parallax.train.config import TrainConfig
+from parallax.train.flops import batch_flops
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +69,21 @@ def resolve_model_config(spec: str) -> tuple[OpenVLAConfig, Path | None]:
         f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint "
         "directory with a config.json"
     )
+
+
+def with_fusion(config: OpenVLAConfig, fused: bool) -> OpenVLAConfig:
+    """``config`` with fused q/k/v and gate/up projections as asked, where the model allows
+    them (grouped-query attention keeps separate projections)."""
+    text = config.text
+    if fused and text.kv_heads != text.num_attention_heads:
+        log.info(
+            "fused projections need as many key/value heads as query heads (%d != %d): "
+            "keeping separate projections",
+            text.kv_heads,
+            text.num_attention_heads,
+        )
+        fused = False
+    return config.with_options(fused_projections=fused)
 
 
 def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Schedule:
@@ -108,11 +140,14 @@ class Trainer:
         ctx: ParallelContext,
         model_config: OpenVLAConfig | None = None,
         checkpoint_dir: Path | None = None,
+        compile_options: dict | None = None,
     ) -> None:
+        """``model_config`` overrides ``cfg.model`` (its ``fused_projections`` follows ``cfg``);
+        ``compile_options`` go to ``torch.compile`` when ``cfg.compile``."""
         self.cfg, self.ctx = cfg, ctx
         if model_config is None:
             model_config, checkpoint_dir = resolve_model_config(cfg.model)
-        self.model_config = model_config
+        self.model_config = with_fusion(model_config, cfg.fused_projections)
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.num_microbatches = num_microbatches(cfg, ctx.dp_size)
         # the schedule first: it validates pp, microbatches and chunks before anything is built
@@ -127,6 +162,9 @@ class Trainer:
             if self.schedule.rank_of(s) != ctx.pp_rank:
                 continue
             chunk = self._build_chunk(rng, checkpoint_dir)
+            chunk.return_hidden = cfg.logits == "labelled"  # the loss applies the head
+            if cfg.compile:
+                chunk.compile_blocks(**(compile_options or {}))
             self.chunks.append(chunk)
             self.stages.append(PipelineStage(chunk, s, len(self.ranges), ctx))
         self.optimizer = self._build_optimizer()
@@ -134,6 +172,7 @@ class Trainer:
         self._metrics: list[torch.Tensor] = []
         self._scale: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
+        self._agreed = False  # the pipeline ranks agreed on the program once
 
     # -- building ----------------------------------------------------------------------------
     def _build_chunk(self, blocks: range, checkpoint_dir: Path | None) -> OpenVLA:
@@ -145,7 +184,12 @@ class Trainer:
         )
         if checkpoint_dir is not None:
             return OpenVLA.from_pretrained(
-                checkpoint_dir, ctx, dtype=self.dtype, device=ctx.device, **kw
+                checkpoint_dir,
+                ctx,
+                dtype=self.dtype,
+                device=ctx.device,
+                config=self.model_config,
+                **kw,
             )
         return OpenVLA(
             self.model_config, ctx, dtype=self.dtype, device=ctx.device, seed=cfg.seed, **kw
@@ -175,26 +219,28 @@ class Trainer:
         )
 
     # -- one step ----------------------------------------------------------------------------
-    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss_fn(self, out: torch.Tensor, target) -> torch.Tensor:
         """Sum of this microbatch's token losses over the global batch's token count, times
-        dp (ZeRO averages gradients over dp); metrics are kept on the side."""
-        chunk = self.chunks[-1]
-        ce = vla_loss(
-            logits,
-            labels,
-            self.ctx,
-            num_patches=self.model_config.num_patches,
-            vocab_size=self.model_config.text.vocab_size,
-            reduction="sum",
-        )
-        m = action_metrics(
-            logits,
-            labels,
-            self.ctx,
-            num_patches=self.model_config.num_patches,
-            vocab_size=self.model_config.text.vocab_size,
-            action_tokenizer=chunk.action_tokenizer,
-        )
+        dp (ZeRO averages gradients over dp); metrics are kept on the side.
+
+        ``out`` is the logits ``(b, s, V/tp)``, or with ``logits="labelled"`` the hidden states
+        ``(b, s, h)`` and ``target`` the labelled rows: the head runs on those rows only."""
+        chunk, mc = self.chunks[-1], self.model_config
+        vocab, tok = mc.text.vocab_size, chunk.action_tokenizer
+        if self.cfg.logits == "labelled":
+            rows, row_targets = target
+            hidden = out.flatten(0, 1).index_select(0, rows)  # (n, h), the same rows on every tp
+            logits = chunk.head(hidden)  # (n, V/tp)
+            ce = rows_loss(logits, row_targets, self.ctx, vocab_size=vocab)
+            m = rows_action_metrics(
+                logits, row_targets, self.ctx, vocab_size=vocab, action_tokenizer=tok
+            )
+        else:
+            p = mc.num_patches
+            ce = vla_loss(out, target, self.ctx, num_patches=p, vocab_size=vocab, reduction="sum")
+            m = action_metrics(
+                out, target, self.ctx, num_patches=p, vocab_size=vocab, action_tokenizer=tok
+            )
         self._metrics.append(
             torch.stack(
                 [ce.detach().float(), m["action_correct"], m["action_l1_sum"], m["action_tokens"]]
@@ -203,13 +249,44 @@ class Trainer:
         return ce * self._scale
 
     def _global_tokens(self, microbatches: list[dict]) -> torch.Tensor:
-        count = sum(loss_token_count(mb["labels"]) for mb in microbatches)
-        count = torch.as_tensor(count, dtype=torch.float32, device=self.ctx.device).clone()
+        """Loss tokens of the global batch (a collective over dp); no host sync for host labels."""
+        dev = self.ctx.device
+        counts = [loss_token_count(mb["labels"]) for mb in microbatches]
+        if all(c.device.type == "cpu" for c in counts):  # a fill, not a blocking copy
+            count = torch.full((), float(sum(int(c) for c in counts)), device=dev)
+        else:
+            count = torch.stack([c.to(dev, non_blocking=True) for c in counts]).sum().float()
         return comm.all_reduce(count, self.ctx.dp_group).clamp_(min=1.0)
+
+    def _targets(self, microbatches: list[dict]) -> list:
+        """What the loss needs per microbatch, on the device: the labels, or the labelled rows
+        and their labels (found on the host for host labels)."""
+        dev = self.ctx.device
+        if self.cfg.logits != "labelled":
+            return [mb["labels"].to(dev, non_blocking=True) for mb in microbatches]
+        p = self.model_config.num_patches
+        return [
+            tuple(x.to(dev, non_blocking=True) for x in labelled_rows(mb["labels"], p))
+            for mb in microbatches
+        ]
+
+    def _recv_metas(self, microbatches: list[dict]):
+        """What every later stage receives: the hidden states ``(b, P + t, h)`` in the model's
+        dtype, from the batch's shapes (the same on every pipeline rank)."""
+        p, h = self.model_config.num_patches, self.model_config.text.hidden_size
+        shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
+
+        def metas(stage: int, m: int) -> list[TensorMeta]:
+            b, t = shapes[m]
+            return [TensorMeta((b, p + t, h), self.dtype, True)]
+
+        return metas
 
     def train_step(self, microbatches: list[dict], timeline: Timeline | None = None) -> StepOutput:
         """One optimizer step over this dp rank's microbatches (dicts of ``pixel_values``
-        ``(b, 6, S, S)``, ``input_ids`` ``(b, t)``, ``labels`` ``(b, t)``)."""
+        ``(b, 6, S, S)``, ``input_ids`` ``(b, t)``, ``labels`` ``(b, t)``, labels best on the
+        host). Every rank passes the same number of microbatches (checked before any
+        collective)."""
         ctx, dev = self.ctx, self.ctx.device
         if len(microbatches) != self.num_microbatches:
             raise ValueError(
@@ -226,7 +303,8 @@ class Trainer:
             )
             for mb in microbatches
         ]
-        targets = [mb["labels"].to(dev, non_blocking=True) for mb in microbatches]
+        targets = self._targets(microbatches)
+        syncs = self.cfg.pipeline_syncs
         self.optimizer.zero_grad()
         run_schedule(
             self.program,
@@ -237,7 +315,10 @@ class Trainer:
             loss_fn=self._loss_fn,
             loss_scale=1.0,
             timeline=timeline,
+            agree=syncs or not self._agreed,
+            recv_metas=None if syncs or ctx.pp_size == 1 else self._recv_metas(microbatches),
         )
+        self._agreed = True
         if self.cfg.grad_clip > 0:
             grad_norm = self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
         else:
@@ -248,6 +329,16 @@ class Trainer:
         metrics = self._reduce_metrics()
         loss = metrics[0] / self._tokens  # the global batch's mean token loss
         return StepOutput(loss=loss, grad_norm=grad_norm.detach(), metrics=metrics, lr=lr)
+
+    def model_flops(self, microbatches: list[dict]) -> float:
+        """Model FLOPs of one step over these microbatches, the lm_head counted where it runs
+        (:func:`parallax.train.flops.batch_flops`)."""
+        return batch_flops(
+            self.model_config,
+            microbatches,
+            labelled_logits=self.cfg.logits == "labelled",
+            frozen_vision=self.cfg.freeze_vision,
+        )
 
     def _reduce_metrics(self) -> torch.Tensor:
         """Metric sums over the global batch, on every rank (from the last stage)."""

@@ -18,6 +18,7 @@ KEYS = {
     "tokens_per_s_per_gpu",
     "mfu",
     "peak_mem_gib",
+    "variant",  # parallax's options (null for the natives), beyond the issue's keys
 }  # with run_id, date, commit, hardware added when written
 
 
@@ -47,7 +48,16 @@ def test_rows_skips_and_errors():
     rows = main([*argv, "--frameworks", "torch-single", "--time-budget", "0", "--micro-batch", "3"])
     assert rows[0]["status"].startswith("a batch of 8 does not split into micro-batches of 3")
     rows = main([*argv, "--frameworks", "torch-single,parallax", "--time-budget", "0"])
-    assert rows[0]["status"] == "ok" and rows[1]["status"] == "skipped: time budget"
+    order = [(r["layout"], r["framework"], r["variant"], r["status"]) for r in rows]
+    assert order == [  # parallax opt first (multi-GPU, then one GPU), natives, other variants
+        ("dp2", "parallax", "opt", "skipped: needs 2 GPUs"),
+        ("1gpu", "parallax", "opt", "ok"),
+        ("1gpu", "torch-single", "", "skipped: time budget"),
+        ("dp2", "parallax", "base", "skipped: needs 2 GPUs"),
+        ("1gpu", "parallax", "base", "skipped: time budget"),
+        ("dp2", "parallax", "opt+compile", "skipped: needs 2 GPUs"),
+        ("1gpu", "parallax", "opt+compile", "skipped: time budget"),
+    ]
 
 
 def test_record_has_the_issue_keys():
@@ -55,10 +65,57 @@ def test_record_has_the_issue_keys():
         parse_args(["--steps", "5"])  # a measurement times at least 10 steps
     with pytest.raises(SystemExit):
         parse_args(["--frameworks", "parallax,torch-ddp"])
+    with pytest.raises(SystemExit):
+        parse_args(["--parallax-variants", "opt,fast"])
     args = parse_args(["--smoke"])
     merged = merge([{"times": [1.0, 2.0, 3.0], "peak": 1.5, "loss": 2.0}] * 2)
-    row, record = summarise(Layout(dp=2), "parallax", {**merged, "micro": 2}, args, 1e12, 28)
+    row, record = summarise(Layout(dp=2), "parallax", {**merged, "micro": 2}, args, 1e12, 28, "opt")
     assert set(record) == KEYS and record["step_time_s"] == 2.0 and record["gpus"] == 2
+    assert record["variant"] == row["variant"] == "opt"
     assert record["tokens_per_s_per_gpu"] == 8 * 28 / 2.0 / 2
     _, failed = summarise(Layout(), "torch-single", {"error": "OOM", "micro": 2}, args, 1e12, 28)
     assert set(failed) == KEYS and failed["step_time_s"] is None and failed["mfu"] is None
+
+
+def test_plan_order_and_row_flops():
+    from types import SimpleNamespace
+
+    from benchmarks.openvla_step import plan, row_flops
+
+    args = parse_args(["--smoke"])
+    b = SimpleNamespace(args=args, world=2, flops_step=2.0, flops_labelled=1.0)
+    order = [(x.name, fw, v) for x, fw, v, skip in plan(b) if skip is None]
+    two = ["tp2", "pp2", "dp2"]
+    assert order[:3] == [(x, "parallax", "opt") for x in two]  # what the issue asks first
+    natives = order[3:7]
+    assert {fw for _, fw, _ in natives} == {
+        "torch-dtensor-tp",
+        "torch-pipelining",
+        "torch-ddp-zero",
+        "torch-fsdp2",
+    } and order[7:9] == [("1gpu", "parallax", "opt"), ("1gpu", "torch-single", None)]
+    assert order[9:] == [
+        (x, "parallax", v) for v in ("base", "opt+compile") for x in [*two, "1gpu"]
+    ]
+    assert row_flops(b, "parallax", "opt") == 1.0 and row_flops(b, "parallax", "base") == 2.0
+    assert row_flops(b, "torch-fsdp2", None) == 2.0
+
+
+def test_notes_compare_variants():
+    from benchmarks.openvla_step import COLUMNS, ratio_notes
+
+    def row(layout, fw, variant, tokens):
+        gpus = 1 if layout == "1gpu" else 2
+        values = dict(layout=layout, framework=fw, variant=variant, GPUs=gpus)
+        return {**dict.fromkeys(COLUMNS, math.nan), **values, "tokens/s/GPU": tokens}
+
+    rows = [
+        row("dp2", "parallax", "opt", 120.0),
+        row("dp2", "torch-fsdp2", "", 100.0),
+        row("dp2", "parallax", "base", 100.0),
+        row("1gpu", "parallax", "opt", 125.0),
+    ]
+    notes = ratio_notes(rows)
+    assert "best 2-GPU row (dp2 opt) at 1.20x the best native" in notes
+    assert "dp2 opt 1.200x" in notes and "parallax opt dp weak scaling" in notes
+    assert rows[0]["x best native"] == 1.2

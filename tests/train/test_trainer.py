@@ -6,6 +6,7 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import BatchLoader, SyntheticTask
+from parallax.models.hf import fused_parts
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train.batches import BatchBuilder, text_tokenizer
@@ -15,9 +16,9 @@ from parallax.train.trainer import Trainer, lr_lambda
 STEPS = 3
 
 
-def _run(ctx, cfg):
+def _run(ctx, cfg, **trainer_kw):
     torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(cfg, ctx, **trainer_kw)
     data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
     loader = BatchLoader(
         data,
@@ -37,8 +38,14 @@ def _run(ctx, cfg):
     weights = {}
     if ctx.dp_rank == 0:  # logical weights after the steps, from each stage
         for name, p in trainer.named_parameters():
-            weights[name] = full_tensor(p, ctx.tp_group)
+            weights.update(separate(name, full_tensor(p, ctx.tp_group)))
     return history, (weights if ctx.tp_rank == 0 else {})
+
+
+def separate(name, tensor):
+    """A (fused) parameter's logical value under the separate Hugging Face names."""
+    parts = fused_parts(name)
+    return dict(zip(parts, tensor.chunk(len(parts)))) if len(parts) > 1 else {name: tensor}
 
 
 def _cfg(**kw):
@@ -67,11 +74,17 @@ def reference():
     "tp,pp,dp,kw",
     [
         (2, 2, 2, dict(schedule="1f1b")),
-        (1, 2, 2, dict(schedule="gpipe")),
+        # the step as it was before the speed options: it must give the same numbers
+        (
+            1,
+            2,
+            2,
+            dict(schedule="gpipe", logits="all", fused_projections=False, pipeline_syncs=True),
+        ),
         (2, 2, 1, dict(schedule="interleaved", chunks=2)),
         (1, 1, 4, dict(overlap_grad_reduce=False)),
     ],
-    ids=["tp2pp2dp2-1f1b", "pp2dp2-gpipe", "tp2pp2-interleaved", "dp4-no-overlap"],
+    ids=["tp2pp2dp2-1f1b", "pp2dp2-gpipe-base", "tp2pp2-interleaved", "dp4-no-overlap"],
 )
 def test_layouts_match_one_process(reference, tp, pp, dp, kw):
     ref_history, ref_weights = reference

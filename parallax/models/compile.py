@@ -1,0 +1,39 @@
+"""``torch.compile`` of repeated blocks (ViT blocks, decoder layers), one module at a time.
+
+Compiling each block's forward rather than the whole model keeps the graphs small and shared by
+every layer of the same shape, and leaves activation checkpointing, pipeline cuts and the
+optimizer in eager code. Tensor-parallel collectives inside a block run eagerly
+(:mod:`parallax.tensor.functional` hides them from the compiler), so a tp block compiles as the
+pieces between them. Sequence lengths vary: with ``dynamic=None`` (the default) a second length
+recompiles once with a dynamic sequence dimension and later lengths reuse it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def compile_modules(modules: Iterable[nn.Module], **options) -> int:
+    """Compile each module's forward in place (``module.compile(**options)``): calls through the
+    module, checkpointed ones included, run the compiled code. Returns how many."""
+    modules = list(modules)
+    _allow_recompiles(len(modules))
+    for module in modules:
+        module.compile(**options)
+    return len(modules)
+
+
+def _allow_recompiles(count: int) -> None:
+    """Let the compiler recompile more often than its default 8 times per function before it
+    falls back to eager. With tp, each collective breaks the graph and the layer forwards it
+    sits in (a row-parallel linear, say) compile as functions of their own, once per shape they
+    meet (a ViT's and a Llama's). Before torch 2.5 the compiler also guarded on each module
+    object, so every layer compiled anew."""
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    need = 64 if torch.__version__ >= "2.5" else 2 * count + 64
+    setattr(config, name, max(getattr(config, name), need))
