@@ -15,6 +15,16 @@ from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Peak learning rates that train each preset well from scratch on the synthetic task; a 7B
+# model (preset or checkpoint) gets OpenVLA's full fine-tuning rate.
+DEFAULT_LR = {"tiny": 1e-3, "small": 3e-4}
+DEFAULT_LR_7B = 2e-5
+
+
+def default_lr(model: str) -> float:
+    return DEFAULT_LR.get(model, DEFAULT_LR_7B)
+
+
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
@@ -37,7 +47,7 @@ class TrainConfig:
     resume: bool = False
     schedule: str = "1f1b"
     chunks: int = 1
-    lr: float = 1e-3
+    lr: float | None = None  # None: the model's default (DEFAULT_LR)
     min_lr: float = 0.0
     warmup_steps: int = 20
     lr_schedule: str = "cosine"
@@ -61,7 +71,10 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        """Raise ``ValueError`` for values no layout could run (layout checks come later)."""
+        """Raise ``ValueError`` for values no layout could run (layout checks come later);
+        fills in what defaults to the model's (the learning rate)."""
+        if self.lr is None:
+            self.lr = default_lr(self.model)
         problems = []
         if self.schedule not in SCHEDULES:
             problems.append(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -146,7 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--chunks", type=int, help="model chunks per pipeline rank (interleaved)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    g.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate (default {DEFAULT_LR} by model, else {DEFAULT_LR_7B})",
+    )
     g.add_argument(
         "--min-lr", type=float, help=f"final lr of the cosine schedule (default {d.min_lr})"
     )

@@ -144,6 +144,7 @@ class Trainer:
     ) -> None:
         """``model_config`` overrides ``cfg.model`` (its ``fused_projections`` follows ``cfg``);
         ``compile_options`` go to ``torch.compile`` when ``cfg.compile``."""
+        cfg.check()  # fills the model's default learning rate when none was given
         self.cfg, self.ctx = cfg, ctx
         if model_config is None:
             model_config, checkpoint_dir = resolve_model_config(cfg.model)
