@@ -15,10 +15,11 @@ import math
 import os
 import re
 import struct
-import uuid
 from pathlib import Path
 
 import torch
+
+from parallax.atomic import atomic_write_bytes, atomic_write_json, fsync_dir, temp_sibling
 
 DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
 
@@ -35,32 +36,9 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
-def write_json_atomic(path: str | Path, obj) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+# The model's files and the training checkpoints share one atomic-write discipline.
+write_bytes_atomic = atomic_write_bytes
+write_json_atomic = atomic_write_json
 
 
 class SafetensorsWriter:
@@ -72,7 +50,7 @@ class SafetensorsWriter:
 
     def __init__(self, path: str | Path, entries, metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.tmp = temp_sibling(self.path)
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         self.order, offset = [], 0
         for name, shape, dtype in entries:
@@ -108,7 +86,7 @@ class SafetensorsWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         self.file.close()

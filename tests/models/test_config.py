@@ -97,7 +97,7 @@ def test_block_list_and_partition():
         assert max(loads) <= sum(costs) / pp + max(costs)  # balanced to within one block
     assert partition([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
     assert partition([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
-    with pytest.raises(ValueError, match="cannot split 3 blocks into 4"):
+    with pytest.raises(ValueError, match="3 blocks cannot fill 4 chunks"):
         partition([1, 1, 1], 4)
 
 
