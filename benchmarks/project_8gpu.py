@@ -47,8 +47,21 @@ def project(args: argparse.Namespace) -> list[list[object]]:
         step = sim.makespan + opt + dp_comm
         tokens = gb * SEQ / step / 8
         mfu = gb * flops / step / (8 * PEAK_BF16_TFLOPS * 1e12)
-        rows.append(["tp2 pp2 dp2 (projection)", 8, gb, args.micro_batch, m, sim.makespan,
-                     opt + dp_comm, step, tokens, mfu, sim.bubble_fraction])
+        rows.append(
+            [
+                "tp2 pp2 dp2 (projection)",
+                8,
+                gb,
+                args.micro_batch,
+                m,
+                sim.makespan,
+                opt + dp_comm,
+                step,
+                tokens,
+                mfu,
+                sim.bubble_fraction,
+            ]
+        )
     return rows
 
 
@@ -63,8 +76,19 @@ def main() -> None:
     p.add_argument("--comm-ms", type=float, default=0.2, help="one activation transfer")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
-    columns = ["layout", "GPUs", "global batch", "micro", "m", "pipeline s", "optim+dp s",
-               "step s", "tokens/s/GPU", "MFU", "bubble (sim)"]
+    columns = [
+        "layout",
+        "GPUs",
+        "global batch",
+        "micro",
+        "m",
+        "pipeline s",
+        "optim+dp s",
+        "step s",
+        "tokens/s/GPU",
+        "MFU",
+        "bubble (sim)",
+    ]
     rows = project(args)
     title = "Projection (simulated, not measured): openvla-7b at tp2 pp2 dp2 on 8 H200s"
     print_table(title, columns, rows)
