@@ -5,8 +5,12 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers", reason="the optional tokenizers extra is absent")
 
 from parallax.models.action_tokenizer import ActionTokenizer  # noqa: E402
-from parallax.models.tokenizer import HFTokenizer, get_tokenizer, prompt_ids  # noqa: E402
-from parallax.models.tokenizer import training_example  # noqa: E402
+from parallax.models.tokenizer import (  # noqa: E402
+    HFTokenizer,
+    get_tokenizer,
+    prompt_ids,
+    training_example,  # noqa: E402
+)
 
 
 def _write_llama_like(path, size: int = 600) -> dict[str, int]:
