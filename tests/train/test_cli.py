@@ -16,8 +16,8 @@ KEYS = {"step", "loss", "action_accuracy", "l1", "lr", "grad_norm", "tokens_per_
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(nproc: int, *args: str, extra: tuple = (), timeout: float = 240, **kw):
-    cmd = [
+def torchrun_cmd(nproc: int, *args: str, extra: tuple = ()) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -28,7 +28,27 @@ def torchrun(nproc: int, *args: str, extra: tuple = (), timeout: float = 240, **
         "parallax.train",
         *args,
     ]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def torchrun(nproc: int, *args: str, extra: tuple = (), timeout: float = 240, **kw):
+    return subprocess.run(
+        torchrun_cmd(nproc, *args, extra=extra),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def launch(nproc: int, *args: str, extra: tuple = ()) -> subprocess.Popen:
+    return subprocess.Popen(
+        torchrun_cmd(nproc, *args, extra=extra),
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def single(*args: str, timeout: float = 120):
@@ -135,22 +155,7 @@ def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_p
     _, ref = reference
     args = ("--out", str(tmp_path / "k"), *RUN, "--save-interval", "3")
     # without restarts: the run stops promptly and says why
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "parallax.train",
-            *args,
-        ],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = launch(2, *args)
     _wait_for(tmp_path / "k" / "checkpoints" / "step_00000003", launcher)
     _kill_one_worker(launcher)
     t0 = time.monotonic()
@@ -158,24 +163,7 @@ def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_p
     assert launcher.returncode != 0 and time.monotonic() - t0 < 60
     assert "parallax.train: rank" in err or "ChildFailedError" in err, err[-2000:]
     # torchrun --max-restarts with --resume carries on from the last checkpoint
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=1",
-            "-m",
-            "parallax.train",
-            *args,
-            "--resume",
-        ],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = launch(2, *args, "--resume", extra=("--max-restarts=1",))
     _wait_for(tmp_path / "k" / "checkpoints" / "step_00000009", launcher)
     _kill_one_worker(launcher)
     _, err = launcher.communicate(timeout=180)
