@@ -18,8 +18,11 @@ Chrome traces (one per schedule and microbatch count) go to ``--out`` (default
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
+import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -67,12 +70,16 @@ def loss_fn(output, target):
     return F.mse_loss(output.float(), target.float())
 
 
-def schedules(p: int, microbatches: list[int]):
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def schedules(p: int, microbatches: list[int], kinds: tuple[str, ...] = SCHEDULES):
     for m in microbatches:
-        yield "GPipe", m, gpipe(p, m)
-        if m >= p:
+        if "gpipe" in kinds:
+            yield "GPipe", m, gpipe(p, m)
+        if "1f1b" in kinds and m >= p:
             yield "1F1B", m, one_f_one_b(p, m)
-        if m % p == 0:
+        if "interleaved" in kinds and m % p == 0:
             yield "Interleaved1F1B(v=2)", m, interleaved_1f1b(p, m, 2)
 
 
@@ -213,7 +220,19 @@ def main() -> None:
     parser.add_argument("--out", default="runs/pipeline_bubble", help="folder for the traces")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch yardstick")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}"
+    )
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        default=120.0,
+        help="seconds one configuration may take before every rank prints its stack and exits",
+    )
     args = parser.parse_args()
+    kinds = tuple(k.strip().lower() for k in args.schedules.split(","))
+    if bad := [k for k in kinds if k not in SCHEDULES]:
+        parser.error(f"unknown schedules {bad}; choose from {', '.join(SCHEDULES)}")
 
     ctx = init_parallel(pp=int(os.environ.get("WORLD_SIZE", "1")))  # every rank is a stage
     p, device = ctx.pp_size, ctx.device
@@ -231,7 +250,10 @@ def main() -> None:
 
     gen = torch.Generator(device=device).manual_seed(0)
     rows, records = [], []
-    for name, m, schedule in schedules(p, microbatches):
+    for name, m, schedule in schedules(p, microbatches, kinds):
+        # a stuck configuration shows where each rank waits instead of hanging silently
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+        start = time.perf_counter()
         x = torch.randn(m * mb, seq, h, device=device, dtype=dtype, generator=gen)
         y = torch.randn(m * mb, seq, h, device=device, dtype=dtype, generator=gen)
         data = (list(x.chunk(m)), list(y.chunk(m)))
@@ -249,6 +271,9 @@ def main() -> None:
                 continue
             rows.append(row)
             records.append(record)
+        if ctx.rank == 0:
+            print(f"{name} m={m}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    faulthandler.cancel_dump_traceback_later()
     title = (
         f"pipeline_bubble: pp{p}, {layers} MLP blocks (h={h}) per rank, "
         f"microbatch {mb}x{seq} tokens, {dtype}"
