@@ -116,21 +116,25 @@ def _agree(problem: str | None, program_id: str, ctx: ParallelContext) -> None:
     raise ValueError("run_schedule: " + "; ".join(lines))
 
 
-def _connect(ctx: ParallelContext) -> None:
-    """Exchange one element with both ring neighbours, every rank at once.
+# NCCL spreads a large point-to-point message over several channels and connects each one the
+# first time it is used; a warm-up message this large uses all of them.
+_CONNECT_BYTES = 64 << 20
 
-    NCCL (2.22 and later) sets up a point-to-point connection the first time two ranks talk,
+
+def _connect(ctx: ParallelContext) -> None:
+    """Exchange one large message with both ring neighbours, every rank at once.
+
+    NCCL sets up a point-to-point connection (per channel) the first time two ranks use it,
     inside the call that posts the operation, and both hosts must take part. A schedule whose
-    first message on some channel arrives while the receiving host is blocked reading a metadata
-    buffer (interleaved 1F1B: the last rank's first send back to rank 0) then hangs. Opening
-    every channel here, where all ranks stand together, removes that order dependence.
+    first large message on some channel arrives while the receiving host is blocked reading a
+    metadata buffer (interleaved 1F1B: the last rank's first send back to rank 0) then hangs.
+    Opening every channel here, where all ranks stand together, removes that order dependence.
     """
-    out = [torch.zeros(1, device=ctx.device) for _ in range(2)]
-    back = [torch.empty(1, device=ctx.device) for _ in range(2)]
+    numel = _CONNECT_BYTES if ctx.device.type == "cuda" else 1
+    out = torch.empty(numel, dtype=torch.uint8, device=ctx.device)
+    back = [torch.empty(numel, dtype=torch.uint8, device=ctx.device) for _ in range(2)]
     nxt, prev = ctx.pp_next, ctx.pp_prev
-    comm.batch_send_recv(
-        [(out[0], nxt), (out[1], prev)], [(back[0], prev), (back[1], nxt)], ctx.pp_group
-    )
+    comm.batch_send_recv([(out, nxt), (out, prev)], [(back[0], prev), (back[1], nxt)], ctx.pp_group)
 
 
 class _Runner:
