@@ -124,18 +124,31 @@ def channel_orders(schedule: Schedule) -> dict[Channel, list[Message]]:
     return dict(orders)
 
 
-def _batches(events: list[tuple[tuple, Action]]) -> list[Batch]:
-    """Group one slot's events (already in global order) into as few batches as possible.
+def _batches(events: list[tuple[tuple, Action]], schedule: Schedule) -> list[Batch]:
+    """Group one slot's events (already in global order) into batches, in that order.
 
-    A batch is cut only before an activation receive whose metadata is in the same batch: the
-    metadata sizes its buffer.
+    A batch is cut before an activation receive whose metadata it holds (the metadata sizes the
+    buffer), and wherever a rank would both send to and receive from one peer with more than one
+    message either way. NCCL pairs the k-th send to a peer with the k-th receive from it and runs
+    those pairs one after the other, so a batch with two sends and one receive could wait on its
+    first pair while the peer waits on the second (interleaved 1F1B on two ranks hung that way
+    on GPUs; gloo, which buffers sends, did not). Sends only, or receives only, run in order as
+    separate batches would; one send and one receive are a single pair.
     """
     batches: list[list[Action]] = [[]]
+    counts: dict[tuple[int, bool], int] = defaultdict(int)  # (peer, is send) -> messages
     metas: set[tuple[int, int]] = set()
     for _, op in events:
-        if op.kind == "RECV_F" and (op.stage, op.microbatch) in metas:
+        (src, dst), _msgs = comm_messages(op, schedule)
+        send = op.kind.startswith("SEND")
+        peer = dst if send else src
+        mine, theirs = counts[(peer, send)] + 1, counts[(peer, not send)]
+        if (op.kind == "RECV_F" and (op.stage, op.microbatch) in metas) or (
+            theirs and max(mine, theirs) > 1
+        ):
             batches.append([])
-            metas = set()
+            counts, metas = defaultdict(int), set()
+        counts[(peer, send)] += 1
         if op.kind == "RECV_F_META":
             metas.add((op.stage, op.microbatch))
         batches[-1].append(op)
@@ -184,9 +197,9 @@ def lower(
     global order (exchange time, then sender, receiver and position on the channel) that
     respects every dependency. That order is what rules out deadlock even where a send completes
     only once its receive is posted (large NCCL messages): the smallest unfinished message
-    always has both ends posted. The messages a rank exchanges at one time share a batch (cut
-    only where activations need the metadata just received), which pairs the sends and receives
-    of two stages facing each other.
+    always has both ends posted. The messages a rank exchanges at one time share batches of at
+    most one message per channel (see ``_batches``), which pairs the sends and receives of two
+    stages facing each other.
 
     Raises ``ValueError`` when the order itself cannot run: a rank waits for a result that
     depends on one of its own later actions.
@@ -243,7 +256,7 @@ def lower(
                 arrived.add((*consumer, send.microbatch))
             pending[r] = keep
         for r, evs in events.items():
-            items[r].extend(_batches(sorted(evs, key=lambda e: e[0])))
+            items[r].extend(_batches(sorted(evs, key=lambda e: e[0]), schedule))
         for r in ranks:  # start what can start
             acts = schedule.actions[r]
             free = busy_until[r] is None and pc[r] < len(acts)

@@ -77,17 +77,72 @@ def _check_pairing(program: Program) -> None:
             )
 
 
+def _check_rounds(program: Program) -> None:
+    """The program completes under NCCL's pairing of point-to-point operations.
+
+    Within one batch NCCL pairs the k-th send to a peer with the k-th receive from that peer
+    and runs the pairs in order; a pair finishes when both of its operations have met their
+    counterparts, which must be in the peer's current pair. Messages on a channel match in
+    posting order. This is stricter than the simulator, where a posted message completes as
+    soon as the peer posts its end.
+    """
+    schedule = program.schedule
+    rounds: list[list[set]] = []  # per rank: the pairs of every batch, in order
+    for items in program.ranks:
+        seen: Counter = Counter()
+        pairs: list[set] = []
+        for item in items:
+            if not isinstance(item, Batch):
+                continue
+            by_peer: dict[int, tuple[list, list]] = {}
+            for op in item.ops:
+                channel, _ = comm_messages(op, schedule)
+                send = op.kind.startswith("SEND")
+                key = (channel, seen[channel])
+                seen[channel] += 1
+                peer = channel[1] if send else channel[0]
+                by_peer.setdefault(peer, ([], []))[0 if send else 1].append((key, str(op)))
+            depth = max((max(len(s), len(r)) for s, r in by_peer.values()), default=0)
+            for k in range(depth):
+                pairs.append(
+                    {x for s, r in by_peer.values() for x in (s[k : k + 1] + r[k : k + 1])}
+                )
+        rounds.append(pairs)
+    at = [0] * len(rounds)
+    while True:
+        current = {r: rounds[r][at[r]] for r in range(len(rounds)) if at[r] < len(rounds[r])}
+        if not current:
+            return
+        posted = Counter(key for pair in current.values() for key, _ in pair)
+        moved = False
+        for r, pair in current.items():
+            met = {x for x in pair if posted[x[0]] == 2}  # both ends of the message are up
+            if met:
+                pair -= met
+                moved = True
+            if not pair:
+                at[r] += 1
+        if not moved:
+            waits = "; ".join(
+                f"rank {r} at {' '.join(sorted(op for _, op in pair))}"
+                for r, pair in current.items()
+            )
+            _fail(schedule, f"the batches deadlock under NCCL's send/receive pairing: {waits}")
+
+
 def validate(schedule: Schedule) -> Program:
     """Check a schedule and return its lowered program; raise ``ValueError`` naming the step.
 
     Checks: each (stage, microbatch) has exactly one F and one B on the stage's rank, F before B;
     local stage-to-stage dependencies are in order; every send has its receive, in the same order
-    on both peers; and the program runs to completion in the simulator (no deadlock).
+    on both peers; the batches cannot deadlock under NCCL's pairing of sends and receives; and
+    the program runs to completion in the simulator.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate expects a Schedule, got {type(schedule).__name__}")
     _check_actions(schedule)
     program = lower(schedule)
     _check_pairing(program)
+    _check_rounds(program)
     simulate(program)  # raises DeadlockError (a ValueError) naming every stuck rank
     return program

@@ -208,10 +208,58 @@ def test_lowering_pairs_every_message_in_the_same_order_on_both_ends():
                     seen |= {(o.stage, o.microbatch) for o in item.ops if o.kind == "RECV_F_META"}
 
 
-def test_two_facing_stages_exchange_in_one_batch():
+def test_two_facing_stages_exchange_between_the_same_computations():
     program = lower(one_f_one_b(2, 4))
-    rank0 = [str(item) for item in program.ranks[0]]
-    assert "[0SEND_F_META2 0SEND_F2 0RECV_B1]" in rank0  # steady state: send F, receive B at once
+    rank0 = " ".join(str(item) for item in program.ranks[0])
+    rank1 = " ".join(str(item) for item in program.ranks[1])
+    # steady state: rank 0 sends F2 and receives B1 while rank 1 receives F2 and sends B1
+    assert "0F2 [0SEND_F_META2 0SEND_F2] [0RECV_B1] 0B1" in rank0
+    assert "[1RECV_F_META2] [1RECV_F2 1SEND_B1] 1F2" in rank1
+
+
+def _merged(program):
+    """The batching before one-pair batches: consecutive batches merged (an activation receive
+    still waits for the batch after its metadata)."""
+    ranks = []
+    for items in program.ranks:
+        out = []
+        for item in items:
+            if isinstance(item, Batch) and out and isinstance(out[-1], Batch):
+                metas = {(o.stage, o.microbatch) for o in out[-1].ops if o.kind == "RECV_F_META"}
+                if not any(
+                    o.kind == "RECV_F" and (o.stage, o.microbatch) in metas for o in item.ops
+                ):
+                    out[-1] = Batch(out[-1].ops + item.ops)
+                    continue
+            out.append(item)
+        ranks.append(tuple(out))
+    return type(program)(program.schedule, tuple(ranks))
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (2, 8, 2), (2, 6, 3), (3, 6, 2), (4, 8, 2)])
+def test_batches_are_single_pairs_per_peer_where_nccl_needs_it(p, m, v):
+    """NCCL runs the k-th send and k-th receive with one peer as a pair, pairs in order: a batch
+    with two sends and a receive to one peer can deadlock (interleaved 1F1B on 2 GPUs did)."""
+    from parallax.pipeline.validate import _check_rounds
+
+    program = lower(interleaved_1f1b(p, m, v))
+    _check_rounds(program)
+    for items in program.ranks:
+        for item in items:
+            if not isinstance(item, Batch):
+                continue
+            sends, recvs = {}, {}
+            for op in item.ops:
+                (src, dst), _ = comm_messages(op, program.schedule)
+                if op.kind.startswith("SEND"):
+                    sends[dst] = sends.get(dst, 0) + 1
+                else:
+                    recvs[src] = recvs.get(src, 0) + 1
+            for peer in set(sends) & set(recvs):
+                assert sends[peer] == recvs[peer] == 1, item
+    if p == 2:  # the old, merged batching deadlocks there, and the check says where
+        with pytest.raises(ValueError, match="deadlock under NCCL's send/receive pairing"):
+            _check_rounds(_merged(program))
 
 
 def test_a_deadlocked_program_is_reported_per_rank():
