@@ -36,8 +36,21 @@ Batch = dict[str, torch.Tensor]
 NATIVE = ("torch-single", "torch-ddp-zero", "torch-fsdp2", "torch-dtensor-tp", "torch-pipelining")
 FRAMEWORKS = ("parallax", *NATIVE)
 # parallax's speed options per variant (TrainConfig fields); "opt" is the Trainer's defaults
-BASE = dict(logits="all", fused_projections=False, compile=False, pipeline_syncs=True)
-VARIANTS = {"opt": {}, "base": BASE, "opt+compile": dict(compile=True)}
+BASE = dict(
+    logits="all",
+    fused_projections=False,
+    compile=False,
+    pipeline_syncs=True,
+    overlap_param_gather=False,
+)
+VARIANTS = {
+    "opt": {},
+    "base": BASE,
+    "opt+compile": dict(compile=True),
+    # one switch off at a time, to measure it
+    "opt-gather-overlap": dict(overlap_param_gather=False),
+    "opt+compile-gather-overlap": dict(compile=True, overlap_param_gather=False),
+}
 
 
 @dataclass(frozen=True)
@@ -94,18 +107,32 @@ class Measured:
 def time_steps(
     step: Callable[[], object], device: torch.device, warmup: int, steps: int
 ) -> tuple[list[float], float]:
-    """Seconds per step after ``warmup`` steps (synchronised at each step's end), and the last
-    loss (read once, after timing)."""
+    """Seconds per step after ``warmup`` steps, and the last loss (read once, after timing).
+
+    On a GPU a step's time is the interval between its start and the next step's start on the
+    compute stream (CUDA events, one synchronisation at the end): the steady-state time per
+    step, which counts work a step leaves in flight for the next one (parallax's deferred
+    all-gathers, FSDP2's prefetches) where it really lands. Elsewhere, wall time with a
+    synchronisation after each step."""
     out = None
     for _ in range(warmup):
         out = step()
     sync(device)
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        out = step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        for k in range(steps):
+            marks[k].record()
+            out = step()
+        marks[steps].record()
+        torch.cuda.synchronize(device)
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    else:
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = step()
+            sync(device)
+            times.append(time.perf_counter() - start)
     return times, math.nan if out is None else float(_loss(out).detach())
 
 

@@ -150,8 +150,13 @@ def run_parallax(name, m, schedule, ctx, make, num_blocks, data, iters, out_dir)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    agreed = []  # the ranks agree on the program once, as parallax.train does
+
     def step(timeline=None):
-        run_schedule(schedule, stages, ctx, inputs, targets, loss_fn, timeline=timeline)
+        run_schedule(
+            schedule, stages, ctx, inputs, targets, loss_fn, timeline=timeline, agree=not agreed
+        )
+        agreed.append(True)
 
     step_time = median(time_it(step, device, warmup=2, iters=iters))
     timeline = Timeline()

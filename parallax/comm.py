@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
+Work = object  # a torch.distributed work handle, or None: nothing to wait for
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -45,6 +46,14 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
         return tensor.div_(size(group))
     dist.all_reduce(tensor, op=_OPS[op], group=group)
     return tensor
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Group) -> Work | None:
+    """Start an in-place sum over ``group``; pass the handle to :func:`wait` before reading
+    ``tensor`` (``None``: nothing to wait for)."""
+    if size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -136,7 +145,6 @@ def batch_send_recv(
 
 
 # -- flat-buffer collectives (ZeRO): write into a given output, optionally asynchronously ----------
-Work = object  # a torch.distributed work handle, or None: nothing to wait for
 
 
 def reduce_scatter_into(

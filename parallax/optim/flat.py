@@ -131,17 +131,29 @@ class FlatBuffers:
                 master.copy_(mine)
 
     @torch.no_grad()
-    def gather_params(self, group: Group, changed: Sequence[bool]) -> None:
+    def gather_params(
+        self, group: Group, changed: Sequence[bool], wait: bool = True
+    ) -> dict[int, comm.Work]:
         """Write the masters into the model and all-gather every bucket with a ``changed``
-        parameter (``changed`` must be the same on every rank of ``group``)."""
-        works = []
-        for b, (bucket, master) in enumerate(zip(self.layout.buckets, self.masters)):
+        parameter (``changed`` must be the same on every rank of ``group``).
+
+        Buckets go out in the forward pass's order (the last bucket holds the first layers).
+        With ``wait=False`` nothing is waited for: returns ``{bucket: work}`` for the caller to
+        wait on before the bucket's parameters are read."""
+        works = {}
+        for b in reversed(range(len(self.layout.buckets))):
+            bucket, master = self.layout.buckets[b], self.masters[b]
             if not any(changed[i] for i in bucket.params):
                 continue
             mine = self.own_chunk(b, self.param_buffers)  # (bucket/dp,)
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)  # fp32 -> the model's dtype
             full = self.param_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
-            works.append(comm.all_gather_into(full, mine, group, async_op=True))
-        for work in works:
-            comm.wait(work)
+            work = comm.all_gather_into(full, mine, group, async_op=True)
+            if work is not None:
+                works[b] = work
+        if wait:
+            for work in works.values():
+                comm.wait(work)
+            return {}
+        return works

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
 from parallax.context import ParallelContext
@@ -48,6 +50,27 @@ def _grad_hook(opt_ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     # a later ZeroOptimizer over the same parameter owns it now: this one stands aside
     if opt is not None and getattr(param, "_zero_owner", None) == opt._token:
         opt._on_grad(index, param)
+
+
+@torch.compiler.disable  # runs eagerly in front of a compiled block, without a graph break in it
+def _gather_hook(opt_ref: weakref.ref, buckets: tuple[int, ...], module: nn.Module, args) -> None:
+    opt = opt_ref()
+    if opt is not None and opt._gathers:
+        opt._wait_buckets(buckets)
+
+
+def hook_points(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
+    """Where a forward pre-hook sees every parameter of ``module`` before it is read:
+    ``(submodule, recursive)``. A compiled submodule is one point for all its parameters (a
+    hook inside compiled code would be traced); elsewhere each module with parameters of its
+    own, in registration order (about the forward order)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        yield module, True
+        return
+    if next(module.parameters(recurse=False), None) is not None:
+        yield module, False
+    for child in module.children():
+        yield from hook_points(child)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -165,6 +188,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
 
+        self._gathers: dict[int, comm.Work] = {}  # bucket -> all-gather in flight (deferred)
+        self._gather_hooks: list[RemovableHandle] = []
         self._has_grad = [False] * len(self.params)  # a gradient arrived since zero_grad()
         self._flags: list[bool] | None = None  # the dp-global has_grad, once reduced this step
         self.reducer = GradReducer(
@@ -201,6 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Call it after writing weights into the model behind the optimizer's back; otherwise, for
         non-fp32 parameters, the masters are the truth and the next step overwrites them.
         """
+        self.wait_params()
         self.flat.reload_masters()
 
     # -- accumulation --------------------------------------------------------------------------
@@ -260,6 +286,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         A parameter no dp rank saw a gradient for is skipped, as torch optimizers skip a
         ``.grad`` of None: no weight decay, no moment update.
         """
+        self.wait_params()  # buckets no forward read since the last step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -272,7 +299,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if stepped:
             self.inner.step()
         self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
-        self.flat.gather_params(self.ctx.dp_group, flags)
+        self._gathers = self.flat.gather_params(
+            self.ctx.dp_group, flags, wait=not self._gather_hooks
+        )
         self.reducer.reset()
         self._flags, self._coefs = None, []
         return loss
@@ -296,6 +325,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p, view in zip(self.params, self.flat.grad_views):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
+
+    # -- the parameter all-gather under the next forward ------------------------------------------
+    def overlap_param_gather(self, *modules: nn.Module) -> list[RemovableHandle]:
+        """Let each step's all-gather of the updated parameters run under the next forward.
+
+        ``step()`` then returns with the all-gathers in flight, launched in forward order, and a
+        forward pre-hook on each of ``modules``' parameter holders (see :func:`hook_points`)
+        waits for the buckets it reads (on GPUs the wait orders the streams; the host goes on).
+        Every parameter must be read inside the forward of a module that holds it (or of a
+        compiled ancestor), not through another module's attribute. Anything else that reads
+        parameters between ``step()`` and the next forward calls :meth:`wait_params` first;
+        this optimizer's own methods do. Returns the hooks' handles; removing them all turns the
+        deferral off again.
+        """
+        index = {id(p): i for i, p in enumerate(self.params)}
+        bucket_of = [slot.bucket for slot in self.layout.slots]
+        ref = weakref.ref(self)
+        handles = []
+        for module in modules:
+            for point, recursive in hook_points(module):
+                buckets = {
+                    bucket_of[index[id(p)]]
+                    for p in point.parameters(recurse=recursive)
+                    if id(p) in index
+                }
+                if not buckets:
+                    continue
+                hook = functools.partial(_gather_hook, ref, tuple(sorted(buckets)))
+                handle = point.register_forward_pre_hook(hook)
+                self._gather_hooks.append(handle)
+                handles.append(_Handle(handle, self._gather_hooks))
+        return handles
+
+    def wait_params(self) -> None:
+        """Finish every parameter all-gather still in flight (see :meth:`overlap_param_gather`):
+        call it before reading parameters outside a hooked forward, e.g. to save or evaluate."""
+        self._wait_buckets(tuple(self._gathers))
+
+    def _wait_buckets(self, buckets: Iterable[int]) -> None:
+        for b in buckets:
+            comm.wait(self._gathers.pop(b, None))
 
     # -- clipping ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -327,16 +397,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_meta(self) -> dict[str, Any]:
         """JSON-able description of the state: hyperparameters and, per parameter name, the
         state keys that :meth:`state_tensors` yields. Collective: call on every rank."""
+        self.wait_params()
         return state_io.state_meta(self)
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``("<name>.<state>", full logical tensor)`` one at a time (see
         :mod:`parallax.optim.state`). Collective: every rank must consume it all."""
+        self.wait_params()
         return state_io.state_tensors(self)
 
     def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
         """Load from ``meta`` and ``get(key) -> full tensor``, one tensor at a time, at any
         dp and tp size. Also writes the masters into the model's parameters."""
+        self.wait_params()
         state_io.load_state_tensors(self, meta, get)
 
     def state_dict(self) -> dict[str, Any]:
@@ -378,6 +451,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
             f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, overlap={self.overlap})"
         )
+
+
+class _Handle:
+    """A forward pre-hook's handle that also forgets the hook in the optimizer's list."""
+
+    def __init__(self, handle: RemovableHandle, registry: list[RemovableHandle]) -> None:
+        self.handle, self.registry = handle, registry
+
+    def remove(self) -> None:
+        self.handle.remove()
+        if self.handle in self.registry:
+            self.registry.remove(self.handle)
 
 
 def _check_passes(value: int) -> None:

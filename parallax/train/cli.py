@@ -141,6 +141,7 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     chunk = trainer.chunks[0]
+    trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
     if statistics:
         chunk.config = dataclasses.replace(
             chunk.config, norm_stats={**chunk.config.norm_stats, **statistics}

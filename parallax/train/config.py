@@ -65,6 +65,7 @@ class TrainConfig:
     fused_projections: bool = True
     compile: bool = False
     pipeline_syncs: bool = False
+    overlap_param_gather: bool = True
     export_hf: bool = False
     dry_run: bool = False
     config: str | None = None
@@ -212,6 +213,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="agree on the pipeline program every step and size received activations from "
         "their metadata (host syncs); default: agree once, sizes from the batch",
+    )
+    g.add_argument(
+        "--overlap-param-gather",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="at dp > 1, let the ZeRO all-gather of updated weights run under the next "
+        "forward, each block waiting for its own weights "
+        f"(default {'on' if d.overlap_param_gather else 'off'})",
     )
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, help=f"seed of weights and data (default {d.seed})")

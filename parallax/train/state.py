@@ -87,6 +87,7 @@ def _merge_optim_meta(metas: list[dict]) -> dict:
 def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint of step ``step`` (collective: every rank calls it)."""
     ctx, cfg = trainer.ctx, trainer.cfg
+    trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
     optim_meta = trainer.optimizer.state_meta()  # collective
     stage_metas = comm.all_gather_object(optim_meta, ctx.pp_group)
     writer = ctx.dp_rank == 0 and ctx.tp_rank == 0

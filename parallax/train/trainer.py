@@ -169,10 +169,12 @@ class Trainer:
             self.chunks.append(chunk)
             self.stages.append(PipelineStage(chunk, s, len(self.ranges), ctx))
         self.optimizer = self._build_optimizer()
+        if cfg.overlap_param_gather and ctx.dp_size > 1:
+            self.optimizer.overlap_param_gather(*self.chunks)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self._metrics: list[torch.Tensor] = []
-        self._scale: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
+        self._tokens_work = None  # the token count's all-reduce, waited for where it is used
         self._agreed = False  # the pipeline ranks agreed on the program once
 
     # -- building ----------------------------------------------------------------------------
@@ -197,7 +199,10 @@ class Trainer:
         )
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their global (layout-free) names."""
+        """This rank's parameters under their global (layout-free) names, with their current
+        values (the last step's deferred all-gathers are waited for)."""
+        if hasattr(self, "optimizer"):
+            self.optimizer.wait_params()
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
     def _build_optimizer(self) -> ZeroOptimizer:
@@ -247,17 +252,29 @@ class Trainer:
                 [ce.detach().float(), m["action_correct"], m["action_l1_sum"], m["action_tokens"]]
             )
         )
-        return ce * self._scale
+        return ce * (self.ctx.dp_size / self._tokens_ready())
 
     def _global_tokens(self, microbatches: list[dict]) -> torch.Tensor:
-        """Loss tokens of the global batch (a collective over dp); no host sync for host labels."""
+        """Loss tokens of the global batch (a collective over dp, left in flight: see
+        :meth:`_tokens_ready`); no host sync for host labels."""
         dev = self.ctx.device
         counts = [loss_token_count(mb["labels"]) for mb in microbatches]
         if all(c.device.type == "cpu" for c in counts):  # a fill, not a blocking copy
             count = torch.full((), float(sum(int(c) for c in counts)), device=dev)
         else:
             count = torch.stack([c.to(dev, non_blocking=True) for c in counts]).sum().float()
-        return comm.all_reduce(count, self.ctx.dp_group).clamp_(min=1.0)
+        self._tokens_work = comm.all_reduce_async(count, self.ctx.dp_group)
+        return count
+
+    def _tokens_ready(self) -> torch.Tensor:
+        """The global token count, once its all-reduce is done. It is waited for at its first
+        use, not when launched: the all-reduce queues behind the previous step's parameter
+        all-gathers, and waiting at launch would hold the whole forward back for them."""
+        if self._tokens_work is not None:
+            comm.wait(self._tokens_work)
+            self._tokens_work = None
+            self._tokens.clamp_(min=1.0)
+        return self._tokens
 
     def _targets(self, microbatches: list[dict]) -> list:
         """What the loss needs per microbatch, on the device: the labels, or the labelled rows
@@ -295,7 +312,6 @@ class Trainer:
                 f"runs {self.num_microbatches}"
             )
         self._tokens = self._global_tokens(microbatches)
-        self._scale = ctx.dp_size / self._tokens
         self._metrics = []
         inputs = [
             (
@@ -320,6 +336,8 @@ class Trainer:
             recv_metas=None if syncs or ctx.pp_size == 1 else self._recv_metas(microbatches),
         )
         self._agreed = True
+        # before step(): a collective queued after step()'s deferred all-gathers would wait
+        metrics = self._reduce_metrics()
         if self.cfg.grad_clip > 0:
             grad_norm = self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
         else:
@@ -327,8 +345,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        metrics = self._reduce_metrics()
-        loss = metrics[0] / self._tokens  # the global batch's mean token loss
+        loss = metrics[0] / self._tokens_ready()  # the global batch's mean token loss
         return StepOutput(loss=loss, grad_norm=grad_norm.detach(), metrics=metrics, lr=lr)
 
     def model_flops(self, microbatches: list[dict]) -> float:

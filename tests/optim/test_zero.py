@@ -70,6 +70,45 @@ def test_matches_single_process(layout):
     assert len({tuple(w) for w in worst}) == 1  # every rank holds the same weights
 
 
+def _gather_under_forward(tp: int, cases: list[tuple]) -> list[int]:
+    """With ``overlap_param_gather`` the weights still equal plain torch's; step() leaves the
+    all-gathers in flight and a forward waits for exactly the buckets it reads."""
+    ctx = context(tp=tp)
+    in_flight = []
+    for name, overlap, accum, clip, sp in cases:
+        ref, _, ref_norms = train_reference(name, STEPS, accum, clip)
+        model, opt = make_zero(ctx, name, sp, overlap=overlap, backward_passes_per_step=accum)
+        assert opt.overlap_param_gather(model)
+        norms = train_zero(model, opt, ctx, STEPS, accum, clip)
+        in_flight.append(len(opt._gathers))
+        case = f"{name} overlap={overlap} accum={accum} clip={clip} sp={sp}"
+        assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL, msg=case)
+        opt.wait_params()
+        got = logical_weights(model, ctx)
+        for n, want in ref.named_parameters():
+            assert_close(got[n], want.detach(), **TOL, msg=f"{case}: {n}")
+        # one more step, then a forward that skips the tower: only the tower's buckets (and
+        # those of parameters never read) stay in flight
+        train_zero(model, opt, ctx, 1, 1, None, start=STEPS + 1)
+        assert opt._gathers
+        x, _, use = (local_rows(t, ctx) for t in batch(0, 0))
+        model(x, torch.zeros_like(use))
+        slots = opt.layout.slots
+        unread = {
+            slots[i].bucket for i, n in enumerate(opt.names) if n.startswith(("tower", "unused"))
+        }
+        assert set(opt._gathers) <= unread, case
+    return in_flight
+
+
+@pytest.mark.parametrize("layout", [2, "2x2"])
+def test_param_gather_under_the_next_forward(layout):
+    tp, world = (2, 4) if layout == "2x2" else (1, layout)
+    cases = CASES[layout][:2]
+    in_flight = run_ranks(_gather_under_forward, world, tp, cases)
+    assert all(n > 0 for rank in in_flight for n in rank)  # the deferral really happened
+
+
 def _overlap_launches_during_backward() -> tuple[int, int, int]:
     """With overlap, buckets go out from the backward hooks, and only after the last pass; the
     2- and inf-norms of the reduced gradients are those of one process."""
