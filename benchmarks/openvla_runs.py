@@ -47,9 +47,9 @@ VARIANTS = {
     "opt": {},
     "base": BASE,
     "opt+compile": dict(compile=True),
-    # one switch off at a time, to measure it
-    "opt-gather-overlap": dict(overlap_param_gather=False),
-    "opt+compile-gather-overlap": dict(compile=True, overlap_param_gather=False),
+    # the all-gather waited for inside step(), to measure the overlap
+    "opt/gather-sync": dict(overlap_param_gather=False),
+    "opt+compile/gather-sync": dict(compile=True, overlap_param_gather=False),
 }
 
 
