@@ -268,14 +268,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _reduce(self) -> list[bool]:
         """Finish the gradient reduction (once per step); which parameters got a gradient on any
-        dp rank."""
+        dp rank.
+
+        Every rank takes part in the flags' all-reduce, but a rank reads the result back (a host
+        synchronisation) only if it lacks a gradient itself: when every local flag is set, so
+        is every global one. Training where each step reaches every parameter never waits."""
         if self._flags is None:
             self._reattach_grads()
             self.reducer.finish()
-            flags = torch.tensor(self._has_grad, dtype=torch.float32, device=self.device)
+            flags = torch.tensor(self._has_grad, dtype=torch.float32)
+            flags = flags.to(self.device, non_blocking=True)
             if self.params:
                 comm.all_reduce(flags, self.ctx.dp_group, op="max")
-            self._flags = [bool(f) for f in flags.tolist()]
+            if all(self._has_grad):
+                self._flags = [True] * len(self.params)
+            else:
+                self._flags = [bool(f) for f in flags.tolist()]
         return self._flags
 
     # -- the step ------------------------------------------------------------------------------

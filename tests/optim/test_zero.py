@@ -200,6 +200,23 @@ def test_state_is_one_over_dp(dtype):
         assert report["plain_adamw_bytes"] == 16 * numel  # 4+4+8 fp32; 2+2+4+8 bf16
 
 
+def _gradient_on_one_rank_only() -> list[float]:
+    """dp rank 0 reaches every parameter, rank 1 not the second one: rank 0 trusts its own
+    flags (no read-back), rank 1 reads the all-reduced ones, and both step it."""
+    ctx = context()
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = ZeroOptimizer([("a", a), ("b", b)], torch.optim.SGD, ctx, lr=0.5, bucket_numel=1)
+    loss = a.sum() + (b.sum() if ctx.dp_rank == 0 else 0.0)
+    loss.backward()
+    opt.step()
+    return b.detach().tolist()
+
+
+def test_a_gradient_on_one_dp_rank_steps_the_parameter_everywhere():
+    # b's gradient: ones on rank 0, none on rank 1 -> the dp mean 0.5; SGD lr 0.5: 1 - 0.25
+    assert run_ranks(_gradient_on_one_rank_only, 2, timeout=60) == [[0.75] * 3] * 2
+
+
 def _mismatched_layout() -> str | None:
     ctx = context()
     model = build(ctx)
