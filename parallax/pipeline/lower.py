@@ -124,31 +124,44 @@ def channel_orders(schedule: Schedule) -> dict[Channel, list[Message]]:
     return dict(orders)
 
 
+def pairing_keys(op: Action, schedule: Schedule) -> tuple[bool, tuple[tuple[str, int], ...]]:
+    """Whether ``op`` is a send, and the keys under which NCCL may pair it with operations of
+    the other direction in one batch: the peer, and the ring distance. NCCL schedules a batch's
+    point-to-point operations in rounds, each sending ``d`` ranks ahead and receiving from ``d``
+    ranks behind; with two ranks both are the same peer."""
+    (src, dst), _msgs = comm_messages(op, schedule)
+    n = schedule.num_ranks
+    if op.kind.startswith("SEND"):
+        return True, (("peer", dst), ("distance", (dst - src) % n))
+    return False, (("peer", src), ("distance", (dst - src) % n))
+
+
 def _batches(events: list[tuple[tuple, Action]], schedule: Schedule) -> list[Batch]:
     """Group one slot's events (already in global order) into batches, in that order.
 
     A batch is cut before an activation receive whose metadata it holds (the metadata sizes the
-    buffer), and wherever a rank would both send to and receive from one peer with more than one
-    message either way. NCCL pairs the k-th send to a peer with the k-th receive from it and runs
-    those pairs one after the other, so a batch with two sends and one receive could wait on its
-    first pair while the peer waits on the second (interleaved 1F1B on two ranks hung that way
-    on GPUs; gloo, which buffers sends, did not). Sends only, or receives only, run in order as
-    separate batches would; one send and one receive are a single pair.
+    buffer), and wherever it would hold sends and receives that NCCL pairs (see
+    :func:`pairing_keys`) with more than one of them either way. NCCL runs the k-th send and
+    the k-th receive of a key as one pair and the pairs one after the other, so a batch with two
+    sends and one receive could wait on its first pair while the peer waits on the second
+    (interleaved 1F1B on two GPUs hung that way; gloo, which buffers sends, did not). Sends
+    only, or receives only, run in order as separate batches would; one send and one receive
+    are a single pair.
     """
     batches: list[list[Action]] = [[]]
-    counts: dict[tuple[int, bool], int] = defaultdict(int)  # (peer, is send) -> messages
+    counts: dict[tuple, int] = defaultdict(int)  # (key, is send) -> operations in the batch
     metas: set[tuple[int, int]] = set()
     for _, op in events:
-        (src, dst), _msgs = comm_messages(op, schedule)
-        send = op.kind.startswith("SEND")
-        peer = dst if send else src
-        mine, theirs = counts[(peer, send)] + 1, counts[(peer, not send)]
-        if (op.kind == "RECV_F" and (op.stage, op.microbatch) in metas) or (
-            theirs and max(mine, theirs) > 1
-        ):
+        send, keys = pairing_keys(op, schedule)
+        clash = any(
+            counts[(k, not send)] and max(counts[(k, send)] + 1, counts[(k, not send)]) > 1
+            for k in keys
+        )
+        if clash or (op.kind == "RECV_F" and (op.stage, op.microbatch) in metas):
             batches.append([])
             counts, metas = defaultdict(int), set()
-        counts[(peer, send)] += 1
+        for k in keys:
+            counts[(k, send)] += 1
         if op.kind == "RECV_F_META":
             metas.add((op.stage, op.microbatch))
         batches[-1].append(op)

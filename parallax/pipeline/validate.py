@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from parallax.pipeline.lower import Batch, Program, channel_orders, comm_messages, lower
+from parallax.pipeline.lower import (
+    Batch,
+    Program,
+    channel_orders,
+    comm_messages,
+    lower,
+    pairing_keys,
+)
 from parallax.pipeline.schedule import Schedule
 from parallax.pipeline.simulate import simulate
 
@@ -80,12 +87,18 @@ def _check_pairing(program: Program) -> None:
 def _check_rounds(program: Program) -> None:
     """The program completes under NCCL's pairing of point-to-point operations.
 
-    Within one batch NCCL pairs the k-th send to a peer with the k-th receive from that peer
-    and runs the pairs in order; a pair finishes when both of its operations have met their
-    counterparts, which must be in the peer's current pair. Messages on a channel match in
-    posting order. This is stricter than the simulator, where a posted message completes as
+    Within one batch NCCL pairs the k-th send with the k-th receive of the same pairing key
+    (the peer, or the ring distance: see :func:`~parallax.pipeline.lower.pairing_keys`; both are
+    checked) and runs the pairs in order; a pair finishes when both of its operations have met
+    their counterparts, which must be in the peer's current pair. Messages on a channel match
+    in posting order. This is stricter than the simulator, where a posted message completes as
     soon as the peer posts its end.
     """
+    for kind in ("peer", "distance"):
+        _run_rounds(program, kind)
+
+
+def _run_rounds(program: Program, kind: str) -> None:
     schedule = program.schedule
     rounds: list[list[set]] = []  # per rank: the pairs of every batch, in order
     for items in program.ranks:
@@ -94,26 +107,24 @@ def _check_rounds(program: Program) -> None:
         for item in items:
             if not isinstance(item, Batch):
                 continue
-            by_peer: dict[int, tuple[list, list]] = {}
+            by_key: dict[tuple, tuple[list, list]] = {}
             for op in item.ops:
                 channel, _ = comm_messages(op, schedule)
-                send = op.kind.startswith("SEND")
-                key = (channel, seen[channel])
+                send, keys = pairing_keys(op, schedule)
+                key = next(k for k in keys if k[0] == kind)
+                message = (channel, seen[channel])
                 seen[channel] += 1
-                peer = channel[1] if send else channel[0]
-                by_peer.setdefault(peer, ([], []))[0 if send else 1].append((key, str(op)))
-            depth = max((max(len(s), len(r)) for s, r in by_peer.values()), default=0)
+                by_key.setdefault(key, ([], []))[0 if send else 1].append((message, str(op)))
+            depth = max((max(len(s), len(r)) for s, r in by_key.values()), default=0)
             for k in range(depth):
-                pairs.append(
-                    {x for s, r in by_peer.values() for x in (s[k : k + 1] + r[k : k + 1])}
-                )
+                pairs.append({x for s, r in by_key.values() for x in s[k : k + 1] + r[k : k + 1]})
         rounds.append(pairs)
     at = [0] * len(rounds)
     while True:
         current = {r: rounds[r][at[r]] for r in range(len(rounds)) if at[r] < len(rounds[r])}
         if not current:
             return
-        posted = Counter(key for pair in current.values() for key, _ in pair)
+        posted = Counter(message for pair in current.values() for message, _ in pair)
         moved = False
         for r, pair in current.items():
             met = {x for x in pair if posted[x[0]] == 2}  # both ends of the message are up
@@ -127,7 +138,10 @@ def _check_rounds(program: Program) -> None:
                 f"rank {r} at {' '.join(sorted(op for _, op in pair))}"
                 for r, pair in current.items()
             )
-            _fail(schedule, f"the batches deadlock under NCCL's send/receive pairing: {waits}")
+            _fail(
+                schedule,
+                f"the batches deadlock under NCCL's send/receive pairing by {kind}: {waits}",
+            )
 
 
 def validate(schedule: Schedule) -> Program:
