@@ -230,7 +230,13 @@ def plan(b: Bench) -> list[tuple[Layout, str, str | None, str | None]]:
     for group in (multi, single):
         order += [(x, "parallax", lead) for x in group if ours]
         order += [(x, fw, None) for x in group for fw in natives]
-    order += [(x, "parallax", v) for v in variants if v != lead for x in multi + single if ours]
+    order += [
+        (x, "parallax", v)
+        for v in variants
+        if v != lead
+        for x in multi + single
+        if ours and (x.dp > 1 or "/gather-sync" not in v)  # dp=1 has no all-gather
+    ]
     out = []
     for layout, fw, variant in order:
         if layout.supports(fw):
