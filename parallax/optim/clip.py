@@ -20,30 +20,31 @@ from parallax.context import ParallelContext
 
 
 def global_grad_norm(
-    grads: Iterable[torch.Tensor],
-    replicated: Sequence[bool],
+    groups: Iterable[Sequence[torch.Tensor]],
     ctx: ParallelContext,
     norm_type: float = 2.0,
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """The ``norm_type`` norm of all gradients of all ranks, as a 0-d fp32 tensor everywhere.
 
-    ``grads`` are this rank's owned (reduced) gradient pieces; ``replicated[i]`` says whether
-    piece ``i`` belongs to a parameter replicated across tp. Each piece is read once, in order,
-    before the next is asked for (they may be views of one reused buffer). Every rank must call
-    this.
+    ``groups`` yields lists of this rank's counted (reduced) gradient pieces; each list is read
+    before the next is asked for (they may be views of one reused buffer), with one
+    multi-tensor norm. Every rank must call this.
     """
     norm_type = float(norm_type)
     device = device or ctx.device
     local = torch.zeros((), dtype=torch.float64, device=device)
-    counted = (g.detach() for g, rep in zip(grads, replicated) if not rep or ctx.tp_rank == 0)
+    for group in groups:
+        if not group:
+            continue
+        norms = torch._foreach_norm([g.detach() for g in group], norm_type)  # fp32, per piece
+        if math.isinf(norm_type):
+            local = torch.maximum(local, torch.stack(norms).max().double())
+        else:  # the pieces' powers summed in fp64
+            local += (torch.stack(norms).double() ** norm_type).sum()
     if math.isinf(norm_type):
-        for g in counted:
-            local = torch.maximum(local, g.abs().max().double())
         comm.all_reduce(local, ctx.world_group, op="max")
         return local.float()
-    for g in counted:  # per-piece norms in fp32, their powers summed in fp64
-        local += torch.linalg.vector_norm(g, norm_type).double() ** norm_type
     comm.all_reduce(local, ctx.world_group, op="sum")
     return (local ** (1.0 / norm_type)).float()
 

@@ -111,16 +111,25 @@ class FlatBuffers:
             stage.mul_(coef)
         return stage
 
-    def reduced_grads(self, coefs: Sequence[torch.Tensor] = ()) -> Iterator[torch.Tensor]:
-        """Every piece's fp32 reduced gradient, in piece order; a staged bucket's pieces are
-        views of the staging buffer, valid until the next bucket's first piece is asked for."""
-        staged, stage = -1, None
-        for pc, grad in zip(self.pieces, self.piece_grads):
+    def reduced_grads_by_bucket(
+        self, coefs: Sequence[torch.Tensor] = ()
+    ) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Every piece's fp32 reduced gradient as ``(piece index, tensor)``, one list per bucket
+        in piece order (so norms can be taken a bucket at a time, in one multi-tensor kernel).
+        A staged bucket's pieces are views of the staging buffer, valid until the next list is
+        asked for."""
+        group: list[tuple[int, torch.Tensor]] = []
+        for k, (pc, grad) in enumerate(zip(self.pieces, self.piece_grads)):
+            if group and pc.bucket != self.pieces[group[-1][0]].bucket:
+                yield group
+                group = []
             if grad is None:
-                if pc.bucket != staged:
-                    staged, stage = pc.bucket, self.stage(pc.bucket, coefs)
+                if not group:  # the bucket's first piece: make its fp32 gradient
+                    stage = self.stage(pc.bucket, coefs)
                 grad = stage[pc.chunk_offset : pc.chunk_offset + pc.numel]
-            yield grad
+            group.append((k, grad))
+        if group:
+            yield group
 
     @torch.no_grad()
     def reload_masters(self) -> None:

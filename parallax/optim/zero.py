@@ -384,8 +384,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         replicated = [
             getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
         ]
-        grads = self.flat.reduced_grads(self._coefs)  # staged buckets: made one at a time
-        return global_grad_norm(grads, replicated, self.ctx, norm_type, self.device)
+        counted = (  # tp-replicated pieces count on tp rank 0 only
+            [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
+            for group in self.flat.reduced_grads_by_bucket(self._coefs)  # staged: one at a time
+        )
+        return global_grad_norm(counted, self.ctx, norm_type, self.device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
