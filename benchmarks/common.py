@@ -30,6 +30,10 @@ RUN_ID = uuid.uuid4().hex[:12]
 
 
 def commit() -> str:
+    """``PARALLAX_COMMIT`` when set (GPU machines may hold a copy of the tree whose git state
+    is not the one that runs), else the checkout's short hash, ``-dirty`` with local changes."""
+    if os.environ.get("PARALLAX_COMMIT"):
+        return os.environ["PARALLAX_COMMIT"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
