@@ -226,6 +226,8 @@ def plan(b: Bench) -> list[tuple[Layout, str, str | None, str | None]]:
     ours = "parallax" in frameworks
     natives = [fw for fw in frameworks if fw != "parallax"]
     multi, single = [x for x in layouts if x.gpus > 1], [x for x in layouts if x.gpus == 1]
+    if b.args.layouts and b.args.layouts.split(",")[0] == "1gpu":
+        multi, single = single, multi  # one GPU first, on fresh memory: 7B at 1gpu is tight
     order: list[tuple[Layout, str, str | None]] = []
     for group in (multi, single):
         order += [(x, "parallax", lead) for x in group if ours]
