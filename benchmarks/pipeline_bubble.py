@@ -41,6 +41,7 @@ from benchmarks.common import (
 )
 from parallax import comm, init_parallel
 from parallax.pipeline import (
+    TensorMeta,
     Timeline,
     build_stages,
     gather_events,
@@ -139,7 +140,9 @@ COLUMNS = [
 ]
 
 
-def run_parallax(name, m, schedule, ctx, make, num_blocks, data, iters, out_dir):
+def run_parallax(
+    name, m, schedule, ctx, make, num_blocks, data, iters, out_dir, known_shapes=False
+):
     """Step time, timeline and bubbles of one schedule; returns (row, record, busy) on rank 0."""
     device, (inputs, targets) = ctx.device, data
     stages = build_stages(make, num_blocks, ctx, schedule.chunks_per_rank)
@@ -151,10 +154,22 @@ def run_parallax(name, m, schedule, ctx, make, num_blocks, data, iters, out_dir)
         torch.cuda.reset_peak_memory_stats(device)
 
     agreed = []  # the ranks agree on the program once, as parallax.train does
+    meta = TensorMeta(tuple(inputs[0].shape), inputs[0].dtype, True)
+
+    def metas(stage: int, microbatch: int) -> list[TensorMeta]:
+        return [meta]  # every stage passes one (mb, seq, h) tensor on
 
     def step(timeline=None):
         run_schedule(
-            schedule, stages, ctx, inputs, targets, loss_fn, timeline=timeline, agree=not agreed
+            schedule,
+            stages,
+            ctx,
+            inputs,
+            targets,
+            loss_fn,
+            timeline=timeline,
+            agree=not agreed,
+            recv_metas=metas if known_shapes else None,
         )
         agreed.append(True)
 
@@ -173,10 +188,12 @@ def run_parallax(name, m, schedule, ctx, make, num_blocks, data, iters, out_dir)
     )
     measured, theory = measured_bubble(events), theoretical_bubble(schedule)
     step_bubble = 1 - busy / step_time
-    row = [name, "parallax", m, step_time * 1e3, measured, step_bubble, sim, theory, peak]
+    fw = "parallax (known shapes)" if known_shapes else "parallax"
+    row = [name, fw, m, step_time * 1e3, measured, step_bubble, sim, theory, peak]
     record = {
         "benchmark": "pipeline_bubble",
         "framework": "parallax",
+        "known_shapes": known_shapes,
         "schedule": name,
         "layout": f"pp{ctx.pp_size}",
         "microbatches": m,
@@ -229,6 +246,12 @@ def main() -> None:
         "--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}"
     )
     parser.add_argument(
+        "--known-shapes",
+        action="store_true",
+        help="give run_schedule the activation shapes (recv_metas), as parallax.train does: no "
+        "host read of each message's metadata",
+    )
+    parser.add_argument(
         "--watchdog",
         type=float,
         default=120.0,
@@ -263,7 +286,7 @@ def main() -> None:
         y = torch.randn(m * mb, seq, h, device=device, dtype=dtype, generator=gen)
         data = (list(x.chunk(m)), list(y.chunk(m)))
         row, record, busy = run_parallax(
-            name, m, schedule, ctx, make, layers * p, data, iters, args.out
+            name, m, schedule, ctx, make, layers * p, data, iters, args.out, args.known_shapes
         )
         rows.append(row)
         records.append(record)
