@@ -47,7 +47,8 @@ def test_rows_skips_and_errors():
     # a budget of 0 s runs the first configuration only
     rows = main([*argv, "--frameworks", "torch-single", "--time-budget", "0", "--micro-batch", "3"])
     assert rows[0]["status"].startswith("a batch of 8 does not split into micro-batches of 3")
-    rows = main([*argv, "--frameworks", "torch-single,parallax", "--time-budget", "0"])
+    multi_first = [*argv[:3], "dp2,1gpu", *argv[4:]]
+    rows = main([*multi_first, "--frameworks", "torch-single,parallax", "--time-budget", "0"])
     order = [(r["layout"], r["framework"], r["variant"], r["status"]) for r in rows]
     assert order == [  # parallax opt first (multi-GPU, then one GPU), natives, other variants
         ("dp2", "parallax", "opt", "skipped: needs 2 GPUs"),
@@ -58,6 +59,12 @@ def test_rows_skips_and_errors():
         ("dp2", "parallax", "opt+compile", "skipped: needs 2 GPUs"),
         ("1gpu", "parallax", "opt+compile", "skipped: time budget"),
     ]
+    # --layouts led by 1gpu: the one-GPU rows first, on fresh memory
+    rows = main(
+        [*argv, "--frameworks", "parallax", "--parallax-variants", "opt", "--time-budget", "0"]
+    )
+    order = [(r["layout"], r["status"]) for r in rows]
+    assert order == [("1gpu", "ok"), ("dp2", "skipped: needs 2 GPUs")]
 
 
 def test_record_has_the_issue_keys():
