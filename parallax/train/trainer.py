@@ -264,6 +264,8 @@ class Trainer:
         else:
             count = torch.stack([c.to(dev, non_blocking=True) for c in counts]).sum().float()
         self._tokens_work = comm.all_reduce_async(count, self.ctx.dp_group)
+        if self._tokens_work is None:  # dp = 1: nothing in flight, the count is final
+            count.clamp_(min=1.0)
         return count
 
     def _tokens_ready(self) -> torch.Tensor:

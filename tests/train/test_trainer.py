@@ -103,6 +103,35 @@ def test_layouts_match_one_process(reference, tp, pp, dp, kw):
     assert ref_history[-1][0] < ref_history[0][0]  # and it learns
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_batch_without_labelled_tokens_gives_a_finite_loss(dp):
+    """The global token count is clamped to 1 whether or not it is all-reduced (dp=1 has no
+    all-reduce to wait for): no labels means a zero loss, not NaN."""
+    losses = run_ranks(_unlabelled_step, dp) if dp > 1 else [_unlabelled_step()]
+    assert losses == [0.0] * dp
+
+
+def _unlabelled_step() -> float:
+    ctx = context(dp=2) if torch.distributed.is_initialized() else ParallelContext.local()
+    cfg = _cfg(dp=ctx.dp_size, grad_clip=0.0)
+    trainer = Trainer(cfg, ctx)
+    data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
+    loader = BatchLoader(
+        data,
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+    )
+    builder = BatchBuilder(
+        trainer.model_config, data.statistics, text_tokenizer(trainer.model_config)
+    )
+    batch = [builder(m) for m in loader.next_batch()]
+    for mb in batch:
+        mb["labels"] = torch.full_like(mb["labels"], -100)
+    return trainer.train_step(batch).loss.item()
+
+
 def test_lr_schedule():
     cfg = TrainConfig(steps=110, warmup_steps=10, lr=1.0, min_lr=0.1, lr_schedule="cosine")
     f = lr_lambda(cfg)
