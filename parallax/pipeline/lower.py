@@ -210,9 +210,9 @@ def lower(
     global order (exchange time, then sender, receiver and position on the channel) that
     respects every dependency. That order is what rules out deadlock even where a send completes
     only once its receive is posted (large NCCL messages): the smallest unfinished message
-    always has both ends posted. The messages a rank exchanges at one time share batches of at
-    most one message per channel (see ``_batches``), which pairs the sends and receives of two
-    stages facing each other.
+    always has both ends posted. The messages a rank exchanges at one time are posted together,
+    in batches cut only where NCCL's pairing of sends and receives needs it (see ``_batches``),
+    which pairs the sends and receives of two stages facing each other.
 
     Raises ``ValueError`` when the order itself cannot run: a rank waits for a result that
     depends on one of its own later actions.

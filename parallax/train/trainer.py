@@ -201,12 +201,14 @@ class Trainer:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under their global (layout-free) names, with their current
         values (the last step's deferred all-gathers are waited for)."""
-        if hasattr(self, "optimizer"):
-            self.optimizer.wait_params()
+        self.optimizer.wait_params()
+        return self._named_parameters()
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
     def _build_optimizer(self) -> ZeroOptimizer:
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
         decay = [(n, p) for n, p in named if p.dim() >= 2]
         no_decay = [(n, p) for n, p in named if p.dim() < 2]
         kwargs = {}
@@ -264,19 +266,16 @@ class Trainer:
         else:
             count = torch.stack([c.to(dev, non_blocking=True) for c in counts]).sum().float()
         self._tokens_work = comm.all_reduce_async(count, self.ctx.dp_group)
-        if self._tokens_work is None:  # dp = 1: nothing in flight, the count is final
-            count.clamp_(min=1.0)
         return count
 
     def _tokens_ready(self) -> torch.Tensor:
         """The global token count, once its all-reduce is done. It is waited for at its first
         use, not when launched: the all-reduce queues behind the previous step's parameter
-        all-gathers, and waiting at launch would hold the whole forward back for them."""
-        if self._tokens_work is not None:
-            comm.wait(self._tokens_work)
-            self._tokens_work = None
-            self._tokens.clamp_(min=1.0)
-        return self._tokens
+        all-gathers, and waiting at launch would hold the whole forward back for them. At least
+        1 (a batch without labels has loss 0); the clamp is idempotent."""
+        comm.wait(self._tokens_work)
+        self._tokens_work = None
+        return self._tokens.clamp_(min=1.0)
 
     def _targets(self, microbatches: list[dict]) -> list:
         """What the loss needs per microbatch, on the device: the labels, or the labelled rows

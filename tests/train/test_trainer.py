@@ -16,10 +16,8 @@ from parallax.train.trainer import Trainer, lr_lambda
 STEPS = 3
 
 
-def _run(ctx, cfg, **trainer_kw):
-    torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx, **trainer_kw)
-    data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
+def _batches(trainer, ctx, cfg, data):
+    """A function returning this dp rank's microbatches of the next global batch."""
     loader = BatchLoader(
         data,
         global_batch_size=cfg.global_batch_size,
@@ -31,9 +29,17 @@ def _run(ctx, cfg, **trainer_kw):
     builder = BatchBuilder(
         trainer.model_config, data.statistics, text_tokenizer(trainer.model_config)
     )
+    return lambda: [builder(m) for m in loader.next_batch()]
+
+
+def _run(ctx, cfg, **trainer_kw):
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, ctx, **trainer_kw)
+    data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
+    next_batch = _batches(trainer, ctx, cfg, data)
     history = []
     for _ in range(STEPS):
-        out = trainer.train_step([builder(m) for m in loader.next_batch()])
+        out = trainer.train_step(next_batch())
         history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
     weights = {}
     if ctx.dp_rank == 0:  # logical weights after the steps, from each stage
@@ -116,17 +122,7 @@ def _unlabelled_step() -> float:
     cfg = _cfg(dp=ctx.dp_size, grad_clip=0.0)
     trainer = Trainer(cfg, ctx)
     data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
-    loader = BatchLoader(
-        data,
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_size=ctx.dp_size,
-    )
-    builder = BatchBuilder(
-        trainer.model_config, data.statistics, text_tokenizer(trainer.model_config)
-    )
-    batch = [builder(m) for m in loader.next_batch()]
+    batch = _batches(trainer, ctx, cfg, data)()
     for mb in batch:
         mb["labels"] = torch.full_like(mb["labels"], -100)
     return trainer.train_step(batch).loss.item()
