@@ -214,7 +214,7 @@ def setup(args: argparse.Namespace) -> Bench:
 def plan(b: Bench) -> list[tuple[Layout, str, str | None, str | None]]:
     """(layout, framework, parallax variant, reason to skip or None) in running order: the lead
     parallax variant (``opt``) on the multi-GPU layouts, the natives there, the one-GPU rows,
-    then the other variants; within each, the layouts in order."""
+    then the other variants; layouts given with ``--layouts`` run in the order given."""
     layouts = (
         [Layout.parse(x) for x in b.args.layouts.split(",")]
         if b.args.layouts
@@ -226,17 +226,17 @@ def plan(b: Bench) -> list[tuple[Layout, str, str | None, str | None]]:
     ours = "parallax" in frameworks
     natives = [fw for fw in frameworks if fw != "parallax"]
     multi, single = [x for x in layouts if x.gpus > 1], [x for x in layouts if x.gpus == 1]
-    if b.args.layouts and b.args.layouts.split(",")[0] == "1gpu":
-        multi, single = single, multi  # one GPU first, on fresh memory: 7B at 1gpu is tight
+    # given --layouts run in the order given (1gpu first: fresh memory, 7B on one GPU is tight)
+    groups = [layouts] if b.args.layouts else [multi, single]
     order: list[tuple[Layout, str, str | None]] = []
-    for group in (multi, single):
+    for group in groups:
         order += [(x, "parallax", lead) for x in group if ours]
         order += [(x, fw, None) for x in group for fw in natives]
     order += [
         (x, "parallax", v)
         for v in variants
         if v != lead
-        for x in multi + single
+        for x in [x for group in groups for x in group]
         if ours and (x.dp > 1 or "/gather-sync" not in v)  # dp=1 has no all-gather
     ]
     out = []
