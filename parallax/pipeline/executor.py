@@ -9,8 +9,7 @@ happens here.
 Before the first message, every rank of the pipeline checks its own inputs and then agrees with
 the others in one small all-reduce (which also brings up the group's communicator before the
 first batched send): a wrong configuration on any rank raises the same ``ValueError`` on all of
-them instead of a hang. Then each rank exchanges one element with both ring neighbours, which
-opens NCCL's lazily connected point-to-point channels while every host stands at the same place.
+them instead of a hang.
 
 Two host synchronisations are optional for a caller that runs the same program step after step:
 the agreement (``agree=False`` once a step has run with it) and reading each received
@@ -106,7 +105,6 @@ def _agree(problem: str | None, program_id: str, ctx: ParallelContext) -> None:
     comm.all_reduce(flags, ctx.pp_group, op="max")
     bad, high, neg_low = flags.tolist()
     if not bad and high == -neg_low:
-        _connect(ctx)
         return
     reports = comm.all_gather_object((ctx.pp_rank, problem, program_id), ctx.pp_group)
     lines = [f"pp rank {r}: {p}" for r, p, _ in reports if p]
@@ -114,27 +112,6 @@ def _agree(problem: str | None, program_id: str, ctx: ParallelContext) -> None:
         ids = ", ".join(f"pp rank {r}: {i}" for r, _, i in reports)
         lines = [f"pipeline ranks run different schedules or placements ({ids})"]
     raise ValueError("run_schedule: " + "; ".join(lines))
-
-
-# NCCL spreads a large point-to-point message over several channels and connects each one the
-# first time it is used; a warm-up message this large uses all of them.
-_CONNECT_BYTES = 64 << 20
-
-
-def _connect(ctx: ParallelContext) -> None:
-    """Exchange one large message with both ring neighbours, every rank at once.
-
-    NCCL sets up a point-to-point connection (per channel) the first time two ranks use it,
-    inside the call that posts the operation, and both hosts must take part. A schedule whose
-    first large message on some channel arrives while the receiving host is blocked reading a
-    metadata buffer (interleaved 1F1B: the last rank's first send back to rank 0) then hangs.
-    Opening every channel here, where all ranks stand together, removes that order dependence.
-    """
-    numel = _CONNECT_BYTES if ctx.device.type == "cuda" else 1
-    out = torch.empty(numel, dtype=torch.uint8, device=ctx.device)
-    back = [torch.empty(numel, dtype=torch.uint8, device=ctx.device) for _ in range(2)]
-    nxt, prev = ctx.pp_next, ctx.pp_prev
-    comm.batch_send_recv([(out, nxt), (out, prev)], [(back[0], prev), (back[1], nxt)], ctx.pp_group)
 
 
 class _Runner:
