@@ -11,7 +11,9 @@ time) plus the share of the step the GPU was busy to ``--out``:
 from __future__ import annotations
 
 import argparse
+import re
 import time
+from collections import defaultdict
 
 import torch
 from torch.autograd import DeviceType
@@ -80,9 +82,100 @@ def main() -> None:
         f"GPU kernel time {busy:.3f} s per step (rank 0, all streams summed)\n"
     )
     table = events.table(sort_by=key, row_limit=args.rows, max_name_column_width=60)
+    kernels = [
+        (e.device_resource_id(), e.start_ns(), e.end_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA
+    ]
+    report = head + table + "\n" + timeline_report(kernels, args.steps)
     with open(args.out, "w") as f:
-        f.write(head + table)
-    print(head + table)
+        f.write(report)
+    print(report)
+
+
+KINDS = (  # first match wins
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|cudnn|sdpa"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas"),
+    ("adam", r"adam"),
+    ("norm", r"norm"),
+    ("copy", r"copy|memcpy|memset|fill"),
+    ("compiled", r"triton"),
+)
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
+
+
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
+    i = j = total = 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline_report(kernels: list[tuple[int, int, int, str]], steps: int, gaps: int = 12) -> str:
+    """Per stream: kernel time by kind, busy time; for the busiest stream (the compute one),
+    its idle gaps with the kernels on either side; and how much communication ran under
+    compute. ``kernels`` are ``(stream, start_ns, end_ns, name)``; times are per step."""
+    if not kernels:
+        return "no GPU kernels recorded\n"
+    per = 1e6 * steps  # ns -> ms per step
+    span = max(k[2] for k in kernels) - min(k[1] for k in kernels)
+    streams: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for stream, a, b, name in kernels:
+        streams[stream].append((a, b, name))
+    lines = [f"timeline: {span / per:.1f} ms per step from first to last kernel"]
+    busy = {s: _union([(a, b) for a, b, _ in ks]) for s, ks in streams.items()}
+    for stream, ks in sorted(streams.items(), key=lambda kv: -_length(busy[kv[0]])):
+        by_kind: dict[str, int] = defaultdict(int)
+        for a, b, name in ks:
+            by_kind[kind(name)] += b - a
+        kinds = ", ".join(
+            f"{k} {t / per:.1f}" for k, t in sorted(by_kind.items(), key=lambda x: -x[1])
+        )
+        lines.append(f"stream {stream}: busy {_length(busy[stream]) / per:.1f} ms ({kinds})")
+    compute = max(streams, key=lambda s: sum(b - a for a, b, n in streams[s] if kind(n) != "nccl"))
+    comm_busy = _union([(a, b) for s, ks in streams.items() if s != compute for a, b, _ in ks])
+    lines.append(
+        f"compute stream {compute}: idle {(span - _length(busy[compute])) / per:.1f} ms per step; "
+        f"other streams busy {_length(comm_busy) / per:.1f} ms, "
+        f"{_intersect(busy[compute], comm_busy) / per:.1f} of it under compute"
+    )
+    ks = sorted(streams[compute])
+    holes = sorted(
+        ((ks[i + 1][0] - ks[i][1], ks[i][2], ks[i + 1][2]) for i in range(len(ks) - 1)),
+        reverse=True,
+    )
+    total_gap = sum(h[0] for h in holes if h[0] > 0)
+    lines.append(
+        f"compute stream gaps: {total_gap / per:.1f} ms per step in total; the longest "
+        f"(over all {steps} steps):"
+    )
+    for gap, before, after in holes[:gaps]:
+        lines.append(f"  {gap / 1e6:8.2f} ms  after {before[:70]}  before {after[:70]}")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Timeouts come from the groups, which :func:`parallax.init_parallel` creates with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -180,3 +181,20 @@ def wait(work: Work) -> None:
     """Wait for a handle from an ``async_op`` call (a no-op for ``None``)."""
     if work is not None:
         work.wait()
+
+
+@contextmanager
+def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Issue the block's work on ``stream``, ordered after everything already issued on the
+    current stream (``None``: the current stream, nothing changes).
+
+    Only for blocks whose results are read through the handles of asynchronous collectives
+    issued inside them: waiting on such a handle orders the waiting stream after the
+    collective, which NCCL orders after the block's earlier work on ``stream``.
+    """
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield

@@ -141,26 +141,33 @@ class FlatBuffers:
 
     @torch.no_grad()
     def gather_params(
-        self, group: Group, changed: Sequence[bool], wait: bool = True
+        self,
+        group: Group,
+        changed: Sequence[bool],
+        wait: bool = True,
+        stream: torch.cuda.Stream | None = None,
     ) -> dict[int, comm.Work]:
         """Write the masters into the model and all-gather every bucket with a ``changed``
         parameter (``changed`` must be the same on every rank of ``group``).
 
         Buckets go out in the forward pass's order (the last bucket holds the first layers).
         With ``wait=False`` nothing is waited for: returns ``{bucket: work}`` for the caller to
-        wait on before the bucket's parameters are read."""
+        wait on before the bucket's parameters are read. ``stream`` (GPUs, ``group`` of two or
+        more ranks): issue the fp32 -> 16-bit copies and the collectives there, so the next
+        forward can start as soon as its first buckets have arrived."""
         works = {}
-        for b in reversed(range(len(self.layout.buckets))):
-            bucket, master = self.layout.buckets[b], self.masters[b]
-            if not any(changed[i] for i in bucket.params):
-                continue
-            mine = self.own_chunk(b, self.param_buffers)  # (bucket/dp,)
-            if master.data_ptr() != mine.data_ptr():
-                mine.copy_(master)  # fp32 -> the model's dtype
-            full = self.param_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
-            work = comm.all_gather_into(full, mine, group, async_op=True)
-            if work is not None:
-                works[b] = work
+        with comm.side_stream(stream if comm.size(group) > 1 else None):
+            for b in reversed(range(len(self.layout.buckets))):
+                bucket, master = self.layout.buckets[b], self.masters[b]
+                if not any(changed[i] for i in bucket.params):
+                    continue
+                mine = self.own_chunk(b, self.param_buffers)  # (bucket/dp,)
+                if master.data_ptr() != mine.data_ptr():
+                    mine.copy_(master)  # fp32 -> the model's dtype
+                full = self.param_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
+                work = comm.all_gather_into(full, mine, group, async_op=True)
+                if work is not None:
+                    works[b] = work
         if wait:
             for work in works.values():
                 comm.wait(work)

@@ -13,6 +13,11 @@ buffers first and reduced into their fp32 home (``outputs[b]``). Buckets of
 ``sequence_parallel`` parameters are staged too, summed over tp, then reduced over dp. A bucket
 without a home (``outputs[b] is None``: dp=1, its fp32 gradient is made when it is stepped) is
 only marked as reduced, so misuse raises the same errors whatever the home.
+
+On GPUs the staging copies and the collectives are issued on a side stream (``stream``) that
+first waits for the compute stream: the bf16 -> fp32 copies then run beside the rest of the
+backward instead of in line with it. With ``average=False`` the outputs keep the dp sum and the
+caller divides (ZeRO folds the division into a fused optimizer's ``grad_scale``).
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ class GradReducer:
         ctx: ParallelContext,
         overlap: bool,
         backward_passes_per_step: int,
+        average: bool = True,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.layout, self.grad_buffers, self.outputs = layout, grad_buffers, outputs
+        self.average, self.stream = average, stream
         self.names, self.ctx, self.overlap = names, ctx, overlap
         self.passes = backward_passes_per_step
         self.bucket_of = [slot.bucket for slot in layout.slots]
@@ -103,30 +111,34 @@ class GradReducer:
         bucket = self.layout.buckets[b]
         grads = self.grad_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
         k = None
-        if bucket.sequence_parallel or grads.dtype != torch.float32:
-            k = self.staged % len(self.staging)
-            self.staged += 1
-            comm.wait(self.staging_work[k])  # the previous user of this buffer is done with it
-            stage = self.staging[k][: bucket.numel]
-            stage.copy_(grads)  # fp32
-            if bucket.sequence_parallel:
-                comm.all_reduce(stage, self.ctx.tp_group)  # partial over tp -> full
-            grads = stage
-        work = comm.reduce_scatter_into(self.outputs[b], grads, self.ctx.dp_group, async_op=True)
+        with comm.side_stream(self.stream):
+            if bucket.sequence_parallel or grads.dtype != torch.float32:
+                k = self.staged % len(self.staging)
+                self.staged += 1
+                comm.wait(self.staging_work[k])  # the previous user of this buffer is done
+                stage = self.staging[k][: bucket.numel]
+                stage.copy_(grads)  # fp32
+                if bucket.sequence_parallel:
+                    comm.all_reduce(stage, self.ctx.tp_group)  # partial over tp -> full
+                grads = stage
+            work = comm.reduce_scatter_into(
+                self.outputs[b], grads, self.ctx.dp_group, async_op=True
+            )
         if k is not None:
             self.staging_work[k] = work
         self.works.append(work)
         self.launched = b + 1
 
     def finish(self) -> None:
-        """Launch every bucket not yet launched, in order, wait for all, average over dp."""
+        """Launch every bucket not yet launched, in order, wait for all, average over dp
+        (unless ``average`` is off)."""
         if self.done:
             return
         while self.launched < len(self.layout.buckets):
             self._launch(self.launched)
         for work in self.works:
             comm.wait(work)
-        if self.ctx.dp_size > 1:
+        if self.average and self.ctx.dp_size > 1:
             for out in self.outputs:
                 if out is not None:
                     out.div_(self.ctx.dp_size)

@@ -188,6 +188,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
 
+        # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
+        self._stream = (
+            torch.cuda.Stream(self.device)
+            if self.device.type == "cuda" and ctx.dp_size > 1
+            else None
+        )
+        # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
+        # the dp average and the clip coefficient then cost no pass over the gradients
+        self._fold = ctx.dp_size > 1 and _takes_grad_scale(self.inner)
+        self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._gathers: dict[int, comm.Work] = {}  # bucket -> all-gather in flight (deferred)
         self._gather_hooks: list[RemovableHandle] = []
         self._has_grad = [False] * len(self.params)  # a gradient arrived since zero_grad()
@@ -200,6 +210,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ctx,
             overlap,
             backward_passes_per_step,
+            average=not self._fold,
+            stream=self._stream,
         )
         ref, self._token = weakref.ref(self), next(_TOKENS)
         for p in self.params:
@@ -305,31 +317,54 @@ class ZeroOptimizer(torch.optim.Optimizer):
             t.grad = g if g is not None and flags[pc.param] else None
             stepped = stepped or g is not None
         if stepped:
-            self.inner.step()
+            self._inner_step()
         self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
         self._gathers = self.flat.gather_params(
-            self.ctx.dp_group, flags, wait=not self._gather_hooks
+            self.ctx.dp_group, flags, wait=not self._gather_hooks, stream=self._stream
         )
         self.reducer.reset()
-        self._flags, self._coefs = None, []
+        self._flags, self._coefs, self._unscale = None, [], None
         return loss
+
+    def _inner_step(self) -> None:
+        """Step the wrapped optimizer; when it folds scales, the reduced gradients hold dp sums
+        and it divides them by ``dp / clip coefficients`` inside its kernel."""
+        if not self._fold:
+            self.inner.step()
+            return
+        dp = float(self.ctx.dp_size)
+        if self._unscale is None:
+            scale = torch.full((), dp, device=self.device)
+        else:
+            scale = dp / self._unscale
+        self.inner.grad_scale = scale
+        try:
+            self.inner.step()
+        finally:
+            del self.inner.grad_scale
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers and forget this step's accumulation.
+        """Forget this step's gradients and accumulation.
 
-        ``.grad`` stays a (zeroed) view into the buffer whatever ``set_to_none`` says; whether a
-        parameter got a gradient is tracked by hooks instead. Call it between steps: after
-        ``step()`` (and, for 16-bit parameters, after ``grad_norm()``), gradients hold
-        unspecified (partly reduced) values.
+        With ``set_to_none`` (the default) ``.grad`` becomes None, as in torch: the backward
+        pass's first gradient is then copied into the parameter's view of the gradient buffer
+        (one pass over it instead of zeroing and adding). Otherwise ``.grad`` stays a zeroed
+        view. Whether a parameter got a gradient is tracked by hooks either way. Call it
+        between steps: after ``step()`` (and, for 16-bit parameters, after ``grad_norm()``),
+        gradients hold unspecified (partly reduced) values.
         """
         if self.overlap and self.reducer.dirty and not self.reducer.done:
             self.reducer.finish()  # keep every rank's sequence of collectives aligned
         self.reducer.reset()
-        self._flags, self._coefs = None, []
+        self._flags, self._coefs, self._unscale = None, [], None
+        self._has_grad = [False] * len(self.params)
+        if set_to_none:  # the first gradient is copied into the view, not added to zeros
+            for p in self.params:
+                p.grad = None
+            return
         for buf in self.flat.grad_buffers:
             buf.zero_()
-        self._has_grad = [False] * len(self.params)
         for p, view in zip(self.params, self.flat.grad_views):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
@@ -388,7 +423,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
             for group in self.flat.reduced_grads_by_bucket(self._coefs)  # staged: one at a time
         )
-        return global_grad_norm(counted, self.ctx, norm_type, self.device)
+        total = global_grad_norm(counted, self.ctx, norm_type, self.device)
+        if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
+            total = total / self.ctx.dp_size
+            if self._unscale is not None:
+                total = total * self._unscale
+        return total
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -397,6 +437,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
         total = self.grad_norm(norm_type)
         coef = clip_coefficient(total, max_norm)
+        if self._fold:  # applied by the optimizer's kernel in step()
+            self._unscale = coef if self._unscale is None else self._unscale * coef
+            return total
         for out in self.flat.grad_outs:
             if out is not None:
                 out.mul_(coef)
@@ -474,6 +517,16 @@ class _Handle:
         self.handle.remove()
         if self.handle in self.registry:
             self.registry.remove(self.handle)
+
+
+def _takes_grad_scale(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` divides every gradient by ``opt.grad_scale`` (a 0-d tensor) in
+    its own kernel: torch's fused optimizers (Adam, AdamW, SGD), as ``GradScaler`` drives them."""
+    return (
+        type(opt).__module__.startswith("torch.optim")
+        and bool(opt.defaults.get("fused"))
+        and bool(getattr(opt, "_step_supports_amp_scaling", False))
+    )
 
 
 def _check_passes(value: int) -> None:

@@ -84,6 +84,11 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05, amsgrad=True)),
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+    # fused kernels take ZeRO's dp average and clip coefficient as their grad_scale
+    "adamw-fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+    # no momentum: torch's fused SGD fails when a parameter first gets a gradient on a later
+    # step than the others (the sometimes-used tower), with or without ZeRO
+    "sgd-fused": (torch.optim.SGD, dict(lr=0.1, weight_decay=0.1, fused=True)),
 }
 
 

@@ -33,9 +33,20 @@ CASES = {
         ("adamw", True, 1, None, False),
         ("sgd", True, 2, 0.5, False),
         ("adam", False, 1, 0.5, False),
+        ("adamw-fused", True, 2, 0.5, False),
+        ("adamw-fused", False, 1, None, False),
+        ("sgd-fused", True, 2, 0.5, False),
     ],
-    4: [("adamw", True, 2, 0.5, False), ("sgd", False, 1, 0.5, False)],
-    "2x2": [("adamw", True, 2, 0.5, True), ("adamw", False, 2, 0.5, False)],
+    4: [
+        ("adamw", True, 2, 0.5, False),
+        ("sgd", False, 1, 0.5, False),
+        ("adamw-fused", True, 2, 0.5, False),
+    ],
+    "2x2": [
+        ("adamw", True, 2, 0.5, True),
+        ("adamw", False, 2, 0.5, False),
+        ("adamw-fused", True, 2, 0.5, True),
+    ],
 }
 
 
@@ -47,6 +58,8 @@ def _equivalence(tp: int, cases: list[tuple]) -> list[float]:
         model, opt = make_zero(ctx, name, sp, overlap=overlap, backward_passes_per_step=accum)
         norms = train_zero(model, opt, ctx, STEPS, accum, clip)
         case = f"{name} overlap={overlap} accum={accum} clip={clip} sp={sp}"
+        # fused optimizers get the dp average and the clip as grad_scale: no pass of our own
+        assert opt._fold == name.endswith("-fused") and opt.reducer.average != opt._fold, case
         assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL, msg=case)
         got, err = logical_weights(model, ctx), 0.0
         for n, want in ref.named_parameters():
@@ -161,6 +174,38 @@ def test_bf16_model_smoke():
     """bf16 parameters and gradients, fp32 masters: close to the fp32 run (bf16 rounding)."""
     for err, exact in run_ranks(_bf16_smoke, 2):
         assert err < 3e-2 and exact
+
+
+def _zero_grad_modes() -> None:
+    """``zero_grad()`` sets ``.grad`` to None (the first gradient is then copied into the
+    buffer, not added to zeros), ``zero_grad(set_to_none=False)`` keeps zeroed views; both
+    train to bitwise the same weights, with accumulation and a sometimes-used parameter."""
+    ctx = context()
+    weights = []
+    for set_to_none in (True, False):
+        model, opt = make_zero(ctx, "adamw", overlap=True, backward_passes_per_step=2)
+        for step in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            views = [g.data_ptr() for g in opt.flat.grad_views]
+            if set_to_none:
+                assert all(p.grad is None for p in opt.params)
+            else:
+                assert [p.grad.data_ptr() for p in opt.params] == views
+                assert all(not g.any() for g in opt.flat.grad_views)
+            for micro in range(2):
+                x, y, use = (local_rows(t, ctx) for t in batch(step, micro))
+                (F.mse_loss(model(x, use), y) / 2).backward()
+            got = [i for i, p in enumerate(opt.params) if p.grad is not None]
+            assert all(opt.params[i].grad.data_ptr() == views[i] for i in got)
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+        weights.append(logical_weights(model, ctx))
+    for n, w in weights[0].items():
+        assert torch.equal(w, weights[1][n]), n
+
+
+def test_zero_grad_to_none_or_to_zero():
+    run_ranks(_zero_grad_modes, 2)
 
 
 def _memory(dtype: torch.dtype) -> tuple[int, int, dict]:
