@@ -17,6 +17,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -196,7 +197,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
         # the dp average and the clip coefficient then cost no pass over the gradients
-        self._fold = ctx.dp_size > 1 and _takes_grad_scale(self.inner)
+        self._fold = _takes_grad_scale(self.inner)
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._gathers: dict[int, comm.Work] = {}  # bucket -> all-gather in flight (deferred)
         self._gather_hooks: list[RemovableHandle] = []
@@ -316,9 +317,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
             t.grad = g if g is not None and flags[pc.param] else None
             stepped = stepped or g is not None
-        if stepped:
-            self._inner_step()
-        self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
+        with self._grad_scale():
+            if stepped:
+                self.inner.step()
+            self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
         self._gathers = self.flat.gather_params(
             self.ctx.dp_group, flags, wait=not self._gather_hooks, stream=self._stream
         )
@@ -326,20 +328,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._flags, self._coefs, self._unscale = None, [], None
         return loss
 
-    def _inner_step(self) -> None:
-        """Step the wrapped optimizer; when it folds scales, the reduced gradients hold dp sums
-        and it divides them by ``dp / clip coefficients`` inside its kernel."""
-        if not self._fold:
-            self.inner.step()
+    @contextmanager
+    def _grad_scale(self) -> Iterator[None]:
+        """When the wrapped optimizer folds scales, the reduced gradients hold dp sums, not yet
+        clipped: let it divide them by ``dp / clip coefficients`` inside its kernel."""
+        dp = self.ctx.dp_size
+        if not self._fold or (dp == 1 and self._unscale is None):
+            yield
             return
-        dp = float(self.ctx.dp_size)
         if self._unscale is None:
-            scale = torch.full((), dp, device=self.device)
+            scale = torch.full((), float(dp), device=self.device)
         else:
             scale = dp / self._unscale
         self.inner.grad_scale = scale
         try:
-            self.inner.step()
+            yield
         finally:
             del self.inner.grad_scale
 
@@ -425,7 +428,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         total = global_grad_norm(counted, self.ctx, norm_type, self.device)
         if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
-            total = total / self.ctx.dp_size
+            if self.ctx.dp_size > 1:
+                total = total / self.ctx.dp_size
             if self._unscale is not None:
                 total = total * self._unscale
         return total

@@ -7,6 +7,7 @@ per-bucket stepping those of plain torch (fp32 models, where it is forced)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.testing import assert_close
 
 import parallax
 from parallax.optim import ZeroOptimizer
@@ -126,9 +127,14 @@ def _steps_per_bucket(opt: ZeroOptimizer, steps: int) -> int:
     return total
 
 
+def _bitwise(got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
+    assert torch.equal(got, want), msg
+
+
 def test_per_bucket_steps_match_torch():
-    """fp32, dp=1, every bucket forced to the staged path: bitwise plain torch AdamW (two
-    groups, accumulation, clipping, overlap on and off; default, foreach, fused), with buckets
+    """fp32, dp=1, every bucket forced to the staged path: plain torch AdamW (two groups,
+    accumulation, clipping, overlap on and off; default, foreach and fused, bitwise except
+    where the fused kernel applies the clip), with buckets
     spanning both groups or one parameter each (so some groups are empty for a step, and the
     unused parameter's bucket never steps); one wrapped step per bucket with a gradient."""
     ctx = parallax.ParallelContext.local()
@@ -150,13 +156,16 @@ def test_per_bucket_steps_match_torch():
             calls = []
             opt.inner.register_step_post_hook(lambda o, a, k, calls=calls: calls.append(1))
             norms = train_zero(model, opt, ctx, 4, 2, 0.5)
-            assert norms == ref_norms, what
+            # fused: the clip coefficient c goes into the kernel as grad_scale 1/c, and g / (1/c)
+            # differs from torch's g * c in the last bit
+            same = assert_close if extra.get("fused") else _bitwise
+            same(torch.tensor(norms), torch.tensor(ref_norms), msg=what)
             for (n, want), got in zip(ref.named_parameters(), model.parameters()):
-                assert torch.equal(got, want), f"{what}: {n}"
+                same(got, want, msg=f"{what}: {n}")
             tensors = opt.state_dict()["tensors"]
             for n, p in ref.named_parameters():
                 for k, v in ref_opt.state.get(p, {}).items():
-                    assert torch.equal(tensors[f"{n}.{k}"], v.float()), f"{what}: {n}.{k}"
+                    same(tensors[f"{n}.{k}"], v.float(), msg=f"{what}: {n}.{k}")
             assert set(opt.flat.homes) == {STAGED} and len(opt.layout.buckets) >= 3
             assert len(calls) == _steps_per_bucket(opt, 4), what
             assert all(t.grad is None for t in opt.flat.piece_params)
