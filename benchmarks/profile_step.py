@@ -82,12 +82,16 @@ def main() -> None:
         f"GPU kernel time {busy:.3f} s per step (rank 0, all streams summed)\n"
     )
     table = events.table(sort_by=key, row_limit=args.rows, max_name_column_width=60)
-    kernels = [
-        (e.device_resource_id(), e.start_ns(), e.end_ns(), e.name())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == DeviceType.CUDA
-    ]
-    report = head + table + "\n" + timeline_report(kernels, args.steps)
+    kernels, phases = [], []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != DeviceType.CUDA:
+            continue
+        if e.is_user_annotation() or e.name().startswith(("Optimizer.", "parallax.")):
+            if e.name().startswith("parallax."):  # the trainer's phases, on the GPU timeline
+                phases.append((e.name(), e.start_ns(), e.end_ns()))
+            continue
+        kernels.append((e.device_resource_id(), e.start_ns(), e.end_ns(), e.name()))
+    report = head + table + "\n" + timeline_report(kernels, args.steps, phases)
     with open(args.out, "w") as f:
         f.write(report)
     print(report)
@@ -135,10 +139,17 @@ def _intersect(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> int:
     return total
 
 
-def timeline_report(kernels: list[tuple[int, int, int, str]], steps: int, gaps: int = 12) -> str:
+def timeline_report(
+    kernels: list[tuple[int, int, int, str]],
+    steps: int,
+    phases: list[tuple[str, int, int]] = (),
+    gaps: int = 12,
+) -> str:
     """Per stream: kernel time by kind, busy time; for the busiest stream (the compute one),
-    its idle gaps with the kernels on either side; and how much communication ran under
-    compute. ``kernels`` are ``(stream, start_ns, end_ns, name)``; times are per step."""
+    its idle time inside each named phase (``(name, start_ns, end_ns)`` spans on the GPU
+    timeline) and its longest gaps with the kernels on either side; and how much communication
+    ran under compute. ``kernels`` are ``(stream, start_ns, end_ns, name)``; times are per
+    step."""
     if not kernels:
         return "no GPU kernels recorded\n"
     per = 1e6 * steps  # ns -> ms per step
@@ -163,6 +174,16 @@ def timeline_report(kernels: list[tuple[int, int, int, str]], steps: int, gaps: 
         f"other streams busy {_length(comm_busy) / per:.1f} ms, "
         f"{_intersect(busy[compute], comm_busy) / per:.1f} of it under compute"
     )
+    spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for name, a, b in phases:
+        spans[name].append((a, b))
+    for name, windows in sorted(spans.items(), key=lambda kv: min(a for a, _ in kv[1])):
+        windows = _union(windows)
+        length, inside = _length(windows), _intersect(windows, busy[compute])
+        lines.append(
+            f"phase {name}: {length / per:.1f} ms per step on the GPU timeline, compute stream "
+            f"busy {inside / per:.1f}, idle {(length - inside) / per:.1f}"
+        )
     ks = sorted(streams[compute])
     holes = sorted(
         ((ks[i + 1][0] - ks[i][1], ks[i][2], ks[i + 1][2]) for i in range(len(ks) - 1)),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from parallax import comm
 from parallax.context import ParallelContext
@@ -324,27 +325,31 @@ class Trainer:
         targets = self._targets(microbatches)
         syncs = self.cfg.pipeline_syncs
         self.optimizer.zero_grad()
-        run_schedule(
-            self.program,
-            self.stages,
-            ctx,
-            inputs=inputs,
-            targets=targets,
-            loss_fn=self._loss_fn,
-            loss_scale=1.0,
-            timeline=timeline,
-            agree=syncs or not self._agreed,
-            recv_metas=None if syncs or ctx.pp_size == 1 else self._recv_metas(microbatches),
-        )
+        # the phases are named for profiles (benchmarks/profile_step.py); free otherwise
+        with record_function("parallax.schedule"):
+            run_schedule(
+                self.program,
+                self.stages,
+                ctx,
+                inputs=inputs,
+                targets=targets,
+                loss_fn=self._loss_fn,
+                loss_scale=1.0,
+                timeline=timeline,
+                agree=syncs or not self._agreed,
+                recv_metas=None if syncs or ctx.pp_size == 1 else self._recv_metas(microbatches),
+            )
         self._agreed = True
-        # before step(): a collective queued after step()'s deferred all-gathers would wait
-        metrics = self._reduce_metrics()
-        if self.cfg.grad_clip > 0:
-            grad_norm = self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
-        else:
-            grad_norm = self.optimizer.grad_norm()
+        with record_function("parallax.grad_norm"):
+            # before step(): a collective queued after step()'s deferred all-gathers would wait
+            metrics = self._reduce_metrics()
+            if self.cfg.grad_clip > 0:
+                grad_norm = self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
+            else:
+                grad_norm = self.optimizer.grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        with record_function("parallax.optimizer"):
+            self.optimizer.step()
         self.scheduler.step()
         loss = metrics[0] / self._tokens_ready()  # the global batch's mean token loss
         return StepOutput(loss=loss, grad_norm=grad_norm.detach(), metrics=metrics, lr=lr)
