@@ -85,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list")
     p.add_argument("--global-batch", type=int, default=None, help="samples per step (32)")
     p.add_argument("--micro-batch", type=int, default=None, help="default: 2 on 1 GPU, else 4")
+    p.add_argument(
+        "--single-batch",
+        type=int,
+        default=None,
+        help="global batch of the one-GPU rows (default: --global-batch); the dp rows' samples "
+        "per GPU measure weak scaling",
+    )
     p.add_argument("--text-tokens", type=int, default=40, help="text tokens after BOS")
     p.add_argument("--labelled", type=int, default=8, help="positions that carry the loss")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (3)")
@@ -113,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
     args.global_batch = args.global_batch or (8 if args.smoke else 32)
+    if args.single_batch is not None and not 0 < args.single_batch <= args.global_batch:
+        p.error(f"--single-batch must be in 1..--global-batch, got {args.single_batch}")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.steps is None:
@@ -257,10 +266,21 @@ def row_flops(b: Bench, fw: str, variant: str | None) -> float:
     return b.flops_step
 
 
-def measure(b: Bench, layout: Layout, fw: str, micro: int, variant: str | None = None) -> dict:
-    """Run one configuration on every rank; the merged outcome (on every rank)."""
+def row_batch(b: Bench, layout: Layout) -> int:
+    """Samples per step of this layout's rows: ``--single-batch`` on one GPU."""
+    if layout.gpus == 1 and b.args.single_batch:
+        return b.args.single_batch
+    return b.args.global_batch
+
+
+def measure(
+    b: Bench, layout: Layout, fw: str, micro: int, variant: str | None = None, batch: int = 0
+) -> dict:
+    """Run one configuration on every rank over the first ``batch`` samples (default: all) of
+    the global batch; the merged outcome (on every rank)."""
+    batch = batch or b.args.global_batch
     try:
-        microbatches = split_batch(b.batch, micro)
+        microbatches = split_batch({k: v[:batch] for k, v in b.batch.items()}, micro)
     except ValueError as err:
         return {"error": str(err)}
     wl = replace(b.base, micro_batch=micro)
@@ -275,8 +295,10 @@ def report(b: Bench, rows: list[dict]) -> None:
     args = b.args
     notes = ratio_notes(rows)
     precision = "fp32 (smoke)" if args.smoke else "bf16 compute, fp32 master + AdamW"
+    single = f" ({args.single_batch} on one GPU)" if args.single_batch else ""
     title = (
-        f"openvla_step: {args.model}, global batch {args.global_batch}, sequence {b.seq} (BOS + "
+        f"openvla_step: {args.model}, global batch {args.global_batch}{single}, sequence {b.seq} "
+        f"(BOS + "
         f"{b.config.num_patches} patches + {args.text_tokens} text), loss on last "
         f"{args.labelled}, {precision}, {b.flops_step / 1e12:.4g} TFLOP per step "
         f"({b.flops_labelled / 1e12:.4g} with the lm_head on the labelled positions only)"
@@ -307,13 +329,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             late = time.monotonic() - start + longest > b.args.time_budget
             skip = "skipped: time budget" if agree(late, b.control) else None
         began = time.monotonic()
-        merged = {"error": skip} if skip else measure(b, layout, fw, micro, variant)
+        gb = row_batch(b, layout)
+        merged = {"error": skip} if skip else measure(b, layout, fw, micro, variant, gb)
         longest, ran = max(longest, time.monotonic() - began), ran or not skip
         if b.rank != 0:
             continue
-        flops = row_flops(b, fw, variant)
+        flops = row_flops(b, fw, variant) * gb / b.args.global_batch
         row, record = summarise(
-            layout, fw, {**merged, "micro": micro}, b.args, flops, b.seq, variant
+            layout, fw, {**merged, "micro": micro}, b.args, flops, b.seq, variant, gb
         )
         rows.append(row)
         status = merged.get("error") or "ok"

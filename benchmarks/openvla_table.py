@@ -15,6 +15,7 @@ COLUMNS = [
     "variant",
     "GPUs",
     "micro",
+    "batch",
     "step s",
     "tokens/s/GPU",
     "samples/s",
@@ -29,14 +30,18 @@ COLUMNS = [
 ]
 
 
-def summarise(layout, framework, merged, args, flops_step, seq, variant=None) -> tuple[dict, dict]:
-    """The table row and the JSON record of one configuration (``variant``: parallax's)."""
-    step, gpus, gb = merged.get("step", math.nan), layout.gpus, args.global_batch
+def summarise(
+    layout, framework, merged, args, flops_step, seq, variant=None, global_batch=None
+) -> tuple[dict, dict]:
+    """The table row and the JSON record of one configuration (``variant``: parallax's;
+    ``global_batch``: its samples per step, default ``args.global_batch``)."""
+    step, gpus = merged.get("step", math.nan), layout.gpus
+    gb = global_batch or args.global_batch
     tokens = gb * seq / step / gpus if "step" in merged else math.nan
     tflops = flops_step / step / gpus / 1e12 if "step" in merged else math.nan
     mfu = tflops / PEAK_TFLOPS
     status = merged.get("error", "ok")
-    values = [layout.name, framework, variant or "", gpus, merged.get("micro"), step, tokens,
+    values = [layout.name, framework, variant or "", gpus, merged.get("micro"), gb, step, tokens,
               gb / step, tflops,
               mfu, merged.get("peak", math.nan), math.nan, merged.get("bubble_measured", math.nan),
               merged.get("bubble_simulated", math.nan), merged.get("loss", math.nan),
@@ -60,7 +65,9 @@ def summarise(layout, framework, merged, args, flops_step, seq, variant=None) ->
 def ratio_notes(rows: list[dict]) -> str:
     """Fill ``x best native`` (tokens/s per GPU over the best native row with as many GPUs) and
     say how parallax's best multi-GPU row compares, what each variant gains over ``base`` on
-    the same layout, and how dp scales (weak: vs 1gpu)."""
+    the same layout, and how dp scales against 1gpu: weak scaling when the dp row's samples per
+    GPU equal the one-GPU row's (``--single-batch``), strong scaling when the global batches
+    are equal."""
 
     def tokens(r: dict) -> float:
         return r["tokens/s/GPU"] if math.isfinite(r["tokens/s/GPU"]) else 0.0
@@ -92,19 +99,27 @@ def ratio_notes(rows: list[dict]) -> str:
     pairs = [("parallax", "parallax", v) for v in dict.fromkeys(r["variant"] for r in ours)]
     for fw, one, variant in [*pairs, ("torch-ddp-zero", "torch-single", "")]:
 
-        def of(framework: str, dp: bool, variant: str = variant) -> list[float]:
+        def of(framework: str, dp: bool, variant: str = variant) -> list[dict]:
             return [
-                tokens(r)
+                r
                 for r in rows
                 if r["framework"] == framework
                 and r["variant"] == variant
+                and tokens(r) > 0
                 and (r["layout"].startswith("dp") if dp else r["layout"] == "1gpu")
             ]
 
         dp, single = of(fw, True), of(one, False)
-        if dp and single and dp[0] > 0 and single[0] > 0:
+        if dp and single:
+            d, s = dp[0], single[0]
+            if d["batch"] == s["batch"] * d["GPUs"]:
+                kind = f"weak scaling, {s['batch']} samples per GPU"
+            elif d["batch"] == s["batch"]:
+                kind = f"strong scaling, global batch {s['batch']}"
+            else:
+                kind = f"scaling, global batch {d['batch']} vs {s['batch']}"
             name = f"{fw} {variant}".strip()
             notes.append(
-                f"{name} dp weak scaling (tokens/s per GPU vs 1gpu): {dp[0] / single[0]:.1%}"
+                f"{name} dp {kind} (tokens/s per GPU vs 1gpu): {tokens(d) / tokens(s):.1%}"
             )
     return "; ".join(notes)

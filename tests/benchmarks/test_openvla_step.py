@@ -42,6 +42,11 @@ def test_rows_skips_and_errors():
     by = {(r["layout"], r["framework"]): r for r in rows}
     ok = by[("1gpu", "torch-single")]
     assert ok["status"] == "ok" and ok["step s"] > 0 and math.isfinite(ok["loss"])
+    assert ok["batch"] == 8
+    # --single-batch: the one-GPU rows run on the first 4 samples
+    rows = main([*argv, "--frameworks", "torch-single", "--single-batch", "4"])
+    assert rows[0]["batch"] == 4 and rows[0]["status"] == "ok"
+    assert rows[0]["samples/s"] == pytest.approx(4 / rows[0]["step s"])
     assert ok["x best native"] == 1.0 and ok["MFU"] > 0
     assert by[("dp2", "torch-ddp-zero")]["status"] == "skipped: needs 2 GPUs"
     # a budget of 0 s runs the first configuration only
@@ -122,7 +127,20 @@ def test_notes_compare_variants():
         row("dp2", "parallax", "base", 100.0),
         row("1gpu", "parallax", "opt", 125.0),
     ]
+    for r in rows:
+        r["batch"] = 32
     notes = ratio_notes(rows)
     assert "best 2-GPU row (dp2 opt) at 1.20x the best native" in notes
-    assert "dp2 opt 1.200x" in notes and "parallax opt dp weak scaling" in notes
+    assert "dp2 opt 1.200x" in notes
+    assert (
+        "parallax opt dp strong scaling, global batch 32 (tokens/s per GPU vs 1gpu): 96.0%" in notes
+    )
     assert rows[0]["x best native"] == 1.2
+    rows[3]["batch"] = 16  # --single-batch 16: as many samples per GPU as dp2 at 32
+    notes = ratio_notes(rows)
+    assert (
+        "parallax opt dp weak scaling, 16 samples per GPU (tokens/s per GPU vs 1gpu): 96.0%"
+        in notes
+    )
+    rows[3]["batch"] = 8
+    assert "dp scaling, global batch 32 vs 8" in ratio_notes(rows)
