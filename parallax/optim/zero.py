@@ -257,8 +257,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         view = self.flat.grad_views[i]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)  # .grad was set to None and autograd made a new tensor
+        grad = p.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            # .grad was None and autograd made a new tensor: copy it into the buffer. When this
+            # is the step's only accumulation, nothing on the compute stream reads the view
+            # before the bucket's reduction, which runs on the side stream: copy there
+            if self._stream is not None and self.overlap and self.reducer.passes == 1:
+                with comm.side_stream(self._stream):
+                    view.copy_(grad)
+                grad.record_stream(self._stream)  # its memory is reused only after the copy
+            else:
+                view.copy_(grad)
             p.grad = view
         self._has_grad[i] = True
         self.reducer.on_grad(i)
