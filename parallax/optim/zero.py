@@ -254,8 +254,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("change backward_passes_per_step between steps, not during one")
         self.reducer.passes = value
 
-    @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        # once per parameter and backward pass, so kept lean: no grad-mode switch (neither the
+        # view nor a .grad requires grad, so the copy records nothing)
         view = self.flat.grad_views[i]
         grad = p.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
