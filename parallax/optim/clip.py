@@ -37,7 +37,7 @@ def global_grad_norm(
     for group in groups:
         if not group:
             continue
-        norms = torch._foreach_norm([g.detach() for g in group], norm_type)  # fp32, per piece
+        norms = _fp32_norms([g.detach() for g in group], norm_type)  # per piece
         if math.isinf(norm_type):
             local = torch.maximum(local, torch.stack(norms).max().double())
         else:  # the pieces' powers summed in fp64
@@ -47,6 +47,17 @@ def global_grad_norm(
         return local.float()
     comm.all_reduce(local, ctx.world_group, op="sum")
     return (local ** (1.0 / norm_type)).float()
+
+
+def _fp32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's norm, accumulated and returned in fp32 whatever its dtype (16-bit
+    gradients are read as they are: no fp32 copy)."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return torch._foreach_norm(tensors, norm_type)
+    try:
+        return torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+    except TypeError:  # a torch without the dtype argument
+        return [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in tensors]
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

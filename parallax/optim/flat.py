@@ -94,6 +94,10 @@ class FlatBuffers:
     def _piece(chunks: Sequence[torch.Tensor | None], pc: Piece) -> torch.Tensor:
         return chunks[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
 
+    @staticmethod
+    def _piece_of_chunk(chunk: torch.Tensor, pc: Piece) -> torch.Tensor:
+        return chunk[pc.chunk_offset : pc.chunk_offset + pc.numel]
+
     def own_chunk(self, b: int, buffers: list[torch.Tensor]) -> torch.Tensor:
         """This rank's chunk of bucket ``b`` in ``buffers`` (the parameter or gradient ones)."""
         bucket = self.layout.buckets[b]
@@ -112,21 +116,27 @@ class FlatBuffers:
         return stage
 
     def reduced_grads_by_bucket(
-        self, coefs: Sequence[torch.Tensor] = ()
+        self, coefs: Sequence[torch.Tensor] = (), staged_as_is: bool = False
     ) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Every piece's fp32 reduced gradient as ``(piece index, tensor)``, one list per bucket
         in piece order (so norms can be taken a bucket at a time, in one multi-tensor kernel).
         A staged bucket's pieces are views of the staging buffer, valid until the next list is
-        asked for."""
+        asked for; with ``staged_as_is`` (and no ``coefs``) they are views of the 16-bit
+        gradients themselves, which hold the same values (for a norm taken in fp32 without
+        making the fp32 copy)."""
+        as_is = staged_as_is and not coefs
         group: list[tuple[int, torch.Tensor]] = []
         for k, (pc, grad) in enumerate(zip(self.pieces, self.piece_grads)):
             if group and pc.bucket != self.pieces[group[-1][0]].bucket:
                 yield group
                 group = []
             if grad is None:
-                if not group:  # the bucket's first piece: make its fp32 gradient
-                    stage = self.stage(pc.bucket, coefs)
-                grad = stage[pc.chunk_offset : pc.chunk_offset + pc.numel]
+                if as_is:
+                    grad = self._piece_of_chunk(self.own_chunk(pc.bucket, self.grad_buffers), pc)
+                else:
+                    if not group:  # the bucket's first piece: make its fp32 gradient
+                        stage = self.stage(pc.bucket, coefs)
+                    grad = stage[pc.chunk_offset : pc.chunk_offset + pc.numel]
             group.append((k, grad))
         if group:
             yield group

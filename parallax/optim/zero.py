@@ -434,7 +434,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ]
         counted = (  # tp-replicated pieces count on tp rank 0 only
             [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
-            for group in self.flat.reduced_grads_by_bucket(self._coefs)  # staged: one at a time
+            # staged buckets: their 16-bit gradients, the norm taken in fp32
+            for group in self.flat.reduced_grads_by_bucket(self._coefs, staged_as_is=True)
         )
         total = global_grad_norm(counted, self.ctx, norm_type, self.device)
         if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
