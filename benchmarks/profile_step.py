@@ -82,6 +82,10 @@ def main() -> None:
         f"GPU kernel time {busy:.3f} s per step (rank 0, all streams summed)\n"
     )
     table = events.table(sort_by=key, row_limit=args.rows, max_name_column_width=60)
+    if ctx.device.type == "cuda":  # where the host's time goes too (launch-bound phases)
+        table += "\nTop ops by host (self CPU) time:\n" + events.table(
+            sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60
+        )
     kernels, phases = [], []
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != DeviceType.CUDA:
