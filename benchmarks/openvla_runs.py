@@ -50,7 +50,10 @@ VARIANTS = {
     # the all-gather waited for inside step(), to measure the overlap
     "opt/gather-sync": dict(overlap_param_gather=False),
     "opt+compile/gather-sync": dict(compile=True, overlap_param_gather=False),
+    # the compiled blocks replayed as CUDA graphs (torch.compile's "reduce-overhead" mode)
+    "opt+compile/cudagraphs": dict(compile=True),
 }
+COMPILE_MODES = {"opt+compile/cudagraphs": "reduce-overhead"}  # torch.compile mode per variant
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,10 @@ def run_parallax(
     from parallax.train.trainer import Trainer
 
     cfg = parallax_config(layout, wl, model, len(microbatches) * wl.micro_batch, variant)
-    trainer = Trainer(cfg, ctx, compile_options={"backend": compile_backend})
+    options = {"backend": compile_backend}
+    if variant in COMPILE_MODES:
+        options["mode"] = COMPILE_MODES[variant]
+    trainer = Trainer(cfg, ctx, compile_options=options)
     mine = dp_share(microbatches, trainer.ctx.dp_rank, trainer.ctx.dp_size)
     mine = [{**mb, "labels": mb["labels"].cpu()} for mb in mine]
     times, loss = time_steps(lambda: trainer.train_step(mine), ctx.device, warmup, steps)
