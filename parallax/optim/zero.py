@@ -96,6 +96,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     bucket's own 16-bit gradient bytes. At dp=1 no fp32 gradient outlives the step of its bucket
     (see :mod:`parallax.optim.buckets`, ``grad_homes``). Either way, after the reduction the
     ``.grad`` of 16-bit parameters holds unspecified values.
+
+    On GPUs at dp >= 2 the reduction's copies and collectives run on a side stream; with one
+    backward pass per step, so does the copy of each fresh gradient into the buffer
+    (``side_stream_grad_copies``). Turn that off when gradients come out of CUDA graphs
+    (torch.compile's reduce-overhead mode): their memory is reused by the next replay on the
+    compute stream, which would not wait for a copy on another stream.
     """
 
     @property
@@ -132,6 +138,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         param_order: Iterable[torch.Tensor] | None = None,
+        side_stream_grad_copies: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (
@@ -198,6 +205,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
         # the dp average and the clip coefficient then cost no pass over the gradients
         self._fold = _takes_grad_scale(self.inner)
+        self._side_copies = side_stream_grad_copies
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._gathers: dict[int, comm.Work] = {}  # bucket -> all-gather in flight (deferred)
         self._gather_hooks: list[RemovableHandle] = []
@@ -263,7 +271,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # .grad was None and autograd made a new tensor: copy it into the buffer. When this
             # is the step's only accumulation, nothing on the compute stream reads the view
             # before the bucket's reduction, which runs on the side stream: copy there
-            if self._stream is not None and self.overlap and self.reducer.passes == 1:
+            if (
+                self._stream is not None
+                and self._side_copies
+                and self.overlap
+                and self.reducer.passes == 1
+            ):
                 with comm.side_stream(self._stream):
                     view.copy_(grad)
                 grad.record_stream(self._stream)  # its memory is reused only after the copy

@@ -64,6 +64,7 @@ class TrainConfig:
     logits: str = "labelled"
     fused_projections: bool = True
     compile: bool = False
+    cuda_graphs: bool = False
     pipeline_syncs: bool = False
     overlap_param_gather: bool = True
     export_hf: bool = False
@@ -109,6 +110,8 @@ class TrainConfig:
             problems.append(f"--dp must be >= 1, got {self.dp}")
         if self.export_hf and self.chunks > 1:
             problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
+        if self.cuda_graphs and not self.compile:
+            problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
         if self.chunks > 1 and self.schedule != "interleaved":
             problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
         if problems:
@@ -206,6 +209,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="torch.compile each ViT block and decoder layer (the first steps compile)",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="with --compile on GPUs: replay each compiled block as a CUDA graph "
+        "(torch.compile's reduce-overhead mode; fewer kernel launches on the host)",
     )
     g.add_argument(
         "--pipeline-syncs",

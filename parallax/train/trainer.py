@@ -166,7 +166,7 @@ class Trainer:
             chunk = self._build_chunk(rng, checkpoint_dir)
             chunk.return_hidden = cfg.logits == "labelled"  # the loss applies the head
             if cfg.compile:
-                chunk.compile_blocks(**(compile_options or {}))
+                chunk.compile_blocks(**self._compile_options(compile_options))
             self.chunks.append(chunk)
             self.stages.append(PipelineStage(chunk, s, len(self.ranges), ctx))
         self.optimizer = self._build_optimizer()
@@ -208,6 +208,14 @@ class Trainer:
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
+    def _compile_options(self, given: dict | None) -> dict:
+        """``torch.compile`` options: those given, and with ``cuda_graphs`` the inductor's
+        reduce-overhead mode (other backends take no mode; on the CPU inductor ignores it)."""
+        options = dict(given or {})
+        if self.cfg.cuda_graphs and options.get("backend", "inductor") == "inductor":
+            options.setdefault("mode", "reduce-overhead")
+        return options
+
     def _build_optimizer(self) -> ZeroOptimizer:
         named = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
         decay = [(n, p) for n, p in named if p.dim() >= 2]
@@ -222,6 +230,9 @@ class Trainer:
             overlap=self.cfg.overlap_grad_reduce,
             backward_passes_per_step=self.num_microbatches,
             param_order=[p for _, p in named],
+            # a CUDA graph's gradient outputs live in its memory pool, which the next replay
+            # on the compute stream may overwrite: copy them out on that stream
+            side_stream_grad_copies=not self.cfg.cuda_graphs,
             lr=self.cfg.lr,
             weight_decay=self.cfg.weight_decay,
             **kwargs,
@@ -324,6 +335,8 @@ class Trainer:
         ]
         targets = self._targets(microbatches)
         syncs = self.cfg.pipeline_syncs
+        if self.cfg.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
+            torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad()
         # the phases are named for profiles (benchmarks/profile_step.py); free otherwise
         with record_function("parallax.schedule"):

@@ -192,3 +192,15 @@ def test_resume_across_fused_and_separate(tmp_path):
     assert_close(torch.tensor(c3), torch.tensor(b3), rtol=1e-5, atol=1e-5)  # AdamW state too
     assert all("qkv_proj" not in n and "gate_up_proj" not in n for n in stored)
     assert any(".q_proj." in n for n in stored) and any(".up_proj." in n for n in stored)
+
+
+def test_cuda_graphs_option():
+    cfg = parse_args(["--compile", "--cuda-graphs"])
+    assert cfg.compile and cfg.cuda_graphs
+    with pytest.raises(ValueError, match="needs --compile"):
+        _cfg(cuda_graphs=True).check()
+    trainer = Trainer(_cfg(compile=True, cuda_graphs=True), context())
+    assert trainer._compile_options(None) == {"mode": "reduce-overhead"}
+    assert trainer._compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+    assert not trainer.optimizer._side_copies  # graph outputs are copied on the compute stream
+    assert Trainer(_cfg(), context()).optimizer._side_copies

@@ -1,0 +1,44 @@
+"""The trainer's GPU paths against the compiled single-GPU step: CUDA graphs of the compiled
+blocks (``--cuda-graphs``) on one process, and dp=2 as two gloo ranks sharing the one GPU with
+ZeRO's side stream, the fused optimizer's grad_scale and the all-gather under the forward.
+Skipped without a GPU (CI has none); on a GPU machine:
+``python3 -m pytest -q tests/train/test_cuda_graphs_cuda.py``."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallax import ParallelContext
+from parallax.testing import context, run_ranks
+from tests.train.test_speed_options import _same
+from tests.train.test_trainer import _cfg, _run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _exact_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _on_cpu(result):
+    history, weights = result
+    return history, {k: v.cpu() for k, v in weights.items()}
+
+
+def _dp2_on_one_gpu(cuda_graphs: bool):
+    _exact_fp32()
+    ctx = replace(context(dp=2), device=torch.device("cuda", 0))
+    return _on_cpu(_run(ctx, _cfg(dp=2, compile=True, cuda_graphs=cuda_graphs)))
+
+
+def test_gpu_paths_match_the_compiled_step():
+    _exact_fp32()
+    gpu = ParallelContext.local("cuda")
+    compiled = _on_cpu(_run(gpu, _cfg(compile=True)))
+    graphs = _on_cpu(_run(gpu, _cfg(compile=True, cuda_graphs=True)))
+    _same(graphs, compiled)
+    for cuda_graphs in (False, True):
+        history, weights = run_ranks(_dp2_on_one_gpu, 2, cuda_graphs, timeout=600)[0]
+        _same((history, weights), compiled)
