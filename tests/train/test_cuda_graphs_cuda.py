@@ -27,10 +27,11 @@ def _on_cpu(result):
     return history, {k: v.cpu() for k, v in weights.items()}
 
 
-def _dp2_on_one_gpu(cuda_graphs: bool):
+def _two_ranks_on_one_gpu(layout: dict, cuda_graphs: bool, **kw):
     _exact_fp32()
-    ctx = replace(context(dp=2), device=torch.device("cuda", 0))
-    return _on_cpu(_run(ctx, _cfg(dp=2, compile=True, cuda_graphs=cuda_graphs)))
+    ctx = replace(context(**layout), device=torch.device("cuda", 0))
+    cfg = _cfg(**layout, compile=True, cuda_graphs=cuda_graphs, **kw)
+    return _on_cpu(_run(ctx, cfg))
 
 
 def test_gpu_paths_match_the_compiled_step():
@@ -40,5 +41,23 @@ def test_gpu_paths_match_the_compiled_step():
     graphs = _on_cpu(_run(gpu, _cfg(compile=True, cuda_graphs=True)))
     _same(graphs, compiled)
     for cuda_graphs in (False, True):
-        history, weights = run_ranks(_dp2_on_one_gpu, 2, cuda_graphs, timeout=600)[0]
+        history, weights = run_ranks(_two_ranks_on_one_gpu, 2, {"dp": 2}, cuda_graphs, timeout=600)[
+            0
+        ]
         _same((history, weights), compiled)
+
+
+@pytest.mark.parametrize(
+    "layout,kw",
+    [({"pp": 2}, {}), ({"tp": 2}, {}), ({"dp": 2}, {"activation_checkpointing": True})],
+)
+def test_cuda_graphs_with_other_layouts(layout, kw):
+    """CUDA graphs with a pipeline (1F1B: several forwards before their backwards), with tp
+    collectives between the graphed pieces, and with activation checkpointing."""
+    _exact_fp32()
+    compiled = _on_cpu(_run(ParallelContext.local("cuda"), _cfg(compile=True)))
+    results = run_ranks(_two_ranks_on_one_gpu, 2, layout, True, timeout=600, **kw)
+    history, weights = results[0]
+    if "pp" in layout:  # each stage's weights come from its own rank
+        weights = {**results[1][1], **weights}
+    _same((history, weights), compiled)
