@@ -47,17 +47,10 @@ def test_gpu_paths_match_the_compiled_step():
         _same((history, weights), compiled)
 
 
-@pytest.mark.parametrize(
-    "layout,kw",
-    [({"pp": 2}, {}), ({"tp": 2}, {}), ({"dp": 2}, {"activation_checkpointing": True})],
-)
-def test_cuda_graphs_with_other_layouts(layout, kw):
-    """CUDA graphs with a pipeline (1F1B: several forwards before their backwards), with tp
-    collectives between the graphed pieces, and with activation checkpointing."""
+def test_cuda_graphs_with_tp():
+    """CUDA graphs of the pieces between the tp collectives. (pp and activation checkpointing
+    failed here and are refused by the config: see tests/train/test_speed_options.py.)"""
     _exact_fp32()
     compiled = _on_cpu(_run(ParallelContext.local("cuda"), _cfg(compile=True)))
-    results = run_ranks(_two_ranks_on_one_gpu, 2, layout, True, timeout=600, **kw)
-    history, weights = results[0]
-    if "pp" in layout:  # each stage's weights come from its own rank
-        weights = {**results[1][1], **weights}
+    history, weights = run_ranks(_two_ranks_on_one_gpu, 2, {"tp": 2}, True, timeout=600)[0]
     _same((history, weights), compiled)

@@ -199,6 +199,10 @@ def test_cuda_graphs_option():
     assert cfg.compile and cfg.cuda_graphs
     with pytest.raises(ValueError, match="needs --compile"):
         _cfg(cuda_graphs=True).check()
+    with pytest.raises(ValueError, match="--pp > 1"):
+        _cfg(compile=True, cuda_graphs=True, pp=2).check()
+    with pytest.raises(ValueError, match="--activation-checkpointing"):
+        _cfg(compile=True, cuda_graphs=True, activation_checkpointing=True).check()
     trainer = Trainer(_cfg(compile=True, cuda_graphs=True), context())
     assert trainer._compile_options(None) == {"mode": "reduce-overhead"}
     assert trainer._compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
