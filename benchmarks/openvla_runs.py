@@ -265,6 +265,18 @@ def gather(obj: object, group: dist.ProcessGroup | None) -> list:
 def free_memory(device: torch.device, reset_peak: bool = False) -> None:
     gc.collect()
     if device.type == "cuda":
+        # compiled code and its CUDA-graph trees keep the graphs' memory pools alive: after a
+        # --cuda-graphs row the next configuration ran out of memory without this
+        reset = getattr(torch.compiler, "reset", None)
+        if reset is not None:
+            reset()
+        try:
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+        except ImportError:
+            pass
+        else:
+            reset_cudagraph_trees()
+        gc.collect()
         torch.cuda.empty_cache()
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(device)
