@@ -94,10 +94,6 @@ class FlatBuffers:
     def _piece(chunks: Sequence[torch.Tensor | None], pc: Piece) -> torch.Tensor:
         return chunks[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
 
-    @staticmethod
-    def _piece_of_chunk(chunk: torch.Tensor, pc: Piece) -> torch.Tensor:
-        return chunk[pc.chunk_offset : pc.chunk_offset + pc.numel]
-
     def own_chunk(self, b: int, buffers: list[torch.Tensor]) -> torch.Tensor:
         """This rank's chunk of bucket ``b`` in ``buffers`` (the parameter or gradient ones)."""
         bucket = self.layout.buckets[b]
@@ -131,12 +127,12 @@ class FlatBuffers:
                 yield group
                 group = []
             if grad is None:
-                if as_is:
-                    grad = self._piece_of_chunk(self.own_chunk(pc.bucket, self.grad_buffers), pc)
-                else:
-                    if not group:  # the bucket's first piece: make its fp32 gradient
-                        stage = self.stage(pc.bucket, coefs)
-                    grad = stage[pc.chunk_offset : pc.chunk_offset + pc.numel]
+                if not group:  # the bucket's first piece: where its gradient chunk is read
+                    if as_is:
+                        source = self.own_chunk(pc.bucket, self.grad_buffers)
+                    else:
+                        source = self.stage(pc.bucket, coefs)  # its fp32 gradient, made now
+                grad = source[pc.chunk_offset : pc.chunk_offset + pc.numel]
             group.append((k, grad))
         if group:
             yield group

@@ -206,6 +206,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the dp average and the clip coefficient then cost no pass over the gradients
         self._fold = _takes_grad_scale(self.inner)
         self._side_copies = side_stream_grad_copies
+        # where the hook copies a fresh gradient into the buffer when a step has one backward
+        self._copy_stream = self._stream if side_stream_grad_copies and overlap else None
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._gathers: dict[int, comm.Work] = {}  # bucket -> all-gather in flight (deferred)
         self._gather_hooks: list[RemovableHandle] = []
@@ -271,15 +273,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # .grad was None and autograd made a new tensor: copy it into the buffer. When this
             # is the step's only accumulation, nothing on the compute stream reads the view
             # before the bucket's reduction, which runs on the side stream: copy there
-            if (
-                self._stream is not None
-                and self._side_copies
-                and self.overlap
-                and self.reducer.passes == 1
-            ):
-                with comm.side_stream(self._stream):
+            if self._copy_stream is not None and self.reducer.passes == 1:
+                with comm.side_stream(self._copy_stream):
                     view.copy_(grad)
-                grad.record_stream(self._stream)  # its memory is reused only after the copy
+                grad.record_stream(self._copy_stream)  # its memory is reused after the copy
             else:
                 view.copy_(grad)
             p.grad = view
