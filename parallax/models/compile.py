@@ -26,6 +26,19 @@ def compile_modules(modules: Iterable[nn.Module], **options) -> int:
     return len(modules)
 
 
+def traced_recompute(ctx) -> bool:
+    """Whether a block's activation checkpointing goes inside its forward.
+
+    There a compiled block traces the recomputation into its own backward graph (which CUDA
+    graphs can replay), as torchtitan does. A block with tensor-parallel collectives compiles as
+    several graphs with eager collectives between them, and the compiler cannot trace a
+    recomputation across those breaks (it would run the whole block eagerly), so at tp > 1 the
+    model checkpoints each compiled block from outside, calling it again in the backward."""
+    from parallax.tensor.layers import resolve_tp
+
+    return resolve_tp(ctx)[2] == 1
+
+
 def _allow_recompiles(count: int) -> None:
     """Let the compiler recompile more often than its default 8 times per function before it
     falls back to eager. With tp, each collective breaks the graph and the layer forwards it

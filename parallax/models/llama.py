@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallax.models.compile import compile_modules
+from parallax.models.compile import compile_modules, traced_recompute
 from parallax.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -207,6 +207,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    checkpointed = False  # recompute in the backward (activation checkpointing); set by LlamaLM
+
     def __init__(self, cfg: LlamaConfig, ctx, layer: int, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
@@ -216,6 +218,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, ctx, **kw)
 
     def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+        if self.checkpointed and cache is None and torch.is_grad_enabled():
+            # inside forward, so that a compiled layer traces the recomputation into its own
+            # backward graph (which CUDA graphs can replay) instead of calling itself again
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin, cache)
+
+    def _forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -257,9 +266,10 @@ class LlamaLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = False
         layers = range(cfg.num_hidden_layers) if layers is None else layers
         self.model = LlamaModel(cfg, ctx, layers, embed, head, device, dtype)
+        self._traced_recompute = traced_recompute(ctx)
+        self.activation_checkpointing = False
         if head:
             self.lm_head = ColumnParallelLinear(
                 cfg.hidden_size,
@@ -282,13 +292,26 @@ class LlamaLM(nn.Module):
             return x
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        use_ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        outside = self._checkpoint_outside and cache is None and torch.is_grad_enabled()
         for layer in self.model.layers.values():
-            if use_ckpt:
+            if outside:
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, cache)
         return x  # (b, s, h)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether each decoder layer recomputes itself in the backward (non-reentrant)."""
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        self._checkpointing = bool(enabled)
+        inside = self._checkpointing and self._traced_recompute
+        self._checkpoint_outside = self._checkpointing and not inside
+        for layer in self.model.layers.values():
+            layer.checkpointed = inside
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x))  # (..., V/tp)

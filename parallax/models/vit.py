@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallax.context import ParallelContext
-from parallax.models.compile import compile_modules
+from parallax.models.compile import compile_modules, traced_recompute
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, heads_per_rank, resolve_tp
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
@@ -155,6 +155,8 @@ class ViTMLP(nn.Module):
 class ViTBlock(nn.Module):
     """Pre-norm block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``."""
 
+    checkpointed = False  # recompute in the backward (activation checkpointing)
+
     def __init__(self, cfg: ViTConfig, ctx, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
@@ -170,6 +172,12 @@ class ViTBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            # inside forward: a compiled block keeps the recomputation in its own graphs
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.ls1(self.attn(self.norm1(x)))
         return x + self.ls2(self.mlp(self.norm2(x)))
 
@@ -197,7 +205,6 @@ class VisionTransformer(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.activation_checkpointing = False
         kw = dict(device=device, dtype=dtype)
         w = cfg.width
         self.patch_embed = PatchEmbed(cfg, **kw)
@@ -214,6 +221,21 @@ class VisionTransformer(nn.Module):
         )
         if cfg.final_norm:
             self.norm = nn.LayerNorm(w, eps=cfg.ln_eps, **kw)
+        self._traced_recompute = traced_recompute(ctx)
+        self.activation_checkpointing = False
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether each block recomputes itself in the backward (non-reentrant)."""
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        self._checkpointing = bool(enabled)
+        inside = self._checkpointing and self._traced_recompute
+        self._checkpoint_outside = self._checkpointing and not inside
+        for block in self.blocks.values():
+            block.checkpointed = inside
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` each block's forward in place
@@ -238,11 +260,9 @@ class VisionTransformer(nn.Module):
             x = torch.cat([*prefix, x], dim=1) + self.pos_embed
         if cfg.pre_norm:
             x = self.norm_pre(x)
+        outside = self._checkpoint_outside and torch.is_grad_enabled()
         for block in self.blocks.values():  # (b, prefix + patches, w)
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if outside else block(x)
         if cfg.final_norm:
             x = self.norm(x)
         return x if cfg.keep_prefix else x[:, cfg.num_prefix_tokens :]

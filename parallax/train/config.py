@@ -112,12 +112,15 @@ class TrainConfig:
             problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
         if self.cuda_graphs and not self.compile:
             problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
-        # on a GPU, torch's CUDA-graph trees failed both (a pipeline stage's backward; the
-        # recomputation found CPU scalars moved to the GPU): refused until they work
+        # on a GPU, torch's CUDA-graph trees failed a pipeline stage's backward, and a
+        # recomputation called from outside the compiled pieces (tp > 1: models/compile.py)
         if self.cuda_graphs and self.pp > 1:
             problems.append("--cuda-graphs does not support --pp > 1 yet")
-        if self.cuda_graphs and self.activation_checkpointing:
-            problems.append("--cuda-graphs does not support --activation-checkpointing yet")
+        if self.cuda_graphs and self.activation_checkpointing and self.tp > 1:
+            problems.append(
+                "--cuda-graphs with --activation-checkpointing needs --tp 1 (at tp > 1 the "
+                "recomputation runs outside the compiled graphs)"
+            )
         if self.chunks > 1 and self.schedule != "interleaved":
             problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
         if problems:

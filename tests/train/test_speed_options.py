@@ -98,10 +98,33 @@ def _compiled(tp):
 
 
 def test_compiled_blocks_match_eager(reference):
+    """(At tp > 1 the blocks are checkpointed from outside their compiled pieces: traced
+    inside, the collectives' graph breaks would leave no compiled graph at all.)"""
     runs = run_ranks(_compiled, 2, 2)
     for (history, _), graphs in runs:
         assert graphs > 0  # the compiled code ran (graphs between the tp collectives)
         _same((history, runs[0][0][1]), reference)  # weights gathered on tp rank 0
+
+
+def _record_checkpoints(gm, example_inputs):
+    """A compiler backend: ``aot_eager``, counting the graphs that trace a checkpoint."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    if any(node.target is hop for node in gm.graph.nodes):
+        _record_checkpoints.traced += 1
+    return aot_eager(gm, example_inputs)
+
+
+def test_compiled_blocks_trace_their_recomputation(reference):
+    """At tp=1 a checkpointed block recomputes inside its compiled forward: the compiler traces
+    the checkpoint into the block's graph (what lets CUDA graphs replay it), and the step is
+    the eager one."""
+    _record_checkpoints.traced = 0
+    cfg = _cfg(compile=True, activation_checkpointing=True)
+    result = _run(ParallelContext.local(), cfg, compile_options={"backend": _record_checkpoints})
+    assert _record_checkpoints.traced >= 2  # a decoder layer's graph and a ViT block's
+    _same(result, reference)
 
 
 # -- the pipeline without host syncs -----------------------------------------------------------
@@ -201,8 +224,9 @@ def test_cuda_graphs_option():
         _cfg(cuda_graphs=True).check()
     with pytest.raises(ValueError, match="--pp > 1"):
         _cfg(compile=True, cuda_graphs=True, pp=2).check()
-    with pytest.raises(ValueError, match="--activation-checkpointing"):
-        _cfg(compile=True, cuda_graphs=True, activation_checkpointing=True).check()
+    _cfg(compile=True, cuda_graphs=True, activation_checkpointing=True).check()
+    with pytest.raises(ValueError, match="--activation-checkpointing needs --tp 1"):
+        _cfg(compile=True, cuda_graphs=True, activation_checkpointing=True, tp=2).check()
     trainer = Trainer(_cfg(compile=True, cuda_graphs=True), context())
     assert trainer._compile_options(None) == {"mode": "reduce-overhead"}
     assert trainer._compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
