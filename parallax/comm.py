@@ -130,6 +130,13 @@ def post_send_recv(
     """
     if not sends and not recvs:
         return []
+    first = (sends or recvs)[0][0]
+    if first.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        # gloo would read the device pointer on the host and fail with an opaque socket error
+        raise ValueError(
+            f"gloo sends and receives CPU tensors only, got one on {first.device}: "
+            "run pipeline parallelism on GPUs over NCCL"
+        )
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     return list(dist.batch_isend_irecv(ops))

@@ -112,8 +112,9 @@ class TrainConfig:
             problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
         if self.cuda_graphs and not self.compile:
             problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
-        # on a GPU, torch's CUDA-graph trees failed a pipeline stage's backward, and a
-        # recomputation called from outside the compiled pieces (tp > 1: models/compile.py)
+        # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only);
+        # at tp > 1 the recomputation runs outside the compiled pieces (models/compile.py),
+        # which torch's CUDA-graph trees failed on a GPU
         if self.cuda_graphs and self.pp > 1:
             problems.append("--cuda-graphs does not support --pp > 1 yet")
         if self.cuda_graphs and self.activation_checkpointing and self.tp > 1:

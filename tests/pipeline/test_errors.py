@@ -1,5 +1,7 @@
 """A wrong pipeline configuration fails with the same clear error on every rank, not a hang."""
 
+import torch
+
 from parallax import init_parameters
 from parallax.pipeline import (
     build_stages,
@@ -82,3 +84,17 @@ def test_mismatches_fail_on_every_rank_pp2():
 
 def test_mismatches_fail_on_every_rank_pp4():
     _check(run_ranks(_mismatches, 4, 4, timeout=60), 4)
+
+
+def _device_tensor_over_gloo():
+    from parallax import comm
+
+    ctx = context(pp=2)
+    peer = ctx.pp_peer(1 - ctx.pp_rank)
+    t = torch.empty(4, device="meta")  # stands for a CUDA tensor: gloo takes CPU tensors only
+    return _error(lambda: comm.post_send_recv([(t, peer)], [], ctx.pp_group))
+
+
+def test_gloo_refuses_device_tensors_on_every_rank():
+    for err in run_ranks(_device_tensor_over_gloo, 2):
+        assert err is not None and "gloo sends and receives CPU tensors only" in err
