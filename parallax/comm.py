@@ -190,18 +190,6 @@ def wait(work: Work) -> None:
         work.wait()
 
 
-class StreamMark:
-    """A point on the current CUDA stream, waited for like a collective's handle: a waiting
-    stream is ordered after the work issued before it (where no collective follows that work)."""
-
-    def __init__(self) -> None:
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-
 @contextmanager
 def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Issue the block's work on ``stream``, ordered after everything already issued on the

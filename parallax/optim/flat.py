@@ -164,7 +164,14 @@ class FlatBuffers:
         works = {}
         with comm.side_stream(stream if comm.size(group) > 1 else None):
             for b in reversed(range(len(self.layout.buckets))):
-                work = self.gather_bucket(b, group, changed)
+                bucket, master = self.layout.buckets[b], self.masters[b]
+                if not any(changed[i] for i in bucket.params):
+                    continue
+                mine = self.own_chunk(b, self.param_buffers)  # (bucket/dp,)
+                if master.data_ptr() != mine.data_ptr():
+                    mine.copy_(master)  # fp32 -> the model's dtype
+                full = self.param_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
+                work = comm.all_gather_into(full, mine, group, async_op=True)
                 if work is not None:
                     works[b] = work
         if wait:
@@ -172,16 +179,3 @@ class FlatBuffers:
                 comm.wait(work)
             return {}
         return works
-
-    @torch.no_grad()
-    def gather_bucket(self, b: int, group: Group, changed: Sequence[bool]) -> comm.Work | None:
-        """Bucket ``b``'s master into the model and its asynchronous all-gather on the current
-        stream (None when there is nothing to gather: no ``changed`` parameter, or dp=1)."""
-        bucket, master = self.layout.buckets[b], self.masters[b]
-        if not any(changed[i] for i in bucket.params):
-            return None
-        mine = self.own_chunk(b, self.param_buffers)  # (bucket/dp,)
-        if master.data_ptr() != mine.data_ptr():
-            mine.copy_(master)  # fp32 -> the model's dtype
-        full = self.param_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
-        return comm.all_gather_into(full, mine, group, async_op=True)

@@ -6,9 +6,7 @@ A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapp
 this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
 At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
-only while the optimizer steps that bucket. The optimizer steps runs of buckets in the forward
-pass's order (:mod:`parallax.optim.staged`), so that with :meth:`ZeroOptimizer.overlap_param_gather`
-the next forward starts on the first layers while the last ones are still stepped.
+only while the optimizer steps that bucket (:mod:`parallax.optim.staged`).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from parallax.optim.groups import (
 )
 from parallax.optim.memory import MemoryReport, plain_adamw_bytes, tensor_bytes
 from parallax.optim.reducer import GradReducer
-from parallax.optim.staged import DEFAULT_RUN_NUMEL, BucketSteps
+from parallax.optim.staged import StagedSteps
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +139,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         param_order: Iterable[torch.Tensor] | None = None,
         side_stream_grad_copies: bool = True,
-        run_numel: int = DEFAULT_RUN_NUMEL,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (
@@ -186,9 +183,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
         for pc, t in zip(self.flat.pieces, self.flat.piece_params):
             members[group_of[pc.param]].append(t)
-        self.steps = BucketSteps(
-            self.flat, [group_of[pc.param] for pc in self.flat.pieces], run_numel
-        )
+        self.staged = StagedSteps(self.flat, [group_of[pc.param] for pc in self.flat.pieces])
         self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
         self.inner = optimizer_class(
             [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
@@ -213,8 +208,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._side_copies = side_stream_grad_copies
         # where the hook copies a fresh gradient into the buffer when a step has one backward
         self._copy_stream = self._stream if side_stream_grad_copies and overlap else None
-        # GPUs, with the deferral of overlap_param_gather: where step() runs (also at dp=1)
-        self._step_stream: torch.cuda.Stream | None = None
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._gathers: dict[int, comm.Work] = {}  # bucket -> all-gather in flight (deferred)
         self._gather_hooks: list[RemovableHandle] = []
@@ -274,8 +267,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         # once per parameter and backward pass, so kept lean: no grad-mode switch (neither the
         # view nor a .grad requires grad, so the copy records nothing)
-        if self._gathers:  # a bucket no forward waited for: the optimizer may still read it
-            self.wait_params()
         view = self.flat.grad_views[i]
         grad = p.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
@@ -316,7 +307,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         synchronisation) only if it lacks a gradient itself: when every local flag is set, so
         is every global one. Training where each step reaches every parameter never waits."""
         if self._flags is None:
-            self.wait_params()  # the last step's optimizer may still read the gradients
             self._reattach_grads()
             self.reducer.finish()
             flags = torch.tensor(self._has_grad, dtype=torch.float32)
@@ -335,10 +325,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Reduce gradients (if not done yet), step the fp32 slices, gather the parameters.
 
         A parameter no dp rank saw a gradient for is skipped, as torch optimizers skip a
-        ``.grad`` of None: no weight decay, no moment update. With the deferral of
-        :meth:`overlap_param_gather`, nothing is waited for: on GPUs the optimizer runs on a
-        side stream, run by run in forward order, each run's buckets gathered as soon as it is
-        stepped, and each forward block waits for its own buckets only.
+        ``.grad`` of None: no weight decay, no moment update.
         """
         self.wait_params()  # buckets no forward read since the last step
         loss = None
@@ -346,37 +333,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         flags = self._reduce()
-        group = self.ctx.dp_group
-        if self._gather_hooks:
-            gathers: dict[int, comm.Work] = {}
-
-            def stepped(b: int) -> None:  # the bucket goes out as soon as its run is stepped
-                work = self.flat.gather_bucket(b, group, flags)
-                if work is None and self._step_stream is not None:
-                    work = comm.StreamMark()  # nothing to gather (dp=1): the copy is the wait
-                if work is not None:
-                    gathers[b] = work
-
-            with comm.side_stream(self._step_stream):
-                self._keep_for_stream(self._step_stream)
-                with self._grad_scale():
-                    self.steps.step(self.inner, flags, self._coefs, stepped)
-            self._gathers = gathers
-        else:
-            with self._grad_scale():
-                self.steps.step(self.inner, flags, self._coefs)
-            self.flat.gather_params(group, flags, stream=self._stream)
+        stepped = False  # pieces whose fp32 gradient already has its home: one step for all
+        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
+            t.grad = g if g is not None and flags[pc.param] else None
+            stepped = stepped or g is not None
+        with self._grad_scale():
+            if stepped:
+                self.inner.step()
+            self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
+        self._gathers = self.flat.gather_params(
+            self.ctx.dp_group, flags, wait=not self._gather_hooks, stream=self._stream
+        )
         self.reducer.reset()
         self._flags, self._coefs, self._unscale = None, [], None
         return loss
-
-    def _keep_for_stream(self, stream: torch.cuda.Stream | None) -> None:
-        """The clip coefficients were made on the compute stream and are dropped when step()
-        returns: keep their memory until ``stream`` has read them."""
-        if stream is not None:
-            for t in [*self._coefs, self._unscale]:
-                if t is not None:
-                    t.record_stream(stream)
 
     @contextmanager
     def _grad_scale(self) -> Iterator[None]:
@@ -416,7 +386,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p in self.params:
                 p.grad = None
             return
-        self.wait_params()  # the last step's optimizer may still read the gradients
         for buf in self.flat.grad_buffers:
             buf.zero_()
         for p, view in zip(self.params, self.flat.grad_views):
@@ -425,22 +394,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- the parameter all-gather under the next forward ------------------------------------------
     def overlap_param_gather(self, *modules: nn.Module) -> list[RemovableHandle]:
-        """Let each step's optimizer and all-gather of the updated parameters run under the
-        next forward.
+        """Let each step's all-gather of the updated parameters run under the next forward.
 
-        ``step()`` then returns with the work in flight: on GPUs the optimizer steps on a side
-        stream (also at dp=1), run by run in forward order, and each run's buckets are gathered
-        as soon as it is stepped. A forward pre-hook on each of ``modules``' parameter holders
-        (see :func:`hook_points`) waits for the buckets it reads (on GPUs the wait orders the
-        streams; the host goes on), so the first layers' forward overlaps the last ones' step.
+        ``step()`` then returns with the all-gathers in flight, launched in forward order, and a
+        forward pre-hook on each of ``modules``' parameter holders (see :func:`hook_points`)
+        waits for the buckets it reads (on GPUs the wait orders the streams; the host goes on).
         Every parameter must be read inside the forward of a module that holds it (or of a
         compiled ancestor), not through another module's attribute. Anything else that reads
         parameters between ``step()`` and the next forward calls :meth:`wait_params` first;
         this optimizer's own methods do. Returns the hooks' handles; removing them all turns the
         deferral off again.
         """
-        if self.device.type == "cuda" and self._step_stream is None:
-            self._step_stream = self._stream or torch.cuda.Stream(self.device)
         index = {id(p): i for i, p in enumerate(self.params)}
         bucket_of = [slot.bucket for slot in self.layout.slots]
         ref = weakref.ref(self)
@@ -504,7 +468,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for out in self.flat.grad_outs:
             if out is not None:
                 out.mul_(coef)
-        if self.steps.has_staged:
+        if self.staged:
             self._coefs.append(coef)
         return total
 

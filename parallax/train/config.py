@@ -238,8 +238,8 @@ def _parser() -> argparse.ArgumentParser:
         "--overlap-param-gather",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="let the ZeRO optimizer step (on GPUs) and the all-gather of updated weights "
-        "(at dp > 1) run under the next forward, each block waiting for its own weights "
+        help="at dp > 1, let the ZeRO all-gather of updated weights run under the next "
+        "forward, each block waiting for its own weights "
         f"(default {'on' if d.overlap_param_gather else 'off'})",
     )
     g = p.add_argument_group("run")

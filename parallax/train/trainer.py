@@ -170,7 +170,7 @@ class Trainer:
             self.chunks.append(chunk)
             self.stages.append(PipelineStage(chunk, s, len(self.ranges), ctx))
         self.optimizer = self._build_optimizer()
-        if cfg.overlap_param_gather and (ctx.dp_size > 1 or ctx.device.type == "cuda"):
+        if cfg.overlap_param_gather and ctx.dp_size > 1:
             self.optimizer.overlap_param_gather(*self.chunks)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self._metrics: list[torch.Tensor] = []

@@ -208,34 +208,6 @@ def test_zero_grad_to_none_or_to_zero():
     run_ranks(_zero_grad_modes, 2)
 
 
-def _runs(dtype: torch.dtype) -> None:
-    """The optimizer steps runs of buckets in forward order, each run handed on (gathered) as
-    soon as it is stepped: one bucket per run gives bitwise the weights of one run for all,
-    with fp32 (own), 16-bit sharded and (dp=1) staged gradients, the fused fold and clipping."""
-    ctx = context()
-    weights = []
-    for run_numel in (1, 10**9):
-        model, opt = make_zero(
-            ctx, "adamw-fused", dtype=dtype, run_numel=run_numel, backward_passes_per_step=2
-        )
-        runs, buckets = opt.steps.runs, len(opt.layout.buckets)
-        assert [b for run in runs for b in run.buckets] == list(reversed(range(buckets)))
-        assert all(len(run.buckets) == 1 for run in runs if run.staged)
-        assert len(runs) == (buckets if run_numel == 1 or runs[0].staged else 1)
-        assert opt.overlap_param_gather(model)
-        train_zero(model, opt, ctx, 3, 2, 0.5, dtype=dtype)
-        opt.wait_params()
-        weights.append(logical_weights(model, ctx))
-    for n, w in weights[0].items():
-        assert torch.equal(w, weights[1][n]), n
-
-
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_runs_of_buckets_step_as_one_call(world, dtype):
-    run_ranks(_runs, world, dtype)
-
-
 def _memory(dtype: torch.dtype) -> tuple[int, int, dict]:
     ctx = context()
     torch.manual_seed(0)
