@@ -26,6 +26,33 @@ def compile_modules(modules: Iterable[nn.Module], **options) -> int:
     return len(modules)
 
 
+class CheckpointedBlocks:
+    """The ``activation_checkpointing`` switch of a module that runs a stack of blocks.
+
+    Each block (a ``checkpointed`` flag in its forward) recomputes itself inside its forward
+    where :func:`traced_recompute` allows; otherwise the owner checkpoints each call of a block
+    from outside (``self._checkpoint_outside``). The owner provides ``_blocks()`` and sets
+    ``self._traced_recompute`` before the switch is first set."""
+
+    _traced_recompute = True
+
+    def _blocks(self) -> Iterable[nn.Module]:
+        raise NotImplementedError
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether each block recomputes itself in the backward (non-reentrant)."""
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, enabled: bool) -> None:
+        self._checkpointing = bool(enabled)
+        inside = self._checkpointing and self._traced_recompute
+        self._checkpoint_outside = self._checkpointing and not inside
+        for block in self._blocks():
+            block.checkpointed = inside
+
+
 def traced_recompute(ctx) -> bool:
     """Whether a block's activation checkpointing goes inside its forward.
 

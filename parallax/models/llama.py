@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallax.models.compile import compile_modules, traced_recompute
+from parallax.models.compile import CheckpointedBlocks, compile_modules, traced_recompute
 from parallax.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -246,7 +246,7 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
 
-class LlamaLM(nn.Module):
+class LlamaLM(CheckpointedBlocks, nn.Module):
     """A contiguous piece of ``LlamaForCausalLM``: ``model.*`` and, when ``head``, ``lm_head``.
 
     ``head`` brings the final norm and the vocab-parallel ``lm_head`` whose output is this
@@ -300,18 +300,8 @@ class LlamaLM(nn.Module):
                 x = layer(x, cos, sin, cache)
         return x  # (b, s, h)
 
-    @property
-    def activation_checkpointing(self) -> bool:
-        """Whether each decoder layer recomputes itself in the backward (non-reentrant)."""
-        return self._checkpointing
-
-    @activation_checkpointing.setter
-    def activation_checkpointing(self, enabled: bool) -> None:
-        self._checkpointing = bool(enabled)
-        inside = self._checkpointing and self._traced_recompute
-        self._checkpoint_outside = self._checkpointing and not inside
-        for layer in self.model.layers.values():
-            layer.checkpointed = inside
+    def _blocks(self):
+        return self.model.layers.values()
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x))  # (..., V/tp)

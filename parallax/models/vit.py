@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallax.context import ParallelContext
-from parallax.models.compile import compile_modules, traced_recompute
+from parallax.models.compile import CheckpointedBlocks, compile_modules, traced_recompute
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, heads_per_rank, resolve_tp
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
@@ -192,7 +192,7 @@ class PatchEmbed(nn.Module):
         return self.proj(images).flatten(2).transpose(1, 2)  # (b, patches, w), row-major
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(CheckpointedBlocks, nn.Module):
     """Image -> features of block ``cfg.feature_layer`` (patch tokens unless ``keep_prefix``)."""
 
     def __init__(
@@ -224,18 +224,8 @@ class VisionTransformer(nn.Module):
         self._traced_recompute = traced_recompute(ctx)
         self.activation_checkpointing = False
 
-    @property
-    def activation_checkpointing(self) -> bool:
-        """Whether each block recomputes itself in the backward (non-reentrant)."""
-        return self._checkpointing
-
-    @activation_checkpointing.setter
-    def activation_checkpointing(self, enabled: bool) -> None:
-        self._checkpointing = bool(enabled)
-        inside = self._checkpointing and self._traced_recompute
-        self._checkpoint_outside = self._checkpointing and not inside
-        for block in self.blocks.values():
-            block.checkpointed = inside
+    def _blocks(self):
+        return self.blocks.values()
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` each block's forward in place
