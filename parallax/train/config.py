@@ -112,9 +112,10 @@ class TrainConfig:
             problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
         if self.cuda_graphs and not self.compile:
             problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
-        # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only);
-        # at tp > 1 the recomputation runs outside the compiled pieces (models/compile.py),
-        # which torch's CUDA-graph trees failed on a GPU
+        # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only).
+        # tp > 1 with checkpointing: the recomputation runs outside the compiled pieces
+        # (models/compile.py), and torch's checkpoint rejects it on a GPU: two int64 scalars
+        # saved on the CPU in the forward come back on the GPU in the recomputation
         if self.cuda_graphs and self.pp > 1:
             problems.append("--cuda-graphs does not support --pp > 1 yet")
         if self.cuda_graphs and self.activation_checkpointing and self.tp > 1:
