@@ -48,7 +48,50 @@ def _uniform_(t: torch.Tensor, fan_in: int) -> None:
     nn.init.uniform_(t, -bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class _DenseLinear(nn.Module):
+    """``from_dense`` / ``to_dense`` of the parallel linears: each parameter is split, or kept
+    whole, as its ``tp_shard`` (or its absence) says."""
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs):
+        """Shard an existing ``nn.Linear`` exactly (same dtype and device)."""
+        layer = cls(
+            module.in_features,
+            module.out_features,
+            module.bias is not None,
+            ctx=ctx,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                mine, full = getattr(layer, name), getattr(module, name)
+                if full is not None:
+                    info = getattr(mine, "tp_shard", None)
+                    mine.copy_(full if info is None else shard_tensor(full, info))
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """Gather the full ``nn.Linear`` (on every tp rank)."""
+        dense = nn.Linear(
+            self.in_features,
+            self.out_features,
+            self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                mine = getattr(self, name)
+                if mine is not None:
+                    info = getattr(mine, "tp_shard", None)
+                    full = mine if info is None else unshard_tensor(mine, info, self.group)
+                    getattr(dense, name).copy_(full)
+        return dense
+
+
+class ColumnParallelLinear(_DenseLinear):
     """``y = x A^T + b`` with ``A``'s output rows split across tp.
 
     The input is replicated on every tp rank; the output is this rank's slice of the features
@@ -121,39 +164,6 @@ class ColumnParallelLinear(nn.Module):
                 y = y[..., : self.out_features]
         return y
 
-    @classmethod
-    def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs) -> ColumnParallelLinear:
-        """Shard an existing ``nn.Linear`` exactly (same dtype and device)."""
-        layer = cls(
-            module.in_features,
-            module.out_features,
-            module.bias is not None,
-            ctx=ctx,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **kwargs,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(shard_tensor(module.weight, layer.weight.tp_shard))
-            if module.bias is not None:
-                layer.bias.copy_(shard_tensor(module.bias, layer.bias.tp_shard))
-        return layer
-
-    def to_dense(self) -> nn.Linear:
-        """Gather the full ``nn.Linear`` (on every tp rank)."""
-        dense = nn.Linear(
-            self.in_features,
-            self.out_features,
-            self.bias is not None,
-            device=self.weight.device,
-            dtype=self.weight.dtype,
-        )
-        with torch.no_grad():
-            dense.weight.copy_(unshard_tensor(self.weight, self.weight.tp_shard, self.group))
-            if self.bias is not None:
-                dense.bias.copy_(unshard_tensor(self.bias, self.bias.tp_shard, self.group))
-        return dense
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -162,7 +172,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_DenseLinear):
     """``y = x A^T + b`` with ``A``'s input columns split across tp.
 
     The input is this rank's slice of the features (``input_is_parallel=True``, as produced by
@@ -216,39 +226,6 @@ class RowParallelLinear(nn.Module):
         else:
             y = tpf.reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
-
-    @classmethod
-    def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs) -> RowParallelLinear:
-        """Shard an existing ``nn.Linear`` exactly (same dtype and device)."""
-        layer = cls(
-            module.in_features,
-            module.out_features,
-            module.bias is not None,
-            ctx=ctx,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **kwargs,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(shard_tensor(module.weight, layer.weight.tp_shard))
-            if module.bias is not None:
-                layer.bias.copy_(module.bias)
-        return layer
-
-    def to_dense(self) -> nn.Linear:
-        """Gather the full ``nn.Linear`` (on every tp rank)."""
-        dense = nn.Linear(
-            self.in_features,
-            self.out_features,
-            self.bias is not None,
-            device=self.weight.device,
-            dtype=self.weight.dtype,
-        )
-        with torch.no_grad():
-            dense.weight.copy_(unshard_tensor(self.weight, self.weight.tp_shard, self.group))
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
-        return dense
 
     def extra_repr(self) -> str:
         return (

@@ -79,6 +79,8 @@ def _compare_linear(kind, tp, in_f, out_f, opt, bias, partitions=1):
         assert_close(xp.grad, xd.grad, **TOL)
     back = layer.to_dense()
     assert_close(back.weight, dense.weight, rtol=0, atol=0)
+    if bias:  # split over tp (column) or whole (row): gathered back exactly either way
+        assert_close(back.bias, dense.bias, rtol=0, atol=0)
     return True
 
 
