@@ -15,6 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from parallax.tensor.layers import resolve_tp
+
 
 def compile_modules(modules: Iterable[nn.Module], **options) -> int:
     """Compile each module's forward in place (``module.compile(**options)``): calls through the
@@ -61,8 +63,6 @@ def traced_recompute(ctx) -> bool:
     several graphs with eager collectives between them, and the compiler cannot trace a
     recomputation across those breaks (it would run the whole block eagerly), so at tp > 1 the
     model checkpoints each compiled block from outside, calling it again in the backward."""
-    from parallax.tensor.layers import resolve_tp
-
     return resolve_tp(ctx)[2] == 1
 
 
