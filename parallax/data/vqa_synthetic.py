@@ -1,15 +1,18 @@
 """A built-in visual question task that ``llava-tiny`` learns on a CPU in seconds.
 
-Each sample is a noisy image of a coloured square on a background of another colour, in one of
-several sizes and aspect ratios (so the AnyRes tile and token counts vary from sample to sample),
-with the question "What colour is the square?" or "What colour is the background?" and the
-colour's name as the answer. The answer is in the pixels and which one is asked is in the text,
-so a model must read both: a text-only model answers at chance (1/4 of the colours). A fraction
-of the samples have no image ("Repeat the colour: blue." -> "blue"), to exercise text-only
-samples. Sample ``i`` comes from its own generator seeded by ``(seed, i)``: any sample is computed
-on demand, the same seed always gives the same data, and :meth:`SyntheticVQA.meta` tells a
-sample's image size and text without drawing it. Items are raw LLaVA-format samples
-(:mod:`parallax.data.llava_format`).
+Each sample is a noisy image of a coloured square on a grey background, in one of several sizes
+and aspect ratios (so the AnyRes tile and token counts vary from sample to sample), with the
+question "What colour is the square?" and the colour's name as the answer. The answer is only in
+the pixels: a model that ignores the image answers at chance (1/4). A fraction of the samples
+have no image ("Repeat the colour: blue." -> "blue"): their answer is in the text, so the model
+must also read the question to tell the two kinds apart. Sample ``i`` comes from its own
+generator seeded by ``(seed, i)``: any sample is computed on demand, the same seed always gives
+the same data, and :meth:`SyntheticVQA.meta` tells a sample's image size and text without
+drawing it. Items are raw LLaVA-format samples (:mod:`parallax.data.llava_format`).
+
+With the full ``vicuna_v1`` system prompt (40 words before every question) ``llava-tiny`` needs
+~150 steps of 16 samples to pass 50% on the image questions; with a short ``system`` text it
+passes 90% within 60 (:class:`~parallax.models.LlavaNextProcessor`'s ``system``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "blue": (40, 80, 230),
     "yellow": (235, 215, 40),
 }
-QUESTIONS = {"square": "What colour is the square?", "background": "What colour is the background?"}
+QUESTION = "What colour is the square?"
 # (height, width) at scale 1: LLaVA-tiny's 28 px tiles, 3 to 5 tiles per image
 SIZES = ((28, 28), (30, 40), (60, 20), (40, 30), (56, 56), (20, 80), (84, 30), (36, 48))
 
@@ -81,14 +84,12 @@ class SyntheticVQA:
                 "answer": colour,
             }
         h, w = cfg.image_sizes[int(rng.integers(len(cfg.image_sizes)))]
-        back, square = (names[i] for i in rng.permutation(len(names))[:2])
-        kind = "square" if rng.random() < 0.5 else "background"
+        colour = names[int(rng.integers(len(names)))]
         return {
             "rng": rng,
             "size": (h * cfg.image_scale, w * cfg.image_scale),
-            "question": "<image>\n" + QUESTIONS[kind],
-            "answer": square if kind == "square" else back,
-            "colours": (back, square),
+            "question": "<image>\n" + QUESTION,
+            "answer": colour,
         }
 
     @staticmethod
@@ -118,11 +119,11 @@ class SyntheticVQA:
 
     @staticmethod
     def _render(plan: dict) -> torch.Tensor:
-        """(H, W, 3) uint8: the background, a square of 40-70 % of the short side, noise."""
+        """(H, W, 3) uint8: a grey background, a square of 50-90 % of the short side, noise."""
         rng, (h, w) = plan["rng"], plan["size"]
-        back, square = (np.float32(COLOURS[c]) for c in plan["colours"])
-        image = np.broadcast_to(back, (h, w, 3)).copy()
-        side = max(2, int(rng.uniform(0.4, 0.7) * min(h, w)))
+        image = np.full((h, w, 3), rng.uniform(80.0, 170.0), dtype=np.float32)
+        square = np.float32(COLOURS[plan["answer"]])
+        side = max(2, int(rng.uniform(0.5, 0.9) * min(h, w)))
         top, left = int(rng.integers(0, h - side + 1)), int(rng.integers(0, w - side + 1))
         image[top : top + side, left : left + side] = square
         image += rng.uniform(-12.0, 12.0, image.shape).astype(np.float32)

@@ -37,7 +37,8 @@ def _resize(x: torch.Tensor, size: tuple[int, int], is_uint8: bool) -> torch.Ten
 class LlavaNextProcessor:
     """Turns raw samples (``{"id", "image", "conversations"}``, the LLaVA format) into model
     inputs. ``max_length`` (default: the config's) bounds a sample's tokens: a longer sample is
-    cut (as LLaVA truncates) unless its image tokens themselves do not fit, which is an error."""
+    cut (as LLaVA truncates) unless its image tokens themselves do not fit, which is an error.
+    ``template`` and ``system`` choose the prompt (:mod:`parallax.models.llava_template`)."""
 
     def __init__(
         self,
@@ -45,13 +46,14 @@ class LlavaNextProcessor:
         tokenizer=None,
         *,
         template: str = "vicuna_v1",
+        system: str | None = None,
         max_length: int | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = (
             tokenizer if tokenizer is not None else llava_tokenizer(config, required=True)
         )
-        self.template = template
+        self.template, self.system = template, system
         self.max_length = max_length or config.max_length
 
     # -- images ----------------------------------------------------------------------------------
@@ -95,6 +97,7 @@ class LlavaNextProcessor:
             image_tokens=n,
             image_token_id=self.config.image_token_index,
             template=self.template,
+            system=self.system,
         )
         if len(ids) > self.max_length:
             if n and ids.index(self.config.image_token_index) + n > self.max_length:
@@ -151,15 +154,18 @@ class LlavaNextProcessor:
     def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
         return self.collate([self.encode(s) for s in samples])
 
-    def prompt(self, image, question: str, template: str = "llava_v1") -> dict[str, torch.Tensor]:
-        """Generation inputs for one image (or ``None``) and question: a batch of one."""
+    def prompt(self, image, question: str, template: str | None = None) -> dict[str, torch.Tensor]:
+        """Generation inputs for one image (or ``None``) and question: a batch of one, in the
+        training template unless ``template`` is given (LLaVA's own inference uses
+        ``llava_v1``)."""
         tiles, size = (None, None) if image is None else self.preprocess_image(image)
         ids = prompt_ids(
             (question if image is None or "<image>" in question else "<image>\n" + question),
             self.tokenizer,
             image_tokens=self.num_image_tokens(size),
             image_token_id=self.config.image_token_index,
-            template=template,
+            template=template or self.template,
+            system=self.system,
         )
         s = self.config.tile_size
         return {

@@ -15,6 +15,9 @@ A piece is encoded on its own, as LLaVA's legacy Llama tokenizer does around ``<
 ``</s>``: SentencePiece-style tokenizers give it a word-start "▁", so the space that separates an
 answer from "ASSISTANT:" is dropped there (it is the answer's "▁"); the character tokenizer keeps
 it as a supervised space.
+
+``system`` replaces the template's system text (``""``: none, the prompt starts at "USER:"); a
+tiny model learns a task several times faster without 40 words of preamble to attend past.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ def llava_tokenizer(config, path: str | Path | None = None, required: bool = Fal
         return None
 
 
+def _head(template: str, system: str | None) -> str:
+    if template not in SYSTEMS:
+        raise ValueError(f"unknown template {template!r}; choose one of {sorted(SYSTEMS)}")
+    text = SYSTEMS[template] if system is None else system
+    return text + " " if text else ""
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     if getattr(tokenizer, "adds_prefix_space", True) and text.startswith(" "):
         text = text[1:]  # the tokenizer's own word-start marker stands for this space
@@ -104,12 +114,13 @@ def encode_conversation(
     image_tokens: int = 0,
     image_token_id: int = -1,
     template: str = "vicuna_v1",
+    system: str | None = None,
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of rounds ``[(question, answer), ...]``; the ``<image>`` tag in a
     question becomes ``image_tokens`` copies of ``image_token_id``."""
     image = [image_token_id] * image_tokens
     ids, labels = [tokenizer.bos_id], [IGNORE_INDEX]
-    head = SYSTEMS[template] + " "
+    head = _head(template, system)
     for question, answer in turns:
         _add_text(ids, labels, tokenizer, f"{head}{USER}: {question} {ASSISTANT}:", image)
         _add(ids, labels, _encode(tokenizer, " " + answer), True)
