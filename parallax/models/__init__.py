@@ -8,9 +8,10 @@ from parallax.models.action_tokenizer import (
 from parallax.models.config import OpenVLAConfig
 from parallax.models.llama import KVCache, LlamaConfig, LlamaLM
 from parallax.models.llava_config import LlavaNextConfig
-from parallax.models.llava_next import LlavaNext, llava_init_fn
+from parallax.models.llava_next import LlavaNext
 from parallax.models.llava_processor import LlavaNextProcessor
 from parallax.models.llava_template import LlavaTinyTokenizer
+from parallax.models.llava_vision import llava_init_fn
 from parallax.models.objectives import (
     action_metrics,
     expand_labels,

@@ -186,7 +186,7 @@ class LlavaNextConfig:
                 "intermediate_size": t.intermediate_size,
                 "num_hidden_layers": t.num_hidden_layers,
                 "num_attention_heads": t.num_attention_heads,
-                "num_key_value_heads": t.kv_heads,
+                "num_key_value_heads": t.num_key_value_heads,
                 "rms_norm_eps": t.rms_norm_eps,
                 "rope_theta": t.rope_theta,
                 "max_position_embeddings": t.max_position_embeddings,

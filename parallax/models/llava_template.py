@@ -136,6 +136,7 @@ def prompt_ids(
     image_tokens: int = 0,
     image_token_id: int = -1,
     template: str = "llava_v1",
+    system: str | None = None,
     history: Sequence[tuple[str, str]] = (),
 ) -> list[int]:
     """The ids a model sees before it writes the answer to ``question`` (after ``history``)."""
@@ -145,8 +146,9 @@ def prompt_ids(
         image_tokens=image_tokens,
         image_token_id=image_token_id,
         template=template,
+        system=system,
     )
-    head = "" if history else SYSTEMS[template] + " "
+    head = "" if history else _head(template, system)
     _add_text(
         ids,
         labels,

@@ -109,3 +109,26 @@ def test_tiny_tokenizer_round_trip():
     ids = tok.encode("What colour?\nred")
     assert ids[0] == 1 and max(ids) < 128
     assert tok.decode(ids + [2, 128, 129]) == "What colour?\nred"
+
+
+def test_checkpoint_tokenizer_pieces_equal_whole_string_tokenization(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = (SYSTEM + " USER: Hi there? ASSISTANT: Yes indeed").split()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3}
+    for w in words:
+        vocab.setdefault("▁" + w, len(vocab))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="always"
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = tiny_config()
+    cfg.tokenizer, cfg.source = "llama2", str(tmp_path)
+    proc = LlavaNextProcessor(cfg)  # the checkpoint's tokenizer, through `tokenizers`
+    enc = proc.encode(_sample(None, "Hi there?", "Yes indeed"))
+    whole = tok.encode(
+        SYSTEM + " USER: Hi there? ASSISTANT: Yes indeed", add_special_tokens=False
+    ).ids
+    assert enc["input_ids"] == [1, *whole, 2]
+    supervised = [i for i in enc["labels"] if i != -100]
+    assert supervised == [vocab["▁Yes"], vocab["▁indeed"], 2]
