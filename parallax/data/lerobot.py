@@ -78,6 +78,7 @@ class LeRobotSource(Source):
         *,
         config: KeyConfig | None = None,
         user_configs: dict[str, KeyConfig] | None = None,
+        cache_dir: str | Path | None = None,
     ) -> None:
         root = Path(path)
         if not (root / "meta" / "info.json").is_file():
@@ -114,7 +115,9 @@ class LeRobotSource(Source):
             shape = shape[1:] + shape[:1]
         self.image_shape = tuple(shape) or None
         self.tasks = self._tasks()
-        self._scan()
+        files = [p for p in sorted(root.glob("meta/**/*")) if p.is_file()]
+        files += sorted(root.glob("data/**/*.parquet")) + sorted(root.glob("videos/**/*.mp4"))
+        self.scan(files, cache_dir)
         self._check_stats()
 
     # --- metadata ---------------------------------------------------------------------------
@@ -188,7 +191,7 @@ class LeRobotSource(Source):
         out["text"] = [self.tasks[int(i)] for i in task_index]
         return out
 
-    def _scan(self) -> None:
+    def scan_episodes(self) -> None:
         cache: dict[str, Any] = {}
         for row in self._episode_rows():
             ep = int(row["episode_index"])
@@ -206,7 +209,6 @@ class LeRobotSource(Source):
             arrays = self.frame_arrays(table.slice(int(rows[0]), len(rows)), label)
             where = (data, ep, videos)
             self.add_episode(where, arrays["action"], arrays["state"], arrays["text"][0], label)
-        self.finish()
 
     def _check_stats(self) -> None:
         stats_path = self.path / "meta" / "stats.json"

@@ -90,13 +90,17 @@ class LiberoSource(Source):
         *,
         config: KeyConfig | None = None,
         user_configs: dict[str, KeyConfig] | None = None,
+        cache_dir: str | Path | None = None,
     ) -> None:
         self.files = find_libero_files(path)
         root = Path(path)
         name = root.stem if root.is_file() else self.files[0].parent.name
         cfg, _ = resolve_config("libero", name, user_configs, config)
         super().__init__(root, name, cfg)
-        h5py = _h5py()
+        self.scan(self.files, cache_dir)
+
+    def scan_episodes(self) -> None:
+        cfg, h5py = self.config, _h5py()
         for file_index, file in enumerate(self.files):
             try:
                 handle = h5py.File(file, "r")
@@ -117,7 +121,6 @@ class LiberoSource(Source):
                         self.image_shape = tuple(shape[1:])
                     where = (file_index, demo)
                     self.add_episode(where, actions, states, instruction, label)
-        self.finish()
 
     @staticmethod
     def _dataset(group, key: str, label: str):

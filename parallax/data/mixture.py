@@ -132,8 +132,9 @@ def open_source(
     user_configs: dict[str, KeyConfig] | None = None,
     seed: int = 0,
     image_size: int | None = None,
+    cache_dir: str | Path | None = None,
 ) -> Source:
-    """Open (and scan) one dataset."""
+    """Open (and scan, or read the scan from ``cache_dir``) one dataset."""
     from parallax.data.episodes import EpisodeDataset
     from parallax.data.indexed import IndexedSource
     from parallax.data.synthetic import SyntheticTask
@@ -144,7 +145,7 @@ def open_source(
         size = {"image_size": image_size} if image_size else {}
         return IndexedSource(SyntheticTask(seed=seed, **size))
     fmt = spec.format or detect_format(spec.path)
-    kw = {"config": spec.config, "user_configs": user_configs}
+    kw = {"config": spec.config, "user_configs": user_configs, "cache_dir": cache_dir}
     if fmt == "rlds":
         from parallax.data.rlds import RLDSSource
 
@@ -188,6 +189,7 @@ def load_mixture(
     user_configs: dict[str, KeyConfig] | None = None,
     seed: int = 0,
     image_size: int | None = None,
+    cache_dir: str | Path | None = None,
 ) -> Mixture:
     """Open every dataset of a spec string or ``[[data]]`` list (see the module doc)."""
     if isinstance(data, str):
@@ -202,7 +204,10 @@ def load_mixture(
     if any(given) and not all(given):
         raise DatasetError("give every dataset of a mixture a weight (@W), or none of them")
     sources = [
-        open_source(s, user_configs=user_configs, seed=seed, image_size=image_size) for s in specs
+        open_source(
+            s, user_configs=user_configs, seed=seed, image_size=image_size, cache_dir=cache_dir
+        )
+        for s in specs
     ]
     merge_statistics(*(s.statistics for s in sources))  # names must be unique
     raw = [s.weight for s in specs] if all(given) else [s.num_transitions for s in sources]

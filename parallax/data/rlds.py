@@ -107,6 +107,7 @@ class RLDSSource(Source):
         config: KeyConfig | None = None,
         user_configs: dict[str, KeyConfig] | None = None,
         split: str = "train",
+        cache_dir: str | Path | None = None,
     ) -> None:
         root = find_rlds_dir(path)
         info = (
@@ -127,9 +128,13 @@ class RLDSSource(Source):
         if not self.shards:
             raise DatasetError(f"dataset {root} is empty: no {split!r} .tfrecord shards")
         declared = next((s for s in info.get("splits", []) if s.get("name") == split), {})
-        lengths = [int(n) for n in declared.get("shardLengths", [])]
+        self._declared = [int(n) for n in declared.get("shardLengths", [])]
         image = self.features.get(STEPS + (cfg.primary or ""), {})
         self.image_shape = image.get("shape") or None
+        self.scan([*self.shards, root / "features.json"], cache_dir)
+
+    def scan_episodes(self) -> None:
+        lengths = self._declared
         for shard_index, shard in enumerate(self.shards):
             count = self._scan_shard(shard_index, shard)
             if len(lengths) == len(self.shards) and count != lengths[shard_index]:
@@ -137,7 +142,6 @@ class RLDSSource(Source):
                     f"{shard}: truncated shard: dataset_info.json declares "
                     f"{lengths[shard_index]} episodes, the file holds {count}"
                 )
-        self.finish()
 
     def _scan_shard(self, shard_index: int, shard: Path) -> int:
         count = 0

@@ -15,6 +15,11 @@ A raw sample is ``{"image": (H, W, 3) uint8, "instruction": str, "action": (D,) 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +28,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from parallax.atomic import atomic_write_bytes
 from parallax.data.keys import KeyConfig, transform_episode
 from parallax.data.stats import DatasetError, compute_statistics
 
+log = logging.getLogger(__name__)
 CAMERAS = ("primary", "wrist")
+INDEX_VERSION = 1
 
 
 @dataclass
@@ -121,6 +129,53 @@ class Source:
                     f"{self._first}; every episode of a dataset needs the same {what} size"
                 )
         return actions, states, front
+
+    def scan(self, files: list[Path], cache_dir: str | Path | None = None) -> None:
+        """Scan the episodes (:meth:`scan_episodes`, then :meth:`finish`), or read the result
+        of an earlier scan of the same files (names, sizes, times) and config from
+        ``cache_dir``. One rank can scan and write it while the others wait and read it."""
+        cache = None if cache_dir is None else Path(cache_dir) / self._index_name(files)
+        if cache is not None and cache.is_file():
+            try:
+                return self._load_index(json.loads(cache.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                log.warning("ignoring the unreadable scan index %s (%s)", cache, err)
+        self.scan_episodes()
+        self.finish()
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            index = {
+                "version": INDEX_VERSION,
+                "episodes": [[e.length, e.instruction, e.where, e.label] for e in self.episodes],
+                "action_dim": self.action_dim,
+                "state_dim": self.state_dim,
+                "image_shape": self.image_shape,
+                "statistics": self.statistics,
+            }
+            atomic_write_bytes(cache, json.dumps(index).encode())
+
+    def scan_episodes(self) -> None:
+        """Every episode through :meth:`add_episode` (subclasses)."""
+        raise NotImplementedError
+
+    def _index_name(self, files: list[Path]) -> str:
+        stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        what = [self.format, str(self.path.resolve()), stats, dataclasses.asdict(self.config)]
+        digest = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
+        return f"{self.format}-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}-{digest}.json"
+
+    def _load_index(self, index: dict[str, Any]) -> None:
+        if index.get("version") != INDEX_VERSION:
+            raise ValueError(f"index version {index.get('version')}")
+        self.episodes = [
+            EpisodeRef(n, text, where, label, k)
+            for k, (n, text, where, label) in enumerate(index["episodes"])
+        ]
+        self.action_dim, self.state_dim = index["action_dim"], index["state_dim"]
+        shape = index["image_shape"]
+        self.image_shape = None if shape is None else tuple(shape)
+        self.statistics = index["statistics"]
+        self._ends = np.cumsum([e.length for e in self.episodes]).tolist()
 
     def add_episode(self, where: Any, raw_actions, raw_states, instruction: str, label: str):
         actions, states, _ = self.prepare(raw_actions, raw_states, label)

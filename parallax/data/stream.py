@@ -6,10 +6,12 @@ The global stream of sample positions ``0, 1, 2, ...`` is laid out by
 ``s`` is positions ``[s G, (s + 1) G)`` for the global batch size ``G``; data-parallel rank
 ``r`` of ``dp`` takes the ``r``-th contiguous ``G / dp`` of them, cut into microbatches. So
 the global batch is the same at every dp and every worker count, each rank decodes only its
-own share, and memory stays bounded: the order is indices, and each worker keeps a few open
-episodes (``cache_episodes``). The position saved by :meth:`StreamLoader.state_dict` is the
-number of positions consumed (plus the mixture's running counts): ``load_state_dict``
-continues with the very next sample under any dp, micro-batch size or worker count.
+own share, and memory stays bounded: the order is indices, and each worker keeps open only its
+share of the episodes the current chunk mixes (``cache_episodes``, by default enough that no
+episode is read twice while its chunk lasts; ``episodes_per_chunk`` trades mixing for
+memory). The position saved by :meth:`StreamLoader.state_dict` is the number of positions
+consumed (plus the mixture's running counts): ``load_state_dict`` continues with the very
+next sample under any dp, micro-batch size or worker count.
 
 Workers run ``prefetch`` steps ahead; :attr:`StreamLoader.last_wait_s` is how long the last
 :meth:`next_batch` waited for them (what a training loop logs as its data wait).
@@ -61,7 +63,7 @@ class StreamLoader:
         prefetch: int = 2,
         episodes_per_chunk: int = 64,
         block_size: int = 1024,
-        cache_episodes: int = 16,
+        cache_episodes: int | None = None,
         start_method: str = "forkserver",
     ) -> None:
         check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
@@ -93,7 +95,8 @@ class StreamLoader:
             image_size=None if size is None else tuple(size),
             cameras=tuple(cameras),
             state=state,
-            cache_episodes=cache_episodes,
+            cache_episodes=cache_episodes
+            or self.default_cache(len(sources), episodes_per_chunk, workers),
         )
         self._order_args = dict(episodes_per_chunk=episodes_per_chunk, shuffle=shuffle)
         self.mixture = MixtureOrder(weights, seed=seed, block_size=block_size)
@@ -108,6 +111,12 @@ class StreamLoader:
         self._planned: dict[int, dict[str, Any]] = {}  # step position -> plan
         self._task_step: dict[int, int] = {}
         self._next_task = 0
+
+    @staticmethod
+    def default_cache(datasets: int, episodes_per_chunk: int, workers: int) -> int:
+        """Open episodes per worker: its share of every dataset's current chunk, and a
+        quarter more for the chunk that follows, so no episode is read twice in a chunk."""
+        return -(-datasets * episodes_per_chunk * 5 // (4 * max(workers, 1))) + 2
 
     def _source_order(self, source: Source) -> SourceOrder:
         key = f"data.{source.name}"

@@ -177,3 +177,29 @@ def test_convert_writes_parallax_episodes(tmp_path):
         "open the drawer"
     )
     assert convert(["rlds", str(tmp_path / "nowhere"), str(tmp_path / "o2")]) == 1
+
+
+def test_scan_index_is_cached_by_files_and_config(tmp_path, monkeypatch):
+    episodes = make_episodes(3, size=8)
+    folder = write_rlds(tmp_path, "ds", episodes, "png", shards=1)
+    cache = tmp_path / "index"
+    first = open_source(f"rlds:{folder}", cache_dir=cache)
+    assert len(list(cache.glob("rlds-ds-*.json"))) == 1
+    from parallax.data.rlds import RLDSSource
+
+    def no_scan(self):
+        raise AssertionError("scanned again")
+
+    monkeypatch.setattr(RLDSSource, "scan_episodes", no_scan)
+    again = open_source(f"rlds:{folder}", cache_dir=cache)
+    assert again.statistics == first.statistics and again.image_shape == first.image_shape
+    assert [(e.length, e.where, e.label) for e in again.episodes] == [
+        (e.length, list(e.where), e.label) for e in first.episodes
+    ]
+    sample = again.sample(again.open_episode(2), 1)
+    assert np.array_equal(sample["image"], episodes[2].images[1])
+    with pytest.raises(AssertionError, match="scanned again"):  # another config: another index
+        open_source(
+            DataSpec(str(folder), "rlds", config=KeyConfig(primary="observation/image")),
+            cache_dir=cache,
+        )
