@@ -27,7 +27,8 @@ from benchmarks.common import append_results, env_info, print_table
 from parallax.data import collate
 from parallax.data.mixture import open_source
 from parallax.data.stream import StreamLoader
-from tests.data.writers import make_episodes, write_lerobot, write_rlds
+from tests.data.lerobot_writer import write_lerobot
+from tests.data.writers import make_episodes, write_rlds
 
 H200_FULL_FT = 36.0  # samples/s of full fine-tuning on one H200 (the yardstick)
 

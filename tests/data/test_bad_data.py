@@ -8,13 +8,8 @@ import pytest
 from parallax.data.mixture import load_mixture, open_source
 from parallax.data.stats import DatasetError
 from parallax.data.stream import StreamLoader
-from tests.data.writers import (
-    feature_bytes,
-    make_episodes,
-    write_lerobot,
-    write_libero,
-    write_rlds,
-)
+from tests.data.lerobot_writer import write_lerobot
+from tests.data.writers import feature_bytes, make_episodes, write_libero, write_rlds
 
 pytest.importorskip("crc32c")
 

@@ -13,7 +13,8 @@ from parallax.data.convert import main as convert
 from parallax.data.keys import KeyConfig, load_key_configs, transform_episode
 from parallax.data.libero import instruction_from_filename
 from parallax.data.mixture import DataSpec, detect_format, open_source
-from tests.data.writers import make_episodes, write_lerobot, write_libero, write_rlds
+from tests.data.lerobot_writer import write_lerobot
+from tests.data.writers import make_episodes, write_libero, write_rlds
 
 pytest.importorskip("crc32c")
 pytest.importorskip("google.protobuf")
@@ -139,6 +140,12 @@ def test_configs_builtin_user_and_transforms(tmp_path):
     assert np.array_equal(sample["image"], episodes[1].wrist[2])
     assert sample["action"][-1] == pytest.approx(1.0 - episodes[1].actions[2, -1])
     assert source.statistics["my_rlds"]["action"]["mask"] == [False] + [True] * 5 + [False]
+    # a built-in config by the dataset's name: OpenVLA's LIBERO RLDS sets
+    folder = write_rlds(tmp_path, "libero_10_no_noops", episodes, "png", shards=1)
+    source = open_source(str(folder))
+    assert source.config.transform == "libero" and source.config.wrist == "observation/wrist_image"
+    got = source.sample(source.open_episode(0), 1)["action"][-1]
+    assert got == pytest.approx(1.0 - np.clip(episodes[0].actions[1, -1], 0, 1))
     # the gripper standardisations, against the loops of OpenVLA's docstrings
     g = np.array([1.0, 0.5, 0.0, 0.02, 0.6, 0.99, 0.97, 0.5], dtype=np.float32)
     a = np.tile(g[:, None], (1, 7))
