@@ -112,9 +112,9 @@ class Ending:
     def peer_failed(self, err: BaseException, timeout: float) -> int:
         return self.end(
             FAILED,
-            f"{self._where()}: stopped: a collective failed or timed out after up to "
-            f"--timeout {timeout:g} s ({short_cause(err)}), most likely because another rank "
-            "died or hung; restart with --resume to continue from the last checkpoint",
+            f"{self._where()}: stopped: a collective failed or timed out (--timeout {timeout:g} "
+            f"s): {short_cause(err)}; most likely another rank died or hung; restart with "
+            "--resume to continue from the last checkpoint",
         )
 
     def crashed(self, trace: str) -> int:
