@@ -50,7 +50,8 @@ def tensor_names(model: nn.Module):
 
 def adapter_pieces(model: nn.Module, trained: Iterable[str] | None = None) -> dict[str, Pieces]:
     """This rank's exported parameters -> their pieces in the file: every adapter A and B, and
-    the ``trained`` parameters (default: those that train and are not adapters)."""
+    those of the ``trained`` parameters this rank holds (default: every parameter that trains
+    and is not an adapter). Names of other pipeline stages' parameters are skipped here."""
     params = dict(model.named_parameters())
     out: dict[str, Pieces] = {}
     for mname, layer in lora_layers(model):
@@ -66,8 +67,10 @@ def adapter_pieces(model: nn.Module, trained: Iterable[str] | None = None) -> di
         trained = [n for n, p in params.items() if p.requires_grad and not is_adapter_name(n)]
     names = tensor_names(model)
     for name in trained:
-        if is_adapter_name(name) or name not in params:
-            raise ValueError(f"{name} is not a base parameter of the model")
+        if is_adapter_name(name):
+            raise ValueError(f"{name} is an adapter, not a base parameter to save whole")
+        if name not in params:
+            continue  # another stage's (save_adapter checks that some stage holds it)
         pieces = names(name, logical_shape(params[name]))
         out[name] = [(PREFIX + n, tuple(s)) for n, s in pieces]
     return out
@@ -123,6 +126,7 @@ def _stage_plan(model, ctx, trained) -> tuple[list, tuple, str | None]:
     order, the hyperparameters, and one error message (the same on every rank) or ``None``."""
     coords = (0, 0, 0) if ctx is None else ctx.dims.coords(ctx.rank)
     params = dict(model.named_parameters())
+    trained = None if trained is None else list(trained)
     try:
         pieces, error = adapter_pieces(model, trained), None
         mine = [(n, ps, logical_shape(params[n]), str(params[n].dtype)) for n, ps in pieces.items()]
@@ -145,6 +149,10 @@ def _stage_plan(model, ctx, trained) -> tuple[list, tuple, str | None]:
         return [], (), f"save_adapter: {problem}"
     if len(keys) != sum(len(e[2]) for e in plan):
         return [], (), "save_adapter: two stages hold the same adapter (overlapping stages?)"
+    held = {entry[1] for entry in plan}
+    lost = sorted(set(trained or ()) - held)
+    if lost:
+        return [], (), f"save_adapter: no stage holds the trained parameters {lost[:5]}"
     return plan, hypers.pop(), None
 
 

@@ -77,7 +77,7 @@ def _expected(model: nn.Module) -> tuple[dict, dict]:
     return adapters, base
 
 
-def _check(model, config, present: dict, ctx) -> tuple[dict, list[str], list[str]]:
+def _check(model, config, path, present: dict, ctx) -> tuple[dict, list[str], list[str]]:
     """The tensors this rank loads, the trained modules found, the ignored keys; raises the
     same ``ValueError`` on every rank when anything does not fit."""
     problems = []
@@ -115,9 +115,7 @@ def _check(model, config, present: dict, ctx) -> tuple[dict, list[str], list[str
     if unknown:
         problems.append(f"{len(unknown)} keys match nothing in the model: {unknown[:5]}")
     if problems:
-        raise ValueError(
-            f"adapter {config.get('_path')} does not fit the model: " + "; ".join(problems[:8])
-        )
+        raise ValueError(f"adapter {path} does not fit the model: " + "; ".join(problems[:8]))
     return load, trained, ignored
 
 
@@ -129,15 +127,13 @@ def load_adapter(model: nn.Module, path: str | Path, *, ctx=None) -> dict:
     parameters loaded from it, and the keys of modules the model never builds."""
     ctx = ctx if ctx is not None else getattr(model, "ctx", None)
     config = read_adapter_config(path)
-    config["_path"] = str(path)
     reader = _AdapterReader(path)
     present = reader.shapes()
-    load, trained, ignored = _check(model, config, present, ctx)
+    load, trained, ignored = _check(model, config, path, present, ctx)
     params = dict(model.named_parameters())
     for name, pieces in load.items():
         p = params[name]
         p.copy_(_read_param(reader, pieces, getattr(p, "tp_shard", None)).reshape(p.shape))
     if ignored:
         log.info("adapter %s: ignored %d tensors of modules never built", path, len(ignored))
-    del config["_path"]
     return {"config": config, "trained": trained, "ignored": ignored}

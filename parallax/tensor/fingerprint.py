@@ -62,15 +62,20 @@ def base_fingerprint(model: nn.Module, ctx=None, names: Iterable[str] | None = N
     chosen = sorted(names)
     tp_group = None if ctx is None else ctx.tp_group
     tp_rank = 0 if ctx is None else ctx.tp_rank
-    mine: Fingerprint = {}
+    rows = []
     for name in chosen:
         p = params[name]
         info = getattr(p, "tp_shard", None)
-        sums = _local_sums(p, info)
-        if info is None and tp_rank != 0:
-            sums.zero_()  # replicated: counted once
-        comm.all_reduce(sums, tp_group)
-        mine[name] = [list(logical_shape(p)), *sums.tolist()]
+        if info is None and tp_rank != 0:  # replicated: counted once, on tp rank 0
+            rows.append(torch.zeros(3, dtype=torch.float64, device=p.device))
+        else:
+            rows.append(_local_sums(p, info))
+    device = rows[0].device if rows else torch.device("cpu")
+    sums = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=device)
+    comm.all_reduce(sums, tp_group)  # (params, 3): one collective for all of them
+    mine: Fingerprint = {
+        name: [list(logical_shape(params[name])), *row] for name, row in zip(chosen, sums.tolist())
+    }
     if ctx is None or ctx.world_size == 1:
         return mine
     gathered = comm.all_gather_object((ctx.dp_rank, ctx.tp_rank, mine), ctx.world_group)

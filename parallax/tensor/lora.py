@@ -31,8 +31,8 @@ adapters (``groups=k``: the checkpoint stores k modules, Llama's q/k/v_proj), st
 Adapters train in their own dtype (fp32 by default: ZeRO keeps them as their own fp32 masters
 while the frozen base stays bf16); the forward casts them to the input's dtype, so compute runs
 in the model's dtype. Dropout needs the same mask on every tp rank for a column adapter; the
-ranks' random states are not kept in step, so dropout > 0 is refused at tp > 1
-(:func:`~parallax.tensor.lora_apply.apply_lora`).
+ranks' random states are not kept in step, so dropout > 0 is refused there at tp > 1 (a row
+adapter's input is split over tp: independent masks are exactly a dropout of the whole input).
 """
 
 from __future__ import annotations
@@ -203,6 +203,12 @@ def add_adapter(
     rank = check_rank(rank)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
+    if dropout > 0 and layer.tp_size > 1 and base is ColumnParallelLinear:
+        raise ValueError(
+            f"LoRA dropout {dropout} at tp={layer.tp_size}: a column-parallel adapter needs "
+            "the same dropout mask on every tp rank, whose random states parallax does not "
+            "keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
+        )
     info: TPShard = layer.weight.tp_shard
     g = len(names)
     if g not in (1, info.partitions) or (base is RowParallelLinear and g != 1):

@@ -36,7 +36,9 @@ class LoRAReport:
     ``skipped``: checkpoint linear modules the targets select that the model never builds (the
     towers' blocks after the feature layer, SigLIP's attention pool): no adapter, for the
     export's notes. ``unmatched``: target patterns that matched no module of this stage (with
-    pipeline stages, gather them before calling a pattern unused). Counts are local elements.
+    pipeline stages, gather them before calling a pattern unused). Counts are this rank's
+    elements: ``adapters`` (of A and B), ``trainable`` (everything with ``requires_grad``) and
+    ``frozen``.
     """
 
     rank: int
@@ -47,6 +49,7 @@ class LoRAReport:
     adapted: dict[str, tuple[str, ...]] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()
     unmatched: tuple[str, ...] = ()
+    adapters: int = 0
     trainable: int = 0
     frozen: int = 0
 
@@ -158,7 +161,7 @@ def apply_lora(
                 f"LoRA dropout {dropout} at tp={module.tp_size}: a column-parallel adapter needs "
                 "the same dropout mask on every tp rank, whose random states parallax does not "
                 "keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
-            )
+            )  # checked here too, before any layer changes
         plan.append((mname, module, own))
     skipped = tuple(n for n in unbuilt_linears(model) if _selected(patterns, exclude, (n,)))
     if patterns is not None:
@@ -170,9 +173,10 @@ def apply_lora(
         report.adapted[mname] = own
     for name, p in model.named_parameters():
         if is_adapter_name(name):
-            report.trainable += p.numel()
+            report.adapters += p.numel()
         elif freeze:
             p.requires_grad_(False)
+    report.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     report.frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     return report
 
@@ -184,6 +188,23 @@ def reset_lora(model: nn.Module, seed: int) -> int:
     for _, layer in layers:
         layer.reset_adapter(seed)
     return len(layers)
+
+
+def unfreeze(model: nn.Module, patterns: str | Sequence[str]) -> list[str]:
+    """Make the base parameters matching ``patterns`` train again (a LoRA run's fully trained
+    modules, PEFT's ``modules_to_save``): globs over the parameter's name or its module's name,
+    whole or as a dotted tail (``norm``, ``projector.fc1``, ``*layernorm*``). Returns the names
+    this rank unfroze (with pipeline stages, gather them before calling a pattern unused)."""
+    patterns = _patterns(patterns) or ()
+    out = []
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        if not is_adapter_name(name) and any(
+            _match(pat, name) or _match(pat, module) for pat in patterns
+        ):
+            p.requires_grad_(True)
+            out.append(name)
+    return out
 
 
 def is_adapter_name(name: str) -> bool:

@@ -14,6 +14,7 @@ from parallax.tensor.lora_apply import (
     merged_state,
     remove_lora,
     trainable_parameters,
+    unfreeze,
 )
 from parallax.testing import context, run_ranks
 from tests.models.helpers import SEED, make_batch, perturbed_init, tiny_config
@@ -50,6 +51,15 @@ def test_targets_select_modules_by_checkpoint_names():
     everything = apply_lora(OpenVLA(cfg), rank=2)
     assert "language_model.lm_head" not in everything.adapted and len(everything.adapted) == 47
     assert len(everything.skipped) == 13  # 2 x 4 in the towers' third blocks, 5 in attn_pool
+
+
+def test_unfreeze_selects_whole_modules_or_parameters():
+    model = OpenVLA(tiny_config())
+    apply_lora(model, rank=2)
+    names = unfreeze(model, ["language_model.model.norm", "projector.fc1.bias", "*layernorm*"])
+    assert names[:1] == ["projector.fc1.bias"] and "language_model.model.norm.weight" in names
+    assert len(names) == 2 + 2 * 4  # two RMSNorms in each of the 4 layers
+    assert {n for n, _ in trainable_parameters(model) if ".lora_" not in n} == set(names)
 
 
 def test_llava_tower_adapters_carry_clip_names():

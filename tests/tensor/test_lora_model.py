@@ -165,6 +165,15 @@ def test_add_adapter_refuses_what_it_cannot_do():
         add_adapter(fused, ("a", "b"), 2, 4.0)
     with pytest.raises(ValueError, match="positive integer"):
         add_adapter(fused, ("a",), 0, 4.0)
+    from parallax import ParallelContext, ParallelDims
+
+    fake_tp2 = ParallelContext(dims=ParallelDims(tp=2))  # no groups: nothing communicates
+    with pytest.raises(ValueError, match="same dropout mask"):
+        add_adapter(ColumnParallelLinear(4, 6, ctx=fake_tp2), ("a",), 2, 4.0, dropout=0.1)
+    from parallax.tensor import RowParallelLinear
+
+    row = add_adapter(RowParallelLinear(4, 6, ctx=fake_tp2), ("a",), 2, 4.0, dropout=0.1)
+    assert row.lora_dropout == 0.1  # split input: independent masks are a dense dropout
 
 
 def test_bf16_base_fp32_adapters():

@@ -66,7 +66,9 @@ def _export(tp: int, pp: int, root: str, fused: bool):
     cfg = tiny_config(fused_projections=fused) if fused else tiny_config()
     model, report = _with_trained(cfg, ctx)
     out = Path(root)
-    save_adapter(model, out / "adapter", notes={"not_adapted": list(report.skipped)})
+    notes = {"not_adapted": list(report.skipped)}
+    trained = list(TRAINED) if pp > 1 else None  # names of both stages, or found by requires_grad
+    save_adapter(model, out / "adapter", trained=trained, notes=notes)
     model.save_pretrained(out / "merged", dtype=torch.float32)
     fresh, _ = lora_model(cfg, ctx)
     loaded = [*dict(adapter_parameters(fresh)), *(n for n in TRAINED if n in held_names(fresh))]
