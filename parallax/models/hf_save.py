@@ -30,6 +30,7 @@ from parallax.models.safetensors_io import (
     write_json_atomic,
 )
 from parallax.tensor import logical_shape, unshard_tensor
+from parallax.tensor.lora_apply import base_parameters, merged_value
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ def save_pretrained(
     Collective: call on every rank. Each stage's (dp 0, tp 0) rank writes that stage's shard
     files while its tp peers help gather; rank 0 writes the index, config.json (with
     norm_stats), dataset_statistics.json and copies the tokenizer and processor files of the
-    checkpoint the model came from. A writer holds one full parameter at a time.
+    checkpoint the model came from. A writer holds one full parameter at a time. A model
+    with LoRA adapters is written merged: each rank adds ``(alpha/r) B A`` to its own slice of
+    each adapted weight in fp32 (rounded once, to ``dtype``), with no reload of the base.
     """
     ctx = model.ctx
     path = Path(path)
@@ -126,7 +129,7 @@ def save_pretrained(
     comm.barrier(world)
 
     layout = _layout(model)
-    params = dict(model.named_parameters())
+    params = dict(base_parameters(model))  # LoRA adapters are merged in, not written
     groups = [layout.tensors(n, logical_shape(p)) for n, p in params.items()]
     unused = layout.unused() if model.has_vision else {}
     groups += [[(n, s)] for n, s in unused.items()]
@@ -149,7 +152,7 @@ def save_pretrained(
                     if first in owners:  # a parameter: gather over tp (every tp rank joins)
                         param = params[owners[first]]
                         info = getattr(param, "tp_shard", None)
-                        p = param.detach()
+                        p = merged_value(model, owners[first], param)  # fp32 if adapted
                         full = p if info is None else unshard_tensor(p, info, tp_group)
                         parts = full.split(group[0][1][0], dim=0) if len(group) > 1 else [full]
                     elif writer is not None:

@@ -293,6 +293,13 @@ class OpenVLA(nn.Module):
 
         return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
+    def checkpoint_layout(self):
+        """The Hugging Face checkpoint's tensor names for this model's parameters (fused
+        projections stored split), as :mod:`parallax.models.hf_save` and LoRA read them."""
+        from parallax.models.hf_save import _OpenVLATensors
+
+        return _OpenVLATensors(self.config)
+
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the Hugging Face layout: see :func:`parallax.models.hf_save.save_pretrained`."""
         from parallax.models.hf_save import save_pretrained

@@ -1,4 +1,4 @@
-"""Tensor parallelism: layers, their communication primitives, and the vocab-parallel loss."""
+"""Tensor parallelism: layers, their communication primitives, the vocab-parallel loss, LoRA."""
 
 from parallax.tensor.functional import (
     copy_to_tp,
@@ -16,6 +16,8 @@ from parallax.tensor.layers import (
     resolve_tp,
     sync_sequence_parallel_grads,
 )
+from parallax.tensor.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
+from parallax.tensor.lora_apply import LoRAReport, apply_lora, merge_lora
 from parallax.tensor.loss import vocab_parallel_cross_entropy
 from parallax.tensor.sharding import (
     TPShard,
@@ -27,15 +29,20 @@ from parallax.tensor.sharding import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "LoRAColumnParallelLinear",
+    "LoRAReport",
+    "LoRARowParallelLinear",
     "RowParallelLinear",
     "TPShard",
     "VocabParallelEmbedding",
+    "apply_lora",
     "copy_to_tp",
     "full_tensor",
     "gather_from_sp",
     "gather_from_tp",
     "heads_per_rank",
     "logical_shape",
+    "merge_lora",
     "reduce_from_tp",
     "reduce_scatter_to_sp",
     "resolve_tp",

@@ -1,0 +1,14 @@
+"""Run the tensor tests on one torch thread, as the model tests do: the tiny layers and models
+gain nothing from intra-op threads, and on a busy 2-core machine OpenMP workers waiting for a
+core make them many times slower (the multi-rank workers already use one thread each)."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
