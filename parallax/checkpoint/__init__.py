@@ -13,10 +13,14 @@ Loading (any other layout)::
     full = ckpt.get("layers.0.mlp.up.weight")
     mine = ckpt.shard("layers.0.mlp.up.weight", dim=0, rank=ctx.tp_rank, world=ctx.tp_size)
 
+Every read verifies the checksums of the bytes it reads (only a slice's, for a slice); wrap a
+rank's reads in ``read_agreed(group, fn)`` so that every rank raises the same error or none.
+
 See :mod:`parallax.checkpoint.store` for the directory layout.
 """
 
-from parallax.checkpoint.distributed import save_checkpoint
+from parallax.checkpoint.checksum import Chunking
+from parallax.checkpoint.distributed import read_agreed, save_checkpoint
 from parallax.checkpoint.modules import load_module, module_sources
 from parallax.checkpoint.reader import Checkpoint
 from parallax.checkpoint.rng import rng_state, set_rng_state
@@ -26,6 +30,7 @@ from parallax.checkpoint.store import (
     latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
+    remove_checkpoints,
     staging_dir,
     step_dir,
     write_shard,
@@ -41,6 +46,7 @@ from parallax.checkpoint.stream import (
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "Chunking",
     "TensorSource",
     "begin_checkpoint",
     "commit_checkpoint",
@@ -49,7 +55,9 @@ __all__ = [
     "load_module",
     "module_sources",
     "prune_checkpoints",
+    "read_agreed",
     "read_header",
+    "remove_checkpoints",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",

@@ -10,19 +10,24 @@ touched. The checkpoint directory must be on a filesystem every rank of the grou
 A full tensor often has to be gathered from tp or dp shards first, a collective the peers
 join. Those peers list the same source with ``TensorSource(..., write=False)``: every rank
 calls its producers in list order, so the gathers line up, and only the writer stores it.
+
+Reading is the mirror image: each rank reads (and verifies) only what it needs, so damage may
+be seen by some ranks only; :func:`read_agreed` runs a rank's reads and then one agreement
+point, so every rank raises the same error or none does.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from parallax import comm
+from parallax.checkpoint.checksum import DEFAULT_CHUNKING, Chunking
 from parallax.checkpoint.store import (
     ShardInfo,
     begin_checkpoint,
@@ -34,6 +39,7 @@ from parallax.checkpoint.store import (
 from parallax.checkpoint.stream import CheckpointError, TensorSource, iter_sources
 
 Group = comm.Group
+T = TypeVar("T")
 
 
 def _agree(error: str | None, group: Group, step: int, phase: str) -> None:
@@ -63,13 +69,15 @@ def save_checkpoint(
     *,
     group: Group = None,
     keep_last: int | None = None,
+    chunking: Chunking = DEFAULT_CHUNKING,
 ) -> Path:
     """Save ``step`` under ``root`` from every rank of ``group`` (``None``: this process only).
 
     Each rank passes the full logical tensors it is responsible for (sources, or a dict of
     in-memory tensors; every name written by exactly one rank), plus ``write=False`` sources
     for the gathers it only helps with. ``meta`` (JSON values) is taken from the group's
-    rank 0. Returns the published step directory on every rank.
+    rank 0. ``chunking`` sets the checksum tiles. Returns the published step directory on
+    every rank.
     """
     rank = comm.rank(group)
     stage = staging_dir(root, step)
@@ -85,7 +93,7 @@ def save_checkpoint(
     info: ShardInfo | None = None
     error = None
     try:
-        info = write_shard(stage, f"shard-{rank:05d}.safetensors", iter_sources(tensors))
+        info = write_shard(stage, f"shard-{rank:05d}.safetensors", iter_sources(tensors), chunking)
     except Exception as err:  # noqa: BLE001
         error = _describe(err)
     shards = comm.all_gather_object((info, error), group)
@@ -105,3 +113,28 @@ def save_checkpoint(
             error = _describe(err)
     _agree(error, group, step, "committing")
     return step_dir(root, step)
+
+
+def read_agreed(group: Group, fn: Callable[[], T]) -> T:
+    """Run ``fn`` (this rank's reads from a checkpoint) on every rank of ``group``, then agree:
+    if it raised :class:`CheckpointError` on any rank, every rank raises one same
+    ``CheckpointError`` carrying each distinct message and the ranks that saw it. ``fn`` must
+    not run collectives (a failing rank skips the rest of them)."""
+    error, value = None, None
+    try:
+        value = fn()
+    except CheckpointError as err:
+        error = str(err)
+    errors = comm.all_gather_object(error, group)
+    seen: dict[str, list[int]] = {}
+    for r, e in enumerate(errors):
+        if e:
+            seen.setdefault(e, []).append(r)
+    if seen:
+        raise CheckpointError(
+            "; ".join(
+                (f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}") + f": {e}"
+                for e, rs in seen.items()
+            )
+        )
+    return value

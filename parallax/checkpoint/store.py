@@ -7,25 +7,32 @@
       step_00000100/                one complete checkpoint
         shard-00000.safetensors     any number of shard files, each written by one rank
         shard-00001.safetensors
-        index.json                  {"format": "parallax-checkpoint", "version": 1, "step": 100,
+        index.json                  {"format": "parallax-checkpoint", "version": 2, "step": 100,
                                      "weight_map": {tensor name: file},
-                                     "tensors": {tensor name: {"dtype": "F32", "shape": [...]}},
+                                     "tensors": {tensor name: {"dtype": "F32", "shape": [...],
+                                                 "chunks": [rows, cols], "crc32": [...]}},
                                      "files": {file: size in bytes}}
         meta.json                   {"step": 100, ...whatever the caller passed...}
       step_00000200/
       step_00000300.tmp/            a write in progress, or the remains of a crashed one
+      step_00000050.deleting/       a pruned checkpoint being deleted, or what a kill left of it
 
 A step directory is written as ``step_XXXXXXXX.tmp`` and renamed into place only when every
 shard, the index and the metadata are on disk (fsynced); so any ``step_XXXXXXXX`` directory is
 complete, a crash leaves only a ``.tmp`` that readers ignore, and older checkpoints are deleted
-(keep-last-K) only after the new one is in place. Tensors are full logical tensors named by
-their global names, which is what makes a checkpoint independent of the layout that wrote it.
+(keep-last-K) only after the new one is in place, never the one just written; a pruned one is
+renamed to ``.deleting`` before its files go, so a kill midway leaves a name no reader takes
+for a checkpoint (the next prune removes it). Tensors are full logical tensors named by their
+global names, which is what makes a checkpoint independent of the layout that wrote it. Version
+2 adds per-tile CRC-32 checksums (:mod:`parallax.checkpoint.checksum`); version 1 checkpoints
+(no checksums) still load, unverified.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Iterable
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax.atomic import atomic_write_text, fsync_dir, fsync_file, publish_dir
+from parallax.checkpoint.checksum import DEFAULT_CHUNKING, Chunking
 from parallax.checkpoint.stream import (
     DTYPES,
     CheckpointError,
@@ -45,12 +53,14 @@ from parallax.checkpoint.stream import (
 log = logging.getLogger(__name__)
 
 FORMAT = "parallax-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: per-tile checksums in the index; 1 (none) still reads
 INDEX, META, LATEST = "index.json", "meta.json", "latest"
 STEP_RE = re.compile(r"^step_(\d{8,})$")
 STAGING_RE = re.compile(r"^step_(\d{8,})\.tmp$")
 OLD_RE = re.compile(r"^\.step_\d{8,}\.old-[0-9a-f]+$")  # see parallax.atomic.publish_dir
-ShardInfo = dict[str, Any]  # {"file": str, "size": int, "tensors": {name: {"dtype", "shape"}}}
+DELETING = ".deleting"
+# {"file": str, "size": int, "tensors": {name: {"dtype", "shape", "chunks", "crc32"}}}
+ShardInfo = dict[str, Any]
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -74,11 +84,15 @@ def begin_checkpoint(root: str | Path, step: int) -> Path:
 
 
 def write_shard(
-    stage: str | Path, file: str, tensors: Iterable[TensorSource] | dict[str, Any]
+    stage: str | Path,
+    file: str,
+    tensors: Iterable[TensorSource] | dict[str, Any],
+    chunking: Chunking = DEFAULT_CHUNKING,
 ) -> ShardInfo | None:
     """Write one shard file into the staging directory (any rank); return its description
-    for :func:`commit_checkpoint`, or ``None`` when every source is ``write=False`` (their
-    producers still run, in order). One full tensor is in memory at a time."""
+    (with each tensor's checksums) for :func:`commit_checkpoint`, or ``None`` when every
+    source is ``write=False`` (their producers still run, in order). One full tensor is in
+    memory at a time."""
     if "/" in file or "\\" in file or not file.endswith(".safetensors"):
         raise CheckpointError(f"shard file {file!r} must be a plain name ending in .safetensors")
     srcs = iter_sources(tensors)
@@ -91,11 +105,15 @@ def write_shard(
                 drain(srcs[k + 1 :])
                 raise
         return None
-    size = write_safetensors(Path(stage) / file, srcs)
+    sums: dict[str, dict[str, Any]] = {}
+    size = write_safetensors(Path(stage) / file, srcs, checksums=sums, chunking=chunking)
     return {
         "file": file,
         "size": size,
-        "tensors": {s.name: {"dtype": DTYPES[s.dtype], "shape": list(s.shape)} for s in written},
+        "tensors": {
+            s.name: {"dtype": DTYPES[s.dtype], "shape": list(s.shape), **sums[s.name]}
+            for s in written
+        },
     }
 
 
@@ -107,7 +125,8 @@ def commit_checkpoint(
     keep_last: int | None = None,
 ) -> Path:
     """Write the index and metadata, then publish the staging directory as ``step_XXXXXXXX``,
-    update ``latest`` and prune to the newest ``keep_last`` (one rank, after every shard)."""
+    update ``latest`` and prune to ``keep_last``, this step among them (one rank, after every
+    shard)."""
     root, stage = Path(root), staging_dir(root, step)
     meta_text = json.dumps({**(meta or {}), "step": step}, indent=2, sort_keys=True)
     weight_map: dict[str, str] = {}
@@ -146,7 +165,7 @@ def commit_checkpoint(
     publish_dir(stage, final)
     atomic_write_text(root / LATEST, final.name + "\n")
     if keep_last:
-        prune_checkpoints(root, keep_last)
+        prune_checkpoints(root, keep_last, protect=step)
     log.info("saved checkpoint %s (%d tensors in %d files)", final, len(weight_map), len(files))
     return final
 
@@ -183,15 +202,65 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints, staging directories older
-    than the newest checkpoint, and replaced copies (both left by crashed writes)."""
+def prune_checkpoints(root: str | Path, keep_last: int, protect: int | None = None) -> None:
+    """Delete all but ``keep_last`` complete checkpoints: the newest by step, with step
+    ``protect`` (the one just written) always among them. Also remove staging directories
+    older than the newest checkpoint, replaced copies and half-deleted checkpoints (all left
+    by crashed writes or kills)."""
+    root = Path(root)
     found = list_checkpoints(root)
-    for old in found[: max(0, len(found) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = found[-keep_last:] if keep_last > 0 else []
+    mine = step_dir(root, protect) if protect is not None else None
+    if mine in found and mine not in keep:
+        others = [p for p in found if p != mine]
+        keep = [mine, *others[max(0, len(others) - keep_last + 1) :]] if keep_last > 1 else [mine]
+        log.warning(
+            "%s holds checkpoints newer than step %d, the one just written: they are from "
+            "another run (kept: %s)",
+            root,
+            protect,
+            ", ".join(p.name for p in keep),
+        )
+    for old in found:
+        if old not in keep:
+            discard(old)
     if found:
         newest = int(STEP_RE.match(found[-1].name).group(1))
-        for p in Path(root).iterdir():
+        for p in root.iterdir():
             m = STAGING_RE.match(p.name)
             if (m and int(m.group(1)) < newest) or OLD_RE.match(p.name):
                 shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():
+        if p.name.endswith(DELETING):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def discard(path: str | Path) -> None:
+    """Delete a checkpoint directory by renaming it to ``<name>.deleting`` first: a kill in
+    the middle leaves a name that no reader takes for a checkpoint, removed by the next
+    :func:`prune_checkpoints`, instead of a half-deleted ``step_XXXXXXXX``."""
+    path = Path(path)
+    doomed = path.with_name(path.name + DELETING)
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_checkpoints(root: str | Path) -> None:
+    """Remove every checkpoint under ``root`` (and ``latest``, staging and leftover
+    directories): what ``--overwrite`` does to an old run. Published ones go through
+    :func:`discard`, so a kill midway never leaves something that looks resumable."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        if STEP_RE.match(p.name) and p.is_dir():
+            discard(p)
+        elif p.name == LATEST:
+            p.unlink()
+        elif p.is_dir() and (
+            STAGING_RE.match(p.name) or OLD_RE.match(p.name) or p.name.endswith(DELETING)
+        ):
+            shutil.rmtree(p, ignore_errors=True)

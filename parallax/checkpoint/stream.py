@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from parallax.checkpoint.checksum import DEFAULT_CHUNKING, Chunking, as_matrix
+from parallax.checkpoint.checksum import checksums as tile_checksums
+
 log = logging.getLogger(__name__)
 
 DTYPES: dict[torch.dtype, str] = {
@@ -90,12 +93,18 @@ def write_safetensors(
     path: str | os.PathLike,
     tensors: Sequence[TensorSource],
     metadata: dict[str, str] | None = None,
+    *,
+    checksums: dict[str, dict[str, Any]] | None = None,
+    chunking: Chunking = DEFAULT_CHUNKING,
 ) -> int:
     """Write ``tensors`` to ``path`` one at a time (data fsynced); return the file size.
 
     Sources with ``write=False`` are produced in their turn and dropped (see ``TensorSource``).
     The caller decides where ``path`` lives; inside a checkpoint it is a staging directory that
-    is renamed into place only when complete, so the file itself needs no temp name.
+    is renamed into place only when complete, so the file itself needs no temp name. When
+    ``checksums`` is a dict, it receives ``{name: {"chunks": [rows, cols], "crc32": [...]}}``
+    for every written tensor, computed from the bytes written
+    (:mod:`parallax.checkpoint.checksum`).
     """
     if sys.byteorder != "little":
         raise CheckpointError("safetensors is little-endian; big-endian hosts are not supported")
@@ -124,7 +133,7 @@ def write_safetensors(
             f.write(blob)
             for src in tensors:
                 started += 1
-                _write_one(f, src)
+                _write_one(f, src, checksums, chunking)
             f.flush()
             os.fsync(f.fileno())
     except Exception:
@@ -147,17 +156,28 @@ def drain(tensors: Sequence[TensorSource]) -> None:
             log.debug("ignoring a failure while draining %s", src.name, exc_info=True)
 
 
-def _write_one(f, src: TensorSource) -> None:
-    """Produce one tensor and write its bytes; nothing of it outlives this call."""
+def _write_one(
+    f, src: TensorSource, checksums: dict[str, dict[str, Any]] | None, chunking: Chunking
+) -> None:
+    """Produce one tensor and write its bytes (and checksum them); nothing of it outlives
+    this call."""
     tensor = src.produce()
     if tuple(tensor.shape) != tuple(src.shape) or tensor.dtype != src.dtype:
         raise CheckpointError(
             f"tensor {src.name!r}: producer returned {tuple(tensor.shape)} {tensor.dtype}, "
             f"declared {tuple(src.shape)} {src.dtype}"
         )
-    if src.write and tensor.numel():
-        flat = tensor.detach().reshape(-1).contiguous().cpu()  # (numel,)
-        f.write(memoryview(flat.view(torch.uint8).numpy()))
+    if not src.write:
+        return
+    data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()  # (nbytes,)
+    if tensor.numel():
+        f.write(memoryview(data))
+    if checksums is not None:
+        itemsize = tensor.element_size()
+        rows, cols = chunking.geometry(src.shape, itemsize)
+        matrix = as_matrix(data, src.shape, itemsize)
+        crcs = tile_checksums(matrix, src.shape, itemsize, rows, cols)
+        checksums[src.name] = {"chunks": [rows, cols], "crc32": crcs}
 
 
 def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:

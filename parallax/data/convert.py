@@ -17,6 +17,14 @@ From the built-in synthetic task (to see the format, or to train from disk)::
 
     python -m parallax.data.convert synthetic OUT [--episodes 100] [--image-size 64] [--seed 0]
 
+From another project's format (read in place, see :mod:`parallax.data.mixture`)::
+
+    python -m parallax.data.convert rlds|lerobot|libero|auto SRC OUT [--name NAME]
+        [--image-size H [W]] [--data-config KEYS.toml]
+
+takes the primary camera, the dataset config's actions (gripper standardised as OpenVLA does)
+and each episode's first instruction; ``auto`` detects the format.
+
 ``--image-size`` resizes every frame (bilinear, antialiased) so that episodes of different
 cameras share one shape. Nothing is pickled; the output appears only once it is complete.
 """
@@ -127,6 +135,58 @@ def read_folder(src: str | Path, image_size: tuple[int, int] | None = None) -> I
         yield Episode(tensor, actions, instruction)
 
 
+FOREIGN = ("rlds", "lerobot", "libero", "auto")  # readers of other projects' formats
+
+
+def read_source(source, image_size: tuple[int, int] | None = None) -> Iterator[Episode]:
+    """The episodes of an opened :class:`~parallax.data.source.Source` (primary camera, the
+    config's actions, the first step's instruction), one at a time."""
+    for k in range(len(source.episodes)):
+        opened = source.open_episode(k)
+        try:
+            length = source.episodes[k].length
+            frames = np.stack([opened.image(t) for t in range(length)])
+            tensor = torch.from_numpy(frames)
+            if image_size is not None and tuple(tensor.shape[1:3]) != image_size:
+                tensor = _resize(tensor, image_size)
+            actions = torch.from_numpy(np.asarray(opened.actions, dtype=np.float32))
+            yield Episode(tensor, actions, opened.instruction(0))
+        finally:
+            opened.close()
+
+
+def _convert_foreign(args) -> Path:
+    from parallax.data.keys import load_key_configs
+    from parallax.data.mixture import DataSpec, open_source
+
+    configs = load_key_configs(args.data_config) if args.data_config else None
+    fmt = None if args.source == "auto" else args.source
+    source = open_source(DataSpec(path=str(args.src), format=fmt), user_configs=configs)
+    size = args.image_size
+    if size is not None and len(size) not in (1, 2):
+        raise DatasetError(f"--image-size takes H or H W, got {size}")
+    size = None if size is None else (size[0], size[-1])
+    name = args.name or source.name
+    return write_dataset(args.out, read_source(source, size), name, args.overwrite)
+
+
+def _add_foreign(sub) -> None:
+    helps = {
+        "rlds": "convert an RLDS / TFDS dataset (features.json + .tfrecord shards)",
+        "lerobot": "convert a LeRobot v2.x / v3.0 dataset (meta/info.json)",
+        "libero": "convert LIBERO HDF5 demos (a suite folder or one file)",
+        "auto": "convert an RLDS, LeRobot or LIBERO dataset, its format detected",
+    }
+    for fmt in FOREIGN:
+        p = sub.add_parser(fmt, help=helps[fmt])
+        p.add_argument("src", type=Path)
+        p.add_argument("out", type=Path)
+        p.add_argument("--name", default=None, help="dataset name (default: the source's)")
+        p.add_argument("--image-size", type=int, nargs="+", metavar="H [W]")
+        p.add_argument("--data-config", type=Path, help="TOML of per-dataset key configs")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m parallax.data.convert",
@@ -147,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     for p in (folder, synth):
         p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    _add_foreign(sub)
     return parser
 
 
@@ -154,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.source == "synthetic":
+        if args.source in FOREIGN:
+            out = _convert_foreign(args)
+        elif args.source == "synthetic":
             task = SyntheticTask(
                 seed=args.seed,
                 num_episodes=args.episodes,

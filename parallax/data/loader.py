@@ -16,6 +16,7 @@ micro-batch size.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -40,10 +41,30 @@ class Dataset(Protocol):
 
 
 def load_dataset(spec: str, *, seed: int = 0, image_size: int | None = None) -> Dataset:
-    """``"synthetic"`` for the built-in task (``seed``, ``image_size``), else a dataset dir."""
+    """``"synthetic"`` for the built-in task (``seed``, ``image_size``), else a dataset dir:
+    parallax's episode format, or ``rlds:PATH`` / ``lerobot:PATH`` / ``libero:PATH`` / a
+    directory in one of those formats, read in place (random access; the streaming loader
+    :class:`~parallax.data.stream.StreamLoader` is the faster way to train on them)."""
     if spec == "synthetic":
         return SyntheticTask(seed=seed, **({"image_size": image_size} if image_size else {}))
-    return EpisodeDataset(spec)
+    from parallax.data.mixture import detect_format, open_source, parse_data_spec
+    from parallax.data.source import SourceDataset
+
+    specs = parse_data_spec(spec)
+    if len(specs) > 1 or specs[0].weight is not None:
+        raise DatasetError(
+            f"--data {spec!r} is a mixture: mixtures stream through StreamLoader (load_mixture)"
+        )
+    (one,) = specs
+    fmt = one.format
+    if fmt is None and Path(one.path).is_dir():
+        try:
+            fmt = detect_format(one.path)
+        except DatasetError:  # nothing known: the episode reader says what is missing
+            fmt = None
+    if fmt in (None, "parallax"):
+        return EpisodeDataset(one.path)
+    return SourceDataset(open_source(one))
 
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:

@@ -13,9 +13,13 @@ computes them; the mask marks the last dimension (the gripper) as not normalised
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from parallax.atomic import atomic_write_bytes
 
 STAT_KEYS = ("max", "mean", "min", "q01", "q99", "std")
 
@@ -29,32 +33,72 @@ def action_mask(action_dim: int) -> list[bool]:
     return [True] * (action_dim - 1) + [False]
 
 
-def compute_statistics(actions: np.ndarray, num_trajectories: int, name: str) -> dict[str, Any]:
-    """``norm_stats`` for one dataset from all its actions ``(num_transitions, action_dim)``."""
+def _summary(values: np.ndarray) -> dict[str, list[float]]:
+    as_list = lambda a: [float(v) for v in np.asarray(a, dtype=np.float32)]  # noqa: E731
+    return {
+        "max": as_list(values.max(0)),
+        "mean": as_list(values.mean(0)),
+        "min": as_list(values.min(0)),
+        "q01": as_list(np.quantile(values, 0.01, axis=0)),
+        "q99": as_list(np.quantile(values, 0.99, axis=0)),
+        "std": as_list(values.std(0)),
+    }
+
+
+def compute_statistics(
+    actions: np.ndarray,
+    num_trajectories: int,
+    name: str,
+    *,
+    mask: list[bool] | None = None,
+    states: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """``norm_stats`` for one dataset from all its actions ``(num_transitions, action_dim)``.
+
+    ``mask`` marks the normalised dimensions (default: all but the last, the gripper);
+    ``states`` ``(num_transitions, state_dim)``, when given, fill ``proprio`` (else zeros of
+    the action's size, as OpenVLA writes when it loads no proprioception).
+    """
     actions = np.asarray(actions, dtype=np.float32)
     if actions.ndim != 2 or actions.shape[0] == 0:
         raise DatasetError(
             f"statistics need a non-empty (transitions, action_dim) array, got {actions.shape}"
         )
-    as_list = lambda a: [float(v) for v in np.asarray(a, dtype=np.float32)]  # noqa: E731
-    action = {
-        "mask": action_mask(actions.shape[1]),
-        "max": as_list(actions.max(0)),
-        "mean": as_list(actions.mean(0)),
-        "min": as_list(actions.min(0)),
-        "q01": as_list(np.quantile(actions, 0.01, axis=0)),
-        "q99": as_list(np.quantile(actions, 0.99, axis=0)),
-        "std": as_list(actions.std(0)),
-    }
-    zeros = [0.0] * actions.shape[1]
+    mask = action_mask(actions.shape[1]) if mask is None else [bool(m) for m in mask]
+    if len(mask) != actions.shape[1]:
+        raise DatasetError(f"mask of {len(mask)} dims for actions of {actions.shape[1]} dims")
+    action = {"mask": mask, **_summary(actions)}
+    if states is not None and np.asarray(states).size:
+        proprio = _summary(np.asarray(states, dtype=np.float32))
+    else:
+        proprio = {k: [0.0] * actions.shape[1] for k in STAT_KEYS}
     return {
         name: {
             "action": action,
-            "proprio": {k: list(zeros) for k in STAT_KEYS},
+            "proprio": proprio,
             "num_trajectories": int(num_trajectories),
             "num_transitions": int(actions.shape[0]),
         }
     }
+
+
+def merge_statistics(*stats: dict[str, Any]) -> dict[str, Any]:
+    """One ``norm_stats`` dict keyed by dataset, as OpenVLA's ``dataset_statistics.json`` holds
+    a mixture's; a name that appears twice is an error."""
+    merged: dict[str, Any] = {}
+    for entry in stats:
+        for name, value in entry.items():
+            if name in merged:
+                raise DatasetError(f"two datasets are named {name!r}; give one another name")
+            merged[name] = value
+    return dict(sorted(merged.items()))
+
+
+def write_statistics(path: str | Path, stats: dict[str, Any]) -> None:
+    """Write ``dataset_statistics.json`` (keys sorted, atomically)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, (json.dumps(stats, indent=1, sort_keys=True) + "\n").encode())
 
 
 def check_statistics(stats: Any, where: str) -> str:

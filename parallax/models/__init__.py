@@ -1,4 +1,4 @@
-"""Models built from parallax tensor layers: a generic ViT, Llama blocks, and OpenVLA."""
+"""Models built from parallax tensor layers: a generic ViT, Llama blocks, OpenVLA and LLaVA-NeXT."""
 
 from parallax.models.action_tokenizer import (
     ActionTokenizer,
@@ -7,6 +7,11 @@ from parallax.models.action_tokenizer import (
 )
 from parallax.models.config import OpenVLAConfig
 from parallax.models.llama import KVCache, LlamaConfig, LlamaLM
+from parallax.models.llava_config import LlavaNextConfig
+from parallax.models.llava_next import LlavaNext
+from parallax.models.llava_processor import LlavaNextProcessor
+from parallax.models.llava_template import LlavaTinyTokenizer
+from parallax.models.llava_vision import llava_init_fn
 from parallax.models.objectives import (
     action_metrics,
     expand_labels,
@@ -34,6 +39,10 @@ __all__ = [
     "KVCache",
     "LlamaConfig",
     "LlamaLM",
+    "LlavaNext",
+    "LlavaNextConfig",
+    "LlavaNextProcessor",
+    "LlavaTinyTokenizer",
     "OpenVLA",
     "OpenVLAConfig",
     "StageBlock",
@@ -45,6 +54,7 @@ __all__ = [
     "expand_labels",
     "generate",
     "get_tokenizer",
+    "llava_init_fn",
     "loss_token_count",
     "normalize_actions",
     "openvla_init_fn",

@@ -1,4 +1,9 @@
-"""Write a model (all pipeline stages, all tp shards) as a Hugging Face OpenVLA checkpoint.
+"""Write a model (all pipeline stages, all tp shards) as a Hugging Face checkpoint.
+
+The names come from the model's ``checkpoint_layout()`` when it has one (LLaVA-NeXT), else
+OpenVLA's: an object with ``tensors(name, logical_shape)`` (the checkpoint tensors whose dim-0
+concatenation, viewed to the parameter's shape, is the parameter), ``unused()`` (checkpoint-only
+tensors, written from ``model.hf_unused``) and ``expected()`` (every parameter tensor).
 
 Each stage's (dp 0, tp 0) rank writes that stage's own shard files, gathering one parameter at a
 time over tp and streaming it to disk, so no writer ever holds more than one full tensor; the
@@ -41,7 +46,29 @@ AUX_FILES = (
     "configuration_prismatic.py",
     "modeling_prismatic.py",
     "processing_prismatic.py",
+    "chat_template.json",
 )
+
+
+class _OpenVLATensors:
+    """OpenVLA's checkpoint names: the default for a model without ``checkpoint_layout``."""
+
+    def __init__(self, config: OpenVLAConfig) -> None:
+        self.config = config
+
+    def tensors(self, name: str, shape) -> list:
+        return hf_names(name, shape)
+
+    def unused(self) -> dict:
+        return unused_tensors(self.config)
+
+    def expected(self) -> dict:
+        return expected_tensors(self.config)
+
+
+def _layout(model):
+    make = getattr(model, "checkpoint_layout", None)
+    return make() if make is not None else _OpenVLATensors(model.config)
 
 
 def _plan(stage_groups: list[list[list]], max_bytes: int, itemsize: int) -> list[tuple[int, list]]:
@@ -87,7 +114,7 @@ def save_pretrained(
     norm_stats), dataset_statistics.json and copies the tokenizer and processor files of the
     checkpoint the model came from. A writer holds one full parameter at a time.
     """
-    ctx, config = model.ctx, model.config
+    ctx = model.ctx
     path = Path(path)
     rank = 0 if ctx is None else ctx.rank
     pp_rank, dp_rank, tp_rank = (0, 0, 0) if ctx is None else ctx.dims.coords(ctx.rank)
@@ -98,13 +125,14 @@ def save_pretrained(
         path.mkdir(parents=True, exist_ok=True)
     comm.barrier(world)
 
+    layout = _layout(model)
     params = dict(model.named_parameters())
-    groups = [hf_names(n, logical_shape(p)) for n, p in params.items()]
-    unused = unused_tensors(config) if model.has_vision else {}
+    groups = [layout.tensors(n, logical_shape(p)) for n, p in params.items()]
+    unused = layout.unused() if model.has_vision else {}
     groups += [[(n, s)] for n, s in unused.items()]
     gathered = comm.all_gather_object((pp_rank, dp_rank, tp_rank, groups), world)
     by_stage = {pp: g for pp, dp, tp, g in gathered if dp == 0 and tp == 0}
-    _check_complete(by_stage, config)  # same verdict on every rank, before anything is written
+    _check_complete(by_stage, layout)  # same verdict on every rank, before anything is written
     files = _plan([by_stage[s] for s in sorted(by_stage)], parse_size(max_shard_size), itemsize)
     names = [_file_name(i, len(files)) for i in range(len(files))]
 
@@ -129,8 +157,8 @@ def save_pretrained(
                     else:
                         continue
                     if writer is not None:
-                        for (n, _), t in zip(group, parts):
-                            writer.write(n, t.to(dtype))
+                        for (n, shape), t in zip(group, parts):
+                            writer.write(n, t.reshape(shape).to(dtype))
                     full = parts = None  # hold one parameter at a time
             except BaseException:
                 if writer is not None:
@@ -144,9 +172,9 @@ def save_pretrained(
     comm.barrier(world)
 
 
-def _check_complete(by_stage: dict, config: OpenVLAConfig) -> None:
+def _check_complete(by_stage: dict, layout) -> None:
     names = [n for s in sorted(by_stage) for g in by_stage[s] for n, _ in g]
-    want = {**expected_tensors(config), **unused_tensors(config)}
+    want = {**layout.expected(), **layout.unused()}
     counts = Counter(names)
     missing = [n for n in want if n not in counts]
     twice = sorted(n for n, c in counts.items() if c > 1)
@@ -184,7 +212,7 @@ def _write_metadata(model, path: Path, files, names, itemsize: int) -> None:
         ):
             stale.unlink()
     write_json_atomic(path / "config.json", config.to_dict())
-    if config.norm_stats:
+    if getattr(config, "norm_stats", None):
         write_json_atomic(path / "dataset_statistics.json", config.norm_stats)
     if config.source and Path(config.source).resolve() != path.resolve():
         for aux in AUX_FILES:

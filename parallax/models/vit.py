@@ -54,6 +54,7 @@ class ViTConfig:
     keep_prefix: bool = False
     feature_layer: int = -1
     pool: str = "token"
+    patch_bias: bool = True  # CLIP's patch convolution has none
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -186,7 +187,9 @@ class PatchEmbed(nn.Module):
     def __init__(self, cfg: ViTConfig, device=None, dtype=None) -> None:
         super().__init__()
         p = cfg.patch_size
-        self.proj = nn.Conv2d(3, cfg.width, p, stride=p, bias=True, device=device, dtype=dtype)
+        self.proj = nn.Conv2d(
+            3, cfg.width, p, stride=p, bias=cfg.patch_bias, device=device, dtype=dtype
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.proj(images).flatten(2).transpose(1, 2)  # (b, patches, w), row-major

@@ -6,13 +6,15 @@ from collections import Counter
 
 from parallax.pipeline.lower import (
     Batch,
+    Channel,
+    Message,
     Program,
     channel_orders,
     comm_messages,
     lower,
     pairing_keys,
 )
-from parallax.pipeline.schedule import Schedule
+from parallax.pipeline.schedule import Action, Schedule
 from parallax.pipeline.simulate import simulate
 
 
@@ -63,25 +65,45 @@ def _check_actions(schedule: Schedule) -> None:
 
 
 def _check_pairing(program: Program) -> None:
-    """Every channel carries the same messages in the same order on both ends."""
+    """Every channel carries the schedule's messages in the sender's compute order, as posted
+    by the sender and as posted by the receiver (matched by position: a receive posted for
+    the wrong message would take another message's bytes)."""
     schedule = program.schedule
-    received: dict = {}
+    posted: dict[bool, dict[Channel, list[Message]]] = {True: {}, False: {}}
     for items in program.ranks:
         for item in items:
             if isinstance(item, Batch):
                 for op in item.ops:
-                    if op.kind.startswith("RECV"):
-                        channel, msgs = comm_messages(op, schedule)
-                        received.setdefault(channel, []).extend(msgs)
-    for channel, sent in channel_orders(schedule).items():
-        got = received.get(channel, [])
-        if got != sent:
-            extra = [f"{k}{s}:{m}" for k, s, m in sent[len(got) :]]
-            _fail(
-                schedule,
-                f"rank {channel[0]} -> rank {channel[1]}: sends {len(sent)} messages, "
-                f"the peer receives {len(got)} (unmatched: {' '.join(extra[:8])})",
-            )
+                    channel, msgs = comm_messages(op, schedule)
+                    posted[op.kind.startswith("SEND")].setdefault(channel, []).extend(msgs)
+    expected = channel_orders(schedule)
+    for send, channels in posted.items():
+        for channel in sorted(set(expected) | set(channels)):
+            want, got = expected.get(channel, []), channels.get(channel, [])
+            if got != want:
+                _fail(schedule, _mismatch(channel, send, want, got))
+
+
+def _op_of(message: Message, send: bool) -> Action:
+    """The communication action that posts ``message`` (kind, receiving stage, microbatch)."""
+    kind, stage, m = message
+    if not send:
+        return Action({"M": "RECV_F_META", "F": "RECV_F", "B": "RECV_B"}[kind], stage, m)
+    if kind == "B":
+        return Action("SEND_B", stage + 1, m)
+    return Action("SEND_F_META" if kind == "M" else "SEND_F", stage - 1, m)
+
+
+def _mismatch(channel: Channel, send: bool, want: list, got: list) -> str:
+    """Where one end of a channel first departs from the messages the schedule sends."""
+    i = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    should = _op_of(want[i], send) if i < len(want) else "nothing"
+    posts = _op_of(got[i], send) if i < len(got) else "nothing"
+    end = "sending" if send else "receiving"
+    return (
+        f"rank {channel[0]} -> rank {channel[1]}, {end} end: message {i} should be {should}, "
+        f"the program posts {posts} ({len(want)} messages expected, {len(got)} posted)"
+    )
 
 
 def _check_rounds(program: Program) -> None:
@@ -148,9 +170,9 @@ def validate(schedule: Schedule) -> Program:
     """Check a schedule and return its lowered program; raise ``ValueError`` naming the step.
 
     Checks: each (stage, microbatch) has exactly one F and one B on the stage's rank, F before B;
-    local stage-to-stage dependencies are in order; every send has its receive, in the same order
-    on both peers; the batches cannot deadlock under NCCL's pairing of sends and receives; and
-    the program runs to completion in the simulator.
+    local stage-to-stage dependencies are in order; every channel carries the messages the
+    schedule sends, in its order, on both ends; the batches cannot deadlock under NCCL's pairing
+    of sends and receives; and the program runs to completion in the simulator.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate expects a Schedule, got {type(schedule).__name__}")

@@ -178,7 +178,8 @@ class RowParallelLinear(_DenseLinear):
     The input is this rank's slice of the features (``input_is_parallel=True``, as produced by
     a :class:`ColumnParallelLinear`) or the full input, which is then split. Partial products are
     summed across tp (or reduce-scattered along ``sequence_dim`` with ``sequence_parallel``);
-    the bias is replicated and added once, after the sum.
+    the bias is replicated and added once, after the sum; it starts at zero, the same on every
+    tp rank whatever its random state.
     """
 
     def __init__(
@@ -213,9 +214,13 @@ class RowParallelLinear(_DenseLinear):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Weight shards from this rank's generator; the bias, replicated over tp, at zero (as
+        Megatron-LM does): a random draw would differ between tp ranks whose generators differ,
+        and the ranks would then train different copies of one logical bias."""
         _uniform_(self.weight, self.in_features)
         if self.bias is not None:
-            _uniform_(self.bias, self.in_features)
+            with torch.no_grad():
+                self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

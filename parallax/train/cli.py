@@ -29,7 +29,7 @@ from parallax.data import BatchLoader, DatasetError, load_dataset
 from parallax.train import state
 from parallax.train.batches import BatchBuilder, text_tokenizer
 from parallax.train.config import TrainConfig, parse_args
-from parallax.train.monitor import Monitor, truncate_metrics
+from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
 from parallax.train.trainer import Trainer, resolve_model_config
 
 log = logging.getLogger("parallax.train")
@@ -59,10 +59,17 @@ def agree(ctx: ParallelContext, what: str, fn: Callable[[], T]) -> T:
 def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -> dict[str, float]:
     """Train as ``cfg`` says on this rank; returns the last step's metrics.
 
+    Refused before training (:class:`UserError`, exit status 2): an ``--out`` that holds
+    another run (without ``--resume`` or ``--overwrite``), a ``--resume`` with no steps left,
+    a checkpoint whose checksums fail on any rank. A step whose loss or gradient norm is not
+    finite stops the run (:class:`UserError` naming the step; every rank sees the same reduced
+    values) before any later checkpoint is written, so the latest stays the last good one.
+
     ``stop_after`` ends this invocation after that many steps (after saving a checkpoint), as a
     preemption would: a later ``--resume`` carries on with the same schedule.
     """
     out = Path(cfg.out)
+    agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
     model_config, checkpoint_dir = agree(ctx, "--model", lambda: resolve_model_config(cfg.model))
     data = agree(ctx, "--data", lambda: load_dataset(cfg.data, seed=cfg.seed))
     loader = agree(
@@ -77,7 +84,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             seed=cfg.seed,
         ),
     )
-    ckpt = agree(ctx, "--resume", lambda: state.find_resume(out) if cfg.resume else None)
+    ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
         ctx, "building the model", lambda: Trainer(cfg, ctx, model_config, checkpoint_dir)
     )
@@ -91,13 +98,15 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     start = 0
     if ckpt is not None:
         agree(ctx, f"checkpoint {ckpt.path}", lambda: state.check_resumable(ckpt, trainer))
-        start = state.load(trainer, ckpt, loader)
+        start = agree(ctx, "--resume", lambda: state.load(trainer, ckpt, loader))
         log.info(
             "resumed from %s at step %d (written at %s)", ckpt.path, start, ckpt.meta.get("layout")
         )
     elif cfg.resume:
         log.info("--resume: no checkpoint in %s yet, starting from scratch", out)
     if ctx.rank == 0:
+        if cfg.overwrite:
+            state.clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
         if start:
             truncate_metrics(out / "metrics.jsonl", start)
@@ -113,6 +122,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
         log_interval=cfg.log_interval,
         total_steps=cfg.steps,
     )
+    saved = start if ckpt is not None else None
     try:
         for step in range(start + 1, cfg.steps + 1):
             microbatches = [builder(samples) for samples in loader.next_batch()]
@@ -123,15 +133,39 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             stopping = stop_after is not None and step - start >= stop_after
             periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
             if periodic or stopping:
-                monitor.flush()
+                monitor.flush()  # every step since the last checkpoint is finite
                 state.save(trainer, step, loader, {"metrics": monitor.last})
+                saved = step
             if stopping:
                 break
+        monitor.flush()  # the last step, before any export
+    except NonFiniteError as err:
+        raise UserError(_non_finite_message(err, saved, out)) from None
     finally:
         monitor.close()
     if cfg.export_hf:
         export_hf(trainer, out / "hf", data.statistics)
     return monitor.last
+
+
+def _find_resume(cfg: TrainConfig):
+    ckpt = state.find_resume(cfg.out)
+    if ckpt is not None:
+        state.check_steps_left(ckpt, cfg.steps)
+    return ckpt
+
+
+def _non_finite_message(err: NonFiniteError, saved: int | None, out: Path) -> str:
+    if saved is None:
+        kept = "no checkpoint was written"
+    else:
+        path = state.checkpoint_root(out) / f"step_{saved:08d}"
+        kept = f"the latest checkpoint, {path}, is the last good one"
+    return (
+        f"step {err.step}: the loss is {err.loss} and the gradient norm {err.grad_norm}, not "
+        f"finite: stopped without saving ({kept}). Training diverged (try a lower --lr) or "
+        "the data holds non-finite values"
+    )
 
 
 def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:

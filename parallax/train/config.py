@@ -45,6 +45,7 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/parallax"
     resume: bool = False
+    overwrite: bool = False
     schedule: str = "1f1b"
     chunks: int = 1
     lr: float | None = None  # None: the model's default (DEFAULT_LR)
@@ -251,6 +252,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="continue from the latest checkpoint in --out (any layout)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="delete the checkpoints and metrics of another run in --out first (a fresh run "
+        "refuses such a folder without --resume or --overwrite)",
     )
     g.add_argument(
         "--save-interval",

@@ -2,12 +2,15 @@
 
 Step values come from the last pipeline stage (the trainer reduces them onto every rank), and
 they are read one step late, after the next step has been launched, so logging never stalls
-the GPU. Rank 0 writes and displays.
+the GPU. Rank 0 writes and displays. A loss or gradient norm that is not finite raises
+:class:`NonFiniteError` on every rank at the same step (the values are reduced over all ranks,
+so they all see it); the step's row is still written.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -30,6 +33,15 @@ METRIC_FIELDS = (
     "memory_gib",
     "step_time_s",
 )
+
+
+class NonFiniteError(ValueError):
+    """A step's loss or gradient norm is NaN or infinite: training diverged or the data (or a
+    checkpoint) holds non-finite values."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(f"step {step}: loss {loss}, gradient norm {grad_norm} (not finite)")
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -102,14 +114,14 @@ class Monitor:
         the previous one (its tensors are ready by now)."""
         now = time.perf_counter()
         elapsed, self._t = now - self._t, now
-        if self.pending is not None:
-            self._report(*self.pending)
+        self.flush()
         self.pending = (step, output, tokens, flops, elapsed)
 
     def flush(self) -> None:
-        if self.pending is not None:
-            self._report(*self.pending)
-            self.pending = None
+        """Report the pending step now (before a checkpoint: a non-finite step raises here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._report(*pending)
 
     def close(self) -> None:
         self.flush()
@@ -135,10 +147,13 @@ class Monitor:
             "step_time_s": seconds,
         }
         self.last = row
+        if self.active:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+            raise NonFiniteError(step, row["loss"], row["grad_norm"])
         if not self.active:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
         line = (
             f"loss {row['loss']:.4f}  acc {row['action_accuracy']:.3f}  l1 {row['l1']:.3f}  "
             f"lr {row['lr']:.2e}  gnorm {row['grad_norm']:.2f}  "

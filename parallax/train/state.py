@@ -6,6 +6,9 @@ run's flags, the model config, the data position, the lr schedule, RNG state and
 was written with. Each pipeline stage's (dp 0, tp 0) rank writes its own shard; the store
 publishes the step directory atomically and keeps the last K. Fused projections are stored as
 their separate tensors (:mod:`parallax.train.names`), so a run resumes with them on or off.
+
+One ``--out`` holds one run: a fresh run refuses a folder that holds another run's checkpoints
+or metrics, unless told to ``--resume`` it or to ``--overwrite`` it (:func:`check_out`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from parallax.checkpoint import (
     latest_checkpoint,
     load_module,
     module_sources,
+    read_agreed,
+    remove_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -118,6 +123,42 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
     )
 
 
+def metrics_path(out: str | Path) -> Path:
+    return Path(out) / "metrics.jsonl"
+
+
+def check_out(out: str | Path, resume: bool, overwrite: bool) -> None:
+    """Refuse (``ValueError``) a fresh run into a folder that holds another run: its
+    checkpoints would be mixed with this run's (and pruned by step, or resumed later as if
+    they were this run's) and its metrics overwritten. Cheap: run it before anything else."""
+    out = Path(out)
+    if resume and overwrite:
+        raise ValueError(
+            "--resume continues the run in --out and --overwrite deletes it: pass one of them"
+        )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory")
+    if resume or overwrite:
+        return
+    found = []
+    latest = latest_checkpoint(checkpoint_root(out))
+    if latest is not None:
+        found.append(f"checkpoints up to {latest.name}")
+    if metrics_path(out).exists():
+        found.append(metrics_path(out).name)
+    if found:
+        raise ValueError(
+            f"{out} holds another run ({' and '.join(found)}): pass --resume to continue it, "
+            "--overwrite to delete it and start afresh, or choose another --out"
+        )
+
+
+def clear_run(out: str | Path) -> None:
+    """What ``--overwrite`` removes: the old run's checkpoints and metrics (one rank)."""
+    remove_checkpoints(checkpoint_root(out))
+    metrics_path(out).unlink(missing_ok=True)
+
+
 def find_resume(out: str | Path) -> Checkpoint | None:
     """The latest complete checkpoint under ``out``, validated (or ``None`` when there is none).
 
@@ -125,6 +166,15 @@ def find_resume(out: str | Path) -> Checkpoint | None:
     """
     path = latest_checkpoint(checkpoint_root(out))
     return None if path is None else Checkpoint(path)
+
+
+def check_steps_left(ckpt: Checkpoint, steps: int) -> None:
+    """A resumed run must have steps left to train (else it would exit having done nothing)."""
+    if steps <= ckpt.step:
+        raise ValueError(
+            f"the checkpoint {ckpt.path} is at step {ckpt.step} and --steps is {steps}: "
+            f"nothing left to train; raise --steps above {ckpt.step} to continue"
+        )
 
 
 def check_resumable(ckpt: Checkpoint, trainer) -> None:
@@ -141,7 +191,14 @@ def check_resumable(ckpt: Checkpoint, trainer) -> None:
 
 
 def load(trainer, ckpt: Checkpoint, loader) -> int:
-    """Restore weights, optimizer, lr schedule, data position and RNG; returns the step."""
+    """Restore weights, optimizer, lr schedule, data position and RNG; returns the step.
+
+    Each rank reads (and verifies the checksums of) only what it holds; the ranks then agree,
+    so damage any rank finds raises the same :class:`CheckpointError` on every rank."""
+    return read_agreed(trainer.ctx.world_group, lambda: _load(trainer, ckpt, loader))
+
+
+def _load(trainer, ckpt: Checkpoint, loader) -> int:
     view = SeparateView(ckpt)
     for chunk in trainer.chunks:
         load_module(chunk, view)

@@ -13,6 +13,7 @@ from parallax.checkpoint import (
     TensorSource,
     latest_checkpoint,
     list_checkpoints,
+    remove_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -110,6 +111,41 @@ def test_a_killed_writer_is_ignored_and_cleaned_up(tmp_path):
     _save(root, 3, keep_last=5)
     assert not staging_dir(root, 2).exists()
     assert [p.name for p in list_checkpoints(root)] == [f"step_0000000{i}" for i in (1, 2, 3)]
+
+
+def _killed_while_pruning(root):
+    import parallax.checkpoint.store as store
+
+    def die(path, ignore_errors=False):
+        (path / "index.json").unlink()  # a first file gone, then the kill
+        os._exit(3)
+
+    store.shutil.rmtree = die
+    _save(root, 3, keep_last=1)
+
+
+def test_pruning_keeps_the_new_step_and_a_killed_prune_leaves_nothing_resumable(tmp_path):
+    root = tmp_path / "ckpt"
+    for step in (10, 20):
+        _save(root, step)  # an older run's checkpoints
+    _save(root, 3, keep_last=2)  # pruning by step alone would delete this one at once
+    assert [p.name for p in list_checkpoints(root)] == ["step_00000003", "step_00000020"]
+    assert (root / "latest").read_text() == "step_00000003\n"
+
+    root = tmp_path / "killed"
+    _save(root, 1)
+    _save(root, 2)
+    proc = mp.get_context("fork").Process(target=_killed_while_pruning, args=(root,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 3
+    assert (root / "step_00000001.deleting").is_dir()  # renamed before its files went
+    assert [p.name for p in list_checkpoints(root)] == ["step_00000002", "step_00000003"]
+    assert latest_checkpoint(root) == step_dir(root, 3)
+    _save(root, 4, keep_last=2)  # the next prune removes the leftover
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003", "step_00000004"]
+    remove_checkpoints(root)  # what --overwrite does
+    assert list(root.iterdir()) == []
 
 
 def _corrupt(root, name, edit):

@@ -75,6 +75,22 @@ def assert_rel_close(actual, expected, rel: float = 1e-5, msg: str = "") -> None
     assert err <= rel * scale + 1e-12, f"{msg}: max error {err:.3g} vs scale {scale:.3g}"
 
 
+def greedy_margin(model, pixel_values, prompt, tokens) -> float:
+    """The smallest gap between the best and the second-best logit over the greedy steps that
+    gave ``tokens (b, n)`` after ``prompt (b, t)``, over the logits' scale (a whole tp=1 model).
+
+    Two computations of the same logits in a different order (tp, a KV cache) agree to about
+    1e-6 of their scale; their greedy tokens can differ only at a step whose gap is that small.
+    A test that compares such tokens exactly first checks that the gap is far larger, so the
+    comparison holds on any CPU."""
+    with torch.no_grad():
+        ids = torch.cat([prompt, tokens[:, :-1]], dim=1)
+        logits = model(pixel_values, ids)[:, -tokens.shape[1] :].float()  # (b, n, V)
+        top = logits.topk(2, dim=-1).values  # (b, n, 2)
+        assert torch.equal(logits.argmax(-1), tokens), "tokens are not the greedy ones"
+        return ((top[..., 0] - top[..., 1]).min() / logits.abs().max()).item()
+
+
 # ---------------------------------------------------------------------------- the reference
 
 

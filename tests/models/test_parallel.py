@@ -16,6 +16,7 @@ from parallax.testing import context, run_ranks
 from tests.models.helpers import (
     SEED,
     assert_rel_close,
+    greedy_margin,
     make_batch,
     perturbed_init,
     tiny_config,
@@ -35,6 +36,8 @@ def _reference(cfg, px, ids, labels):
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     tokens = generate(model, px[:1], ids[:1, :-8], 7)
+    # the tokens are compared exactly at every layout: no step may be a near-tie
+    assert greedy_margin(model, px[:1], ids[:1, :-8], tokens) > 1e-3
     return logits.detach(), loss.detach(), grads, model.action_metrics(logits, labels), tokens
 
 

@@ -46,7 +46,9 @@ def test_order_reverses_the_forward_order():
 def test_zero_grad_mid_step_discards_and_frozen_only_is_fine():
     """zero_grad() between backward passes throws the first away (also with overlap and
     launched buckets); a second optimizer over the same parameters takes them over; an
-    optimizer whose parameters are all frozen steps as a no-op."""
+    optimizer whose parameters are all frozen steps as a no-op. Bitwise against torch: at dp=1
+    without clipping no reduction enters the update (the same autograd gradients, the same
+    adds, elementwise AdamW)."""
     ctx = parallax.ParallelContext.local()
     ref, model = build(), build()
     ref_opt = torch.optim.AdamW(groups(ref, named=False), lr=1e-2)

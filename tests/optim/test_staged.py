@@ -1,8 +1,10 @@
 """Where the fp32 reduced gradient lives: staged per bucket at dp=1, over the 16-bit gradient
 bytes when dp >= 2 reduces inside step(), a persistent slice only where overlap needs one.
 
-Every home must give the results of the persistent slice bit for bit (bf16 models), and the
-per-bucket stepping those of plain torch (fp32 models, where it is forced)."""
+Every home must give the results of the persistent slice (bf16 models), and the per-bucket
+stepping those of plain torch (fp32 models, where it is forced): bit for bit where the two
+compute the same arithmetic in the same order, to a stated tolerance where a reduction (the
+clip norm) is ordered differently. Each comparison says which and why."""
 
 import torch
 import torch.nn.functional as F
@@ -65,21 +67,40 @@ def _train(cls, ctx, case: tuple, dtype=BF16, steps: int = 4):
 
 
 def _compare(ctx, cases: list[tuple]) -> list[tuple]:
-    """Each case under the default homes and under the persistent slice: bitwise equal."""
+    """Each case under the default homes and under the persistent slice: bitwise equal where
+    the clip norms are (see below), else within 1e-6.
+
+    Both homes hold the same gradient values and apply the same elementwise updates to them;
+    the one reduction that may differ is the clip norm. A staged bucket's norm reads its bf16
+    gradient with fp32 accumulation, the slice's norm its fp32 copy: two kernels. Where their
+    sums agree (they do on the CPUs this was written on: torch accumulates both alike) every
+    later result must agree bit for bit too; where they do not (another CPU's kernels), the
+    clip coefficients differ in the last bit and so does each clipped update."""
     seen = []
     for case in cases:
         new, old = _train(ZeroOptimizer, ctx, case), _train(PersistentSlice, ctx, case)
         what = f"dp={ctx.dp_size} tp={ctx.tp_size} {case}"
-        assert new[0] == old[0], f"{what}: clip norms {new[0]} vs {old[0]}"
+        exact = new[0] == old[0]
+        if not exact:
+            assert_close(torch.tensor(new[0]), torch.tensor(old[0]), rtol=1e-6, atol=0, msg=what)
+        same = torch.equal if exact else _near
         for n in new[1]:
-            assert torch.equal(new[1][n], old[1][n]), f"{what}: weight {n}"
+            assert same(new[1][n], old[1][n]), f"{what}: weight {n}"
         assert list(new[2]) == list(old[2]), what
         for k in new[2]:
-            assert torch.equal(new[2][k], old[2][k]), f"{what}: state {k}"
+            assert same(new[2][k], old[2][k]), f"{what}: state {k}"
         if case[0] != "sgd":
             assert new[2]["tower.weight.step"].item() == 2, what  # only odd steps use it
         seen.append((ctx.dp_size, ctx.tp_size, case[1], new[3]))
     return seen
+
+
+def _near(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within 1e-6 of the tensor's scale; a bf16 tensor within one bf16 rounding step (2^-8
+    relative: a last-bit change of its fp32 master may round it the other way)."""
+    rel = 1e-6 if want.dtype == torch.float32 else 2.0**-8
+    got, want = got.float(), want.float()
+    return bool((got - want).abs().max().item() <= rel * want.abs().max().item())
 
 
 # (optimizer, overlap, backward passes per step, clip, sequence parallel, optimizer kwargs)
@@ -102,7 +123,8 @@ def test_homes_match_the_persistent_slice_bitwise():
     """bf16 models, at dp=1 (every bucket staged), dp=2 (overlap off: in place), dp=1 x tp=2
     (sequence-parallel buckets keep a slice, the others are staged) and dp=2 x tp=2 (the
     sequence-parallel buckets in place): the same weights, optimizer state and clip norms as
-    the persistent fp32 slice, bit for bit. Two param groups, accumulation,
+    the persistent fp32 slice, bit for bit (where the clip norms are: see ``_compare``). Two
+    param groups, accumulation,
     clipping, AdamW (default, foreach, fused) and SGD, a frozen, an unused and a sometimes-used
     parameter (the tower: steps 1 and 3; unused shares its bucket, which on even steps has no
     gradient at all)."""
@@ -131,44 +153,63 @@ def _bitwise(got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
     assert torch.equal(got, want), msg
 
 
+# With clipping the two sides compute the clip norm, a reduction, in different orders: ZeRO takes
+# each piece's fp32 norm and sums their squares in fp64, torch's clip_grad_norm_ takes the norm
+# of the per-parameter fp32 norms in fp32. The norms differ in the last bit (8e-8 measured), the
+# clip coefficient with them, and every clipped update after it: 2e-7 of each tensor's scale
+# after four AdamW steps (1e-2 lr: a wrong or missed bucket step is off by ~1e-3 of the scale).
+CLIP_REL = 2e-6
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
+    assert_close(got, want, rtol=CLIP_REL, atol=CLIP_REL * want.abs().max().item(), msg=msg)
+
+
 def test_per_bucket_steps_match_torch():
-    """fp32, dp=1, every bucket forced to the staged path: plain torch AdamW (two groups,
-    accumulation, clipping, overlap on and off; default, foreach and fused, bitwise except
-    where the fused kernel applies the clip), with buckets
-    spanning both groups or one parameter each (so some groups are empty for a step, and the
-    unused parameter's bucket never steps); one wrapped step per bucket with a gradient."""
+    """fp32, dp=1, every bucket forced to the staged path, against plain torch AdamW (two groups,
+    accumulation, overlap on and off; default, foreach and fused), with buckets spanning both
+    groups or one parameter each (so some groups are empty for a step, and the unused
+    parameter's bucket never steps); one wrapped step per bucket with a gradient.
+
+    Without clipping: bitwise. No reduction enters the update at dp=1: both sides accumulate the
+    same autograd gradients with the same adds in the same order, and AdamW is elementwise, so
+    stepping a bucket's flat shard instead of each parameter changes which elements a kernel
+    processes together, not the arithmetic done on any element. With clipping (0.5): within
+    ``CLIP_REL`` of the scale, as the clip norms (see above)."""
     ctx = parallax.ParallelContext.local()
     cls, kwargs = OPTIMIZERS["adamw"]
-    for extra in ({}, {"foreach": True}, {"fused": True}):
-        for overlap, bucket_numel in ((True, 100), (False, 100), (True, 1)):
-            what = f"{extra} overlap={overlap} bucket_numel={bucket_numel}"
-            ref = build()
-            ref_opt = cls(groups(ref, named=False), **kwargs, **extra)
-            _, _, ref_norms = train_reference("adamw", 4, 2, 0.5, model=ref, opt=ref_opt)
-            model, opt = _make(
-                StagedFp32,
-                ctx,
-                overlap=overlap,
-                backward_passes_per_step=2,
-                bucket_numel=bucket_numel,
-                **extra,
-            )
-            calls = []
-            opt.inner.register_step_post_hook(lambda o, a, k, calls=calls: calls.append(1))
-            norms = train_zero(model, opt, ctx, 4, 2, 0.5)
-            # fused: the clip coefficient c goes into the kernel as grad_scale 1/c, and g / (1/c)
-            # differs from torch's g * c in the last bit
-            same = assert_close if extra.get("fused") else _bitwise
-            same(torch.tensor(norms), torch.tensor(ref_norms), msg=what)
-            for (n, want), got in zip(ref.named_parameters(), model.parameters()):
-                same(got, want, msg=f"{what}: {n}")
-            tensors = opt.state_dict()["tensors"]
-            for n, p in ref.named_parameters():
-                for k, v in ref_opt.state.get(p, {}).items():
-                    same(tensors[f"{n}.{k}"], v.float(), msg=f"{what}: {n}.{k}")
-            assert set(opt.flat.homes) == {STAGED} and len(opt.layout.buckets) >= 3
-            assert len(calls) == _steps_per_bucket(opt, 4), what
-            assert all(t.grad is None for t in opt.flat.piece_params)
+    for clip in (None, 0.5):
+        same = _bitwise if clip is None else _close
+        for extra in ({}, {"foreach": True}, {"fused": True}):
+            for overlap, bucket_numel in ((True, 100), (False, 100), (True, 1)):
+                what = f"{extra} clip={clip} overlap={overlap} bucket_numel={bucket_numel}"
+                ref = build()
+                ref_opt = cls(groups(ref, named=False), **kwargs, **extra)
+                _, _, ref_norms = train_reference("adamw", 4, 2, clip, model=ref, opt=ref_opt)
+                model, opt = _make(
+                    StagedFp32,
+                    ctx,
+                    overlap=overlap,
+                    backward_passes_per_step=2,
+                    bucket_numel=bucket_numel,
+                    **extra,
+                )
+                calls = []
+                opt.inner.register_step_post_hook(lambda o, a, k, calls=calls: calls.append(1))
+                norms = train_zero(model, opt, ctx, 4, 2, clip)
+                if clip is not None:
+                    assert_close(
+                        torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-6, atol=0, msg=what
+                    )
+                for (n, want), got in zip(ref.named_parameters(), model.parameters()):
+                    same(got, want, msg=f"{what}: {n}")
+                tensors = opt.state_dict()["tensors"]
+                for n, p in ref.named_parameters():
+                    for k, v in ref_opt.state.get(p, {}).items():
+                        same(tensors[f"{n}.{k}"], v.float(), msg=f"{what}: {n}.{k}")
+                assert set(opt.flat.homes) == {STAGED} and len(opt.layout.buckets) >= 3
+                assert len(calls) == _steps_per_bucket(opt, 4), what
+                assert all(t.grad is None for t in opt.flat.piece_params)
 
 
 def _held_bytes(opt: ZeroOptimizer) -> int:

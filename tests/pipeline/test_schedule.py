@@ -1,5 +1,8 @@
 """Schedules as data: generated, lowered, validated and simulated with no processes."""
 
+import importlib
+import re
+
 import pytest
 
 from parallax.pipeline import (
@@ -16,7 +19,7 @@ from parallax.pipeline import (
     theoretical_bubble,
     validate,
 )
-from parallax.pipeline.lower import channel_orders, comm_messages
+from parallax.pipeline.lower import comm_messages
 
 
 def _combos():
@@ -148,9 +151,16 @@ def _custom(rows, num_stages=2, m=2):
         (["0F0 0B0 0F1 0B1 1F0", "1F1 1B0 1B1"], "stage 1 lives on rank 1"),
         (["0B0 0F0 0F1 0B1", "1F0 1F1 1B0 1B1"], "0B0 comes before 0F0"),
         (["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"], "waits forever"),
+        # a whole microbatch missing
+        (["0F0 0B0", "1F0 1B0"], "no rank runs 0F1"),
+        # a microbatch the schedule does not have
+        (["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1 1B0 1B1"], "runs 0F2, outside 2 stages x 2"),
+        # a cycle: rank 0 waits for 1B0 before 0F1, rank 1 for 0F1 before 1B0
+        (["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"], "waits forever: rank 0 at 0B0, rank 1 at 1F1"),
     ],
 )
 def test_invalid_custom_schedules_are_named(rows, match):
+    """Broken by hand, each in one way; the message names the action."""
     with pytest.raises(ValueError, match=match):
         validate(_custom(rows))
 
@@ -186,19 +196,82 @@ def test_local_stage_order_is_checked():
         validate(bad)
 
 
-def test_lowering_pairs_every_message_in_the_same_order_on_both_ends():
+def _rows(schedule) -> list[str]:
+    return [" ".join(map(str, acts)) for acts in schedule.actions]
+
+
+def test_small_schedules_are_the_published_orders():
+    """Written out by hand from each schedule's definition."""
+    # GPipe: every forward, then every backward
+    assert _rows(gpipe(2, 3)) == ["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1 1F2 1B0 1B1 1B2"]
+    # 1F1B: rank r runs p - 1 - r warm-up forwards, then one forward one backward, then drains
+    assert _rows(one_f_one_b(3, 4)) == [
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3",
+    ]
+    # interleaved (Megatron-LM): rank r holds stages r and r + p; forwards take microbatches in
+    # groups of p per chunk (chunk 0, then chunk 1), backwards the chunks in reverse; rank r
+    # warms up with (p - 1 - r) * 2 + (v - 1) * p forwards: 4 on rank 0, 2 on rank 1
+    schedule = interleaved_1f1b(2, 4, 2)
+    assert schedule.stage_to_rank == (0, 1, 0, 1)
+    assert _rows(schedule) == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+
+
+def test_small_lowered_programs_written_out():
+    """Each forward sends its metadata and activations together; the receiver takes the
+    metadata first (it sizes the buffer), then the activations; a backward's gradient goes
+    back right after it."""
+    assert str(lower(gpipe(2, 2))).splitlines()[1:] == [
+        "rank 0 | 0F0 [0SEND_F_META0 0SEND_F0] 0F1 [0SEND_F_META1 0SEND_F1] [0RECV_B0] 0B0 "
+        "[0RECV_B1] 0B1",
+        "rank 1 | [1RECV_F_META0] [1RECV_F0] 1F0 [1RECV_F_META1] [1RECV_F1] 1F1 1B0 [1SEND_B0] "
+        "1B1 [1SEND_B1]",
+    ]
+    assert str(lower(one_f_one_b(2, 2))).splitlines()[2] == (
+        "rank 1 | [1RECV_F_META0] [1RECV_F0] 1F0 [1RECV_F_META1] [1RECV_F1] 1B0 [1SEND_B0] 1F1 "
+        "1B1 [1SEND_B1]"
+    )
+
+
+def _posted(program, rank: int, prefix: str) -> str:
+    """This rank's communication actions of one direction, in program order."""
+    ops = [op for item in program.ranks[rank] if isinstance(item, Batch) for op in item.ops]
+    return " ".join(str(op) for op in ops if op.kind.startswith(prefix))
+
+
+def test_interleaved_messages_are_posted_in_the_same_order_on_both_ends():
+    """Two ranks: each sends everything to the other. Written out by hand from the compute
+    order above: each forward of stage 0 or 2 on rank 0 sends metadata and activations, each
+    backward of stage 2 a gradient (stage 0 sends none); rank 1 receives them in that order."""
+    program = lower(interleaved_1f1b(2, 4, 2))
+    assert _posted(program, 0, "SEND") == (
+        "0SEND_F_META0 0SEND_F0 0SEND_F_META1 0SEND_F1 2SEND_F_META0 2SEND_F0 2SEND_F_META1 "
+        "2SEND_F1 0SEND_F_META2 0SEND_F2 2SEND_B0 0SEND_F_META3 0SEND_F3 2SEND_B1 2SEND_F_META2 "
+        "2SEND_F2 2SEND_F_META3 2SEND_F3 2SEND_B2 2SEND_B3"
+    )
+    assert _posted(program, 1, "RECV") == (
+        "1RECV_F_META0 1RECV_F0 1RECV_F_META1 1RECV_F1 3RECV_F_META0 3RECV_F0 3RECV_F_META1 "
+        "3RECV_F1 1RECV_F_META2 1RECV_F2 1RECV_B0 1RECV_F_META3 1RECV_F3 1RECV_B1 3RECV_F_META2 "
+        "3RECV_F2 3RECV_F_META3 3RECV_F3 1RECV_B2 1RECV_B3"
+    )
+    # rank 1 -> rank 0: stage 1's forwards, the backwards of stage 3 (to 2) and of stage 1 (to 0)
+    assert _posted(program, 1, "SEND") == (
+        "1SEND_F_META0 1SEND_F0 1SEND_F_META1 1SEND_F1 3SEND_B0 3SEND_B1 1SEND_F_META2 1SEND_F2 "
+        "1SEND_B0 1SEND_F_META3 1SEND_F3 1SEND_B1 3SEND_B2 3SEND_B3 1SEND_B2 1SEND_B3"
+    )
+    assert _posted(program, 0, "RECV") == (
+        "2RECV_F_META0 2RECV_F0 2RECV_F_META1 2RECV_F1 2RECV_B0 2RECV_B1 2RECV_F_META2 2RECV_F2 "
+        "0RECV_B0 2RECV_F_META3 2RECV_F3 0RECV_B1 2RECV_B2 2RECV_B3 0RECV_B2 0RECV_B3"
+    )
+
+
+def test_activations_are_received_after_their_metadata():
     for schedule in (gpipe(3, 5), one_f_one_b(4, 6), interleaved_1f1b(2, 4, 3)):
-        program = lower(schedule)
-        received: dict = {}
-        for items in program.ranks:
-            for item in items:
-                if isinstance(item, Batch):
-                    for op in item.ops:
-                        if op.kind.startswith("RECV"):
-                            channel, msgs = comm_messages(op, schedule)
-                            received.setdefault(channel, []).extend(msgs)
-        assert received == channel_orders(schedule)
-        for items in program.ranks:  # activations are received after their metadata
+        for items in lower(schedule).ranks:
             seen = set()
             for item in items:
                 if isinstance(item, Batch):
@@ -206,6 +279,74 @@ def test_lowering_pairs_every_message_in_the_same_order_on_both_ends():
                         if op.kind == "RECV_F":
                             assert (op.stage, op.microbatch) in seen
                     seen |= {(o.stage, o.microbatch) for o in item.ops if o.kind == "RECV_F_META"}
+
+
+def _edited(program, rank: int, edit):
+    """``program`` with rank ``rank``'s batches' operations passed through ``edit`` (a list of
+    printed actions -> a new list); emptied batches are dropped."""
+    items = []
+    for item in program.ranks[rank]:
+        if isinstance(item, Batch):
+            ops = tuple(Action.parse(a) for a in edit([str(o) for o in item.ops]))
+            if ops:
+                items.append(Batch(ops))
+        else:
+            items.append(item)
+    ranks = list(program.ranks)
+    ranks[rank] = tuple(items)
+    return type(program)(program.schedule, tuple(ranks))
+
+
+def _without(name):
+    return lambda ops: [o for o in ops if o != name]
+
+
+def _swap(a, b):
+    return lambda ops: [b if o == a else a if o == b else o for o in ops]
+
+
+@pytest.mark.parametrize(
+    "rank,edit,match",
+    [
+        # a receive left out: the next one would take its bytes
+        (
+            1,
+            _without("1RECV_F1"),
+            "rank 0 -> rank 1, receiving end: message 3 should be 1RECV_F1, the program posts "
+            "1RECV_F_META2",
+        ),
+        # metadata and activations sent the other way round in one batch
+        (
+            0,
+            _swap("0SEND_F_META2", "0SEND_F2"),
+            "sending end: message 4 should be 0SEND_F_META2, the program posts 0SEND_F2",
+        ),
+        # the last gradient never sent
+        (
+            1,
+            _without("1SEND_B2"),
+            "rank 1 -> rank 0, sending end: message 2 should be 1SEND_B2, "
+            "the program posts nothing",
+        ),
+        # a receive posted twice
+        (
+            0,
+            lambda ops: ops + ops if ops == ["0RECV_B0"] else ops,
+            "message 1 should be 0RECV_B1, the program posts 0RECV_B0",
+        ),
+    ],
+)
+def test_validate_rejects_a_lowering_whose_messages_do_not_match(monkeypatch, rank, edit, match):
+    """validate() checks the program that lowering made, not only the schedule: fed a lowered
+    1F1B (2 stages, 3 microbatches) with one end of a channel broken, it names the message."""
+    schedule = one_f_one_b(2, 3)
+    broken = _edited(lower(schedule), rank, edit)
+    assert broken != lower(schedule)
+    monkeypatch.setattr(
+        importlib.import_module("parallax.pipeline.validate"), "lower", lambda s: broken
+    )
+    with pytest.raises(ValueError, match=re.escape(match)):
+        validate(schedule)
 
 
 def test_two_facing_stages_exchange_between_the_same_computations():

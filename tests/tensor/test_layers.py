@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from parallax import comm
 from parallax.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -129,7 +130,12 @@ def _embedding(tp, vocab, dim):
     (dense(ids) * grad_out).sum().backward()
 
     layer = VocabParallelEmbedding.from_dense(dense, ctx)
-    assert layer.weight.shape[0] * tp >= vocab and (layer.weight.shape[0] * tp) % tp == 0
+    rows = -(-vocab // tp)  # the vocabulary padded up to a multiple of tp, split evenly
+    start, stop = ctx.tp_rank * rows, min((ctx.tp_rank + 1) * rows, vocab)
+    assert layer.weight.shape == (rows, dim)
+    assert (layer.vocab_start, layer.vocab_end) == (ctx.tp_rank * rows, (ctx.tp_rank + 1) * rows)
+    assert torch.equal(layer.weight[: stop - start], dense.weight[start:stop].detach())  # a copy
+    assert not layer.weight[stop - start :].any()  # the padding rows (last rank) are zero
     y = layer(ids)
     assert_close(y, dense(ids).detach(), **TOL)
     (y * grad_out).sum().backward()
@@ -147,15 +153,50 @@ def test_vocab_parallel_embedding(tp, vocab):
 
 
 def test_single_process_layers_match_dense():
+    """Column-parallel at tp=1 makes the very call ``nn.Linear`` makes (``F.linear`` with the
+    bias), the embedding the same lookup: bitwise. Row-parallel adds its bias after the matmul
+    (after the tp sum), ``nn.Linear`` inside it: another rounding, so within float tolerance."""
     torch.manual_seed(0)
     dense = nn.Linear(6, 4)
     x = torch.randn(2, 6)
-    for cls in (ColumnParallelLinear, RowParallelLinear):
-        layer = cls.from_dense(dense, None)
-        assert_close(layer(x), dense(x), rtol=0, atol=0)
+    assert torch.equal(ColumnParallelLinear.from_dense(dense, None)(x), dense(x))
+    assert_close(RowParallelLinear.from_dense(dense, None)(x), dense(x), **TOL)
     emb = nn.Embedding(10, 3)
     ids = torch.tensor([[1, 9]])
-    assert_close(VocabParallelEmbedding.from_dense(emb, None)(ids), emb(ids), rtol=0, atol=0)
+    assert torch.equal(VocabParallelEmbedding.from_dense(emb, None)(ids), emb(ids))
+
+
+def _replicated_parameters(tp: int) -> list[str]:
+    """Each tp rank seeds its generator differently (as a user seeding per rank would), then
+    builds every layer directly, with no init afterwards; returns the replicated parameters
+    (those without ``tp_shard``) whose value differs between the tp ranks."""
+    ctx = context(tp=tp)
+    torch.manual_seed(100 + ctx.rank)
+    layers = {
+        "column": ColumnParallelLinear(8, 12, ctx=ctx),
+        "column_gathered": ColumnParallelLinear(8, 12, gather_output=True, ctx=ctx),
+        "row": RowParallelLinear(12, 6, ctx=ctx),
+        "row_full_input": RowParallelLinear(12, 6, input_is_parallel=False, ctx=ctx),
+        "row_sp": RowParallelLinear(12, 6, sequence_parallel=True, ctx=ctx),
+        "embedding": VocabParallelEmbedding(10, 4, ctx=ctx),
+    }
+    differ, replicated = [], 0
+    for kind, layer in layers.items():
+        for name, p in layer.named_parameters():
+            if hasattr(p, "tp_shard"):
+                continue
+            replicated += 1
+            copies = comm.all_gather(p.detach()[None], ctx.tp_group, dim=0)  # (tp, ...)
+            if not all(torch.equal(c, copies[0]) for c in copies):
+                differ.append(f"{kind}.{name}")
+    assert replicated == 3  # the three row-parallel biases: the check is not vacuous
+    return differ
+
+
+def test_replicated_parameters_are_identical_on_every_tp_rank():
+    """Identical by construction, whatever each rank's random state: no init or from_dense
+    needed for the ranks to hold one logical value."""
+    assert run_ranks(_replicated_parameters, 2, 2) == [[], []]
 
 
 def test_sizes_that_do_not_divide_raise():

@@ -248,17 +248,43 @@ def _digest(root: Path) -> dict[str, str]:
     }
 
 
+def _scribble(shard: Path) -> str:
+    """Write random bytes into the middle of the largest tensor's data (the header intact);
+    return the tensor's name."""
+    import random
+
+    from parallax.checkpoint import read_header
+
+    header = {k: v for k, v in read_header(shard).items() if k != "__metadata__"}
+    name = max(header, key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+    begin, end = header[name]["data_offsets"]
+    start = shard.stat().st_size - max(v["data_offsets"][1] for v in header.values())
+    raw = bytearray(shard.read_bytes())
+    pos = start + (begin + end) // 2
+    raw[pos : pos + 64] = random.Random(0).randbytes(64)
+    shard.write_bytes(bytes(raw))
+    return name
+
+
 def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path):
     import shutil
 
     src, _ = reference
-    for damage, message in (("truncate", "shard-00000.safetensors"), ("meta", "meta.json")):
+    cases = (
+        ("truncate", "shard-00000.safetensors"),
+        ("meta", "meta.json"),
+        ("corrupt", "shard-00004.safetensors: tensor '"),
+    )
+    for damage, message in cases:
         out = tmp_path / damage
         shutil.copytree(src / "checkpoints", out / "checkpoints")
         last = out / "checkpoints" / "step_00000012"
         if damage == "truncate":
             shard = last / "shard-00000.safetensors"
             shard.write_bytes(shard.read_bytes()[:-100])
+        elif damage == "corrupt":  # inside a tensor's data: only its checksum can tell
+            name = _scribble(last / "shard-00004.safetensors")
+            message += f"{name}' is corrupt"
         else:
             (last / "meta.json").unlink()
         before = _digest(out)
@@ -266,6 +292,45 @@ def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert message in proc.stderr, proc.stderr[-2000:]
         assert _digest(out) == before  # nothing written, nothing removed
+
+
+def _resume_expecting_error(tp, pp, dp, out, steps):
+    from parallax.testing import context
+    from parallax.train.cli import UserError, run
+    from parallax.train.config import parse_args
+
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN]
+    try:
+        run(parse_args([*args, "--resume", "--steps", str(steps)]), ctx)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def test_damage_one_rank_reads_is_refused_on_every_rank(reference, tmp_path):
+    import shutil
+
+    from parallax.testing import run_ranks
+
+    src, _ = reference
+    shutil.copytree(src / "checkpoints", tmp_path / "c" / "checkpoints")
+    last = tmp_path / "c" / "checkpoints" / "step_00000012"
+    name = _scribble(last / "shard-00004.safetensors")  # the last stage's: rank 1 at pp 2
+    errors = run_ranks(_resume_expecting_error, 2, 1, 2, 1, str(tmp_path / "c"), 14)
+    assert errors[0] == errors[1] and errors[0].startswith("--resume: rank 1: "), errors
+    assert f"shard-00004.safetensors: tensor '{name}' is corrupt" in errors[0]
+
+
+def test_resume_with_no_steps_left_fails(reference, tmp_path):
+    import shutil
+
+    src, _ = reference
+    shutil.copytree(src / "checkpoints", tmp_path / "checkpoints")
+    proc = single("--out", str(tmp_path), *RUN, "--resume", "--steps", "6")  # (equal: see
+    assert proc.returncode == 2, proc.stderr[-2000:]  # tests/train/test_run_safety.py)
+    assert "is at step 12 and --steps is 6: nothing left to train" in proc.stderr
+    assert "raise --steps above 12" in proc.stderr
 
 
 def test_dry_run_prints_the_plan():

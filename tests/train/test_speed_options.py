@@ -17,7 +17,6 @@ from parallax.testing import context, run_ranks
 from parallax.train import state
 from parallax.train.batches import BatchBuilder, text_tokenizer
 from parallax.train.config import parse_args
-from parallax.train.flops import openvla_flops_per_sample
 from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _cfg, _run, separate
 
@@ -60,14 +59,51 @@ def test_fused_init_is_the_separate_init():
     assert_close(fused(*args), plain(*args), rtol=1e-5, atol=1e-6)
 
 
+def _beyond_the_matmuls(text_tokens: int) -> int:
+    """What the model-FLOPs formula counts per tiny sample beyond the matmul, convolution and
+    attention FLOPs that torch's FlopCounterMode sees, written out from the architecture (56 px
+    images: 16 patches of 3 x 14 x 14 = 588 inputs; towers run their first 2 of 3 blocks):
+
+    - 6 FLOPs per token for every parameter that is not a matrix (biases, norms, LayerScale),
+      which the formula counts like matrix entries and the counter does not (elementwise);
+    - the patch embeddings' input gradients (2 per weight entry and patch), which the formula
+      counts (3 x forward) but never run (pixels need no gradient);
+    - minus half of the causal attention (the counter sees the whole score square, the
+      formula the causal half): 3 x 2 x S^2 x 64 per Llama layer."""
+    seq = 16 + text_tokens
+    dino = 6 * 2 * (4 * 32 + 96 + 32 + 128 + 32 + 2 * 32) * 21  # norms, biases, LayerScale
+    siglip = 6 * 2 * (4 * 48 + 144 + 48 + 184 + 48) * 16
+    patches = 6 * (32 + 48) * 16 + 2 * 588 * (32 + 48) * 16  # conv biases, input gradients
+    projector = 6 * (320 + 64 + 64) * 16  # fc1, fc2, fc3 biases
+    llama = 6 * (4 * 2 * 64 + 64) * seq - 4 * 3 * 2 * seq * seq * 64  # RMSNorms; causal half
+    return dino + siglip + patches + projector + llama
+
+
 def test_model_flops_count_what_runs():
-    cfg = _cfg(global_batch_size=4, micro_batch_size=2)
+    """The step's model FLOPs against the FLOPs torch counts in that very step (forward and
+    backward, math attention so that its products are counted), plus what the formula counts
+    beyond them, by hand: exact. The lm_head's rows are what the step ran, the labelled 4 per
+    sample or all 25."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
     mbs = [synthetic_batch(OpenVLAConfig.preset("tiny"), 2, 9, 4, seed=i) for i in range(2)]
-    for logits, positions in (("labelled", 4), ("all", None)):
-        trainer = Trainer(_cfg(global_batch_size=4, micro_batch_size=2, logits=logits), context())
-        per = openvla_flops_per_sample(trainer.model_config, 9, logit_positions=positions)
-        assert trainer.model_flops(mbs) == pytest.approx(4 * per, rel=1e-12)
-    assert cfg.logits == "labelled" and cfg.fused_projections and not cfg.compile
+    counted, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: more threads only wait for each other on shared cores
+    try:
+        for logits in ("labelled", "all"):
+            cfg = _cfg(global_batch_size=4, micro_batch_size=2, logits=logits)
+            trainer = Trainer(cfg, context())
+            with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+                trainer.train_step(mbs)
+            counted[logits] = counter.get_total_flops()
+            assert trainer.model_flops(mbs) == counted[logits] + 4 * _beyond_the_matmuls(9)
+    finally:
+        torch.set_num_threads(threads)
+    # the lm_head (64 x 576, forward + 2 backward products) over 4 x 25 rows, against 4 x 4
+    assert counted["all"] - counted["labelled"] == 6 * 64 * 576 * 4 * (25 - 4)
+    defaults = _cfg()
+    assert defaults.logits == "labelled" and defaults.fused_projections and not defaults.compile
 
 
 def test_flags():

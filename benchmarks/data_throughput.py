@@ -1,0 +1,164 @@
+"""How many samples a second does the streaming loader deliver from real robot-data formats?
+
+Read + decode + OpenVLA's augmentation + collate, for 224x224 RLDS (JPEG frames in TFRecord
+shards) and LeRobot v3.0 (MP4 video, encoded as LeRobot does: yuv420p, crf 30, a keyframe
+every 2 frames; AV1 when PyAV has an AV1 encoder, as LeRobot's default, else H.264), both
+generated on the fly, by worker count. One H200 trains full-fine-tuned OpenVLA-7B at about 36
+samples/s, so the loader should deliver >= 1.5x that (54/s) with the default worker count.
+
+    python -m benchmarks.data_throughput                    # workers 0, 1, 2, 4, ... <= cores
+    python -m benchmarks.data_throughput --workers 0 2 8 16
+    python -m benchmarks.data_throughput --smoke            # CPU test: tiny, prints only
+
+Only a real run (not ``--smoke``) appends to RESULTS.md / results.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import append_results, env_info, print_table
+from parallax.data import collate
+from parallax.data.mixture import open_source
+from parallax.data.stream import StreamLoader
+from tests.data.lerobot_writer import write_lerobot
+from tests.data.writers import make_episodes, write_rlds
+
+H200_FULL_FT = 36.0  # samples/s of full fine-tuning on one H200 (the issue's yardstick)
+
+
+def _episodes(n: int, length: int, size: int, seed: int):
+    """Smooth colour fields plus sensor-like noise: JPEG / video sizes near real frames."""
+    episodes = make_episodes(n, size=size, seed=seed, lengths=[length] * n)
+    rng = np.random.default_rng(seed)
+    for ep in episodes:
+        for name in ("images", "wrist"):
+            frames = getattr(ep, name).astype(np.int16)
+            noise = rng.normal(0, 6, frames.shape).astype(np.int16)
+            setattr(ep, name, np.clip(frames + noise, 0, 255).astype(np.uint8))
+    return episodes
+
+
+def _codec() -> str:
+    import av
+
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1: errors only
+    return "libsvtav1" if "libsvtav1" in av.codecs_available else "libx264"
+
+
+def generate(root: Path, episodes: int, length: int, size: int) -> dict[str, tuple[Path, str]]:
+    rlds = write_rlds(root, "bench_rlds", _episodes(episodes, length, size, 0), "jpeg", shards=4)
+    codec = _codec()
+    lerobot = write_lerobot(
+        root / "bench_lerobot",
+        _episodes(episodes, length, size, 1),
+        version="v3.0",
+        fps=10,
+        per_file=max(episodes // 4, 1),
+        codec=codec,
+        lossy=True,
+    )
+    return {"rlds (jpeg)": (rlds, "jpeg"), "lerobot v3.0 (mp4)": (lerobot, codec)}
+
+
+def measure(source, workers: int, batch: int, steps: int, size: int) -> dict[str, float]:
+    loader = StreamLoader(
+        source,
+        global_batch_size=batch,
+        micro_batch_size=max(batch // 4, 1),
+        images="train",
+        image_size=size,
+        workers=workers,
+        prefetch=4,
+        seed=0,
+    )
+    try:
+        for _ in range(2):  # warm-up: worker start, first episodes opened
+            [collate(mb) for mb in loader.next_batch()]
+        waited, began = 0.0, time.perf_counter()
+        for _ in range(steps):
+            [collate(mb) for mb in loader.next_batch()]
+            waited += loader.last_wait_s
+        seconds = time.perf_counter() - began
+    finally:
+        loader.close()
+    rate = steps * batch / seconds
+    return {"samples_per_s": rate, "wait_ms_per_step": 1e3 * waited / steps}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=None)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (one rank)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--episodes", type=int, default=24)
+    parser.add_argument("--length", type=int, default=40, help="steps per episode")
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run; writes no results")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.batch, args.steps, args.episodes, args.length, args.size = 4, 2, 4, 4, 32
+        args.workers = args.workers or [0, 1]
+    cores = os.cpu_count() or 1
+    workers = args.workers or [0] + [w for w in (1, 2, 4, 8, 16, 32) if w <= cores]
+    info = env_info()
+    rows, records = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        began = time.perf_counter()
+        datasets = generate(Path(tmp), args.episodes, args.length, args.size)
+        generated = time.perf_counter() - began
+        for label, (path, codec) in datasets.items():
+            began = time.perf_counter()
+            source = open_source(str(path))
+            scan = time.perf_counter() - began
+            for w in workers:
+                result = measure(source, w, args.batch, args.steps, args.size)
+                rate = result["samples_per_s"]
+                row = [label, codec, w, rate, rate / H200_FULL_FT, result["wait_ms_per_step"]]
+                rows.append(row + [scan])
+                records.append(
+                    {
+                        "benchmark": "data_throughput",
+                        "format": label,
+                        "codec": codec,
+                        "workers": w,
+                        "batch": args.batch,
+                        "image_size": args.size,
+                        "samples_per_s": rate,
+                        "x_h200_full_ft": rate / H200_FULL_FT,
+                        "wait_ms_per_step": result["wait_ms_per_step"],
+                        "scan_s": scan,
+                    }
+                )
+    columns = [
+        "format",
+        "codec",
+        "workers",
+        "samples/s",
+        "x H200 full FT",
+        "wait ms/step",
+        "scan s",
+    ]
+    title = (
+        f"Loader throughput: read+decode+augment+collate, {args.size}px, batch {args.batch}, "
+        f"{cores} cores"
+    )
+    print_table(title, columns, rows)
+    print(f"(datasets generated in {generated:.1f}s; H200 full fine-tuning ~{H200_FULL_FT}/s)")
+    if not args.smoke:
+        notes = (
+            f"{args.episodes} episodes x {args.length} steps per format; OpenVLA's train "
+            "augmentation; 'x H200 full FT' = samples/s / 36"
+        )
+        append_results(title, columns, rows, notes=notes, records=records, info=info)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""``--data`` specs: one dataset or a weighted mixture, each a format and a path.
+
+A spec is a comma-separated list of ``[FORMAT:]PATH[@WEIGHT]``, ``FORMAT`` one of ``rlds``,
+``lerobot``, ``libero``, ``parallax`` (parallax's episode format), or left out to detect it
+from the directory; ``synthetic`` is the built-in task. For example
+``rlds:/data/bridge_orig@0.7,lerobot:/data/so100_pick@0.3``. Weights are sampling
+probabilities (normalised to sum 1); with none given, each dataset is drawn in proportion to
+its number of transitions (as if they were concatenated). The TOML form is a list::
+
+    [[data]]
+    path = "rlds:/data/bridge_orig"
+    weight = 0.7
+    [[data]]
+    path = "/data/so100_pick"          # format detected
+    weight = 0.3
+    config = { primary = "observation.images.top", unnormalized = [5] }   # or a name
+
+Each dataset keeps its own action statistics, keyed by its name (unique across the mixture).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parallax.data.keys import BUILTIN, FORMATS, KeyConfig, config_from_mapping
+from parallax.data.source import Source
+from parallax.data.stats import DatasetError, merge_statistics
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """One dataset of a ``--data`` spec."""
+
+    path: str
+    format: str | None = None  # None: detect
+    weight: float | None = None
+    config: KeyConfig | None = None
+    name: str | None = None
+
+
+def _split_weight(item: str) -> tuple[str, float | None]:
+    head, sep, tail = item.rpartition("@")
+    if not sep:
+        return item, None
+    try:
+        weight = float(tail)
+    except ValueError:
+        return item, None  # an '@' that is part of the path
+    if not weight >= 0:
+        raise DatasetError(f"--data {item!r}: a weight must be a number >= 0, got {tail!r}")
+    return head, weight
+
+
+def parse_data_spec(spec: str) -> list[DataSpec]:
+    """``"rlds:A@0.7,lerobot:B@0.3"`` -> two :class:`DataSpec` (see the module doc)."""
+    out = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            raise DatasetError(f"--data {spec!r}: an empty entry between commas")
+        item, weight = _split_weight(item)
+        fmt, sep, path = item.partition(":")
+        if not sep or fmt not in FORMATS:  # no known prefix: the whole item is the path
+            fmt, path = None, item
+        out.append(DataSpec(path=path, format=fmt, weight=weight))
+    return out
+
+
+def specs_from_toml(entries: list[dict[str, Any]], where: str = "[[data]]") -> list[DataSpec]:
+    """The ``[[data]]`` list of a TOML config -> :class:`DataSpec` list."""
+    out = []
+    for i, entry in enumerate(entries):
+        unknown = sorted(set(entry) - {"path", "weight", "config", "name", "format"})
+        if unknown or "path" not in entry:
+            raise DatasetError(f"{where} entry {i}: needs 'path'; unknown keys {unknown}")
+        (spec,) = parse_data_spec(str(entry["path"]))
+        config = entry.get("config")
+        if isinstance(config, str):
+            if config not in BUILTIN:
+                raise DatasetError(f"{where} entry {i}: no built-in config {config!r}")
+            config = BUILTIN[config]
+        elif isinstance(config, dict):
+            config = config_from_mapping(config, f"{where} entry {i}")
+        weight = entry.get("weight", spec.weight)
+        out.append(
+            DataSpec(
+                path=spec.path,
+                format=entry.get("format", spec.format),
+                weight=None if weight is None else float(weight),
+                config=config,
+                name=entry.get("name"),
+            )
+        )
+    return out
+
+
+def detect_format(path: str | Path) -> str:
+    """Which reader a directory needs (``rlds``, ``lerobot``, ``libero`` or ``parallax``)."""
+    from parallax.data.rlds import find_rlds_dir
+
+    path = Path(path)
+    if (path / "index.json").is_file():
+        try:
+            if json.loads((path / "index.json").read_text()).get("format") == "parallax-episodes":
+                return "parallax"
+        except (OSError, ValueError, AttributeError):
+            pass
+    if (path / "meta" / "info.json").is_file():
+        return "lerobot"
+    if path.suffix in (".hdf5", ".h5") or any(path.glob("*.hdf5")) or any(path.glob("*/*.hdf5")):
+        return "libero"
+    try:
+        find_rlds_dir(path)
+        return "rlds"
+    except DatasetError:
+        pass
+    what = "does not exist" if not path.exists() else "is not a dataset this reader knows"
+    raise DatasetError(
+        f"{path} {what}: expected an RLDS directory (features.json + .tfrecord shards, or its "
+        "parent), a LeRobot directory (meta/info.json), LIBERO .hdf5 files, or a parallax "
+        "episode directory (index.json); or prefix the path with rlds:, lerobot:, libero:"
+    )
+
+
+def open_source(
+    spec: DataSpec | str,
+    *,
+    user_configs: dict[str, KeyConfig] | None = None,
+    seed: int = 0,
+    image_size: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> Source:
+    """Open (and scan, or read the scan from ``cache_dir``) one dataset."""
+    from parallax.data.episodes import EpisodeDataset
+    from parallax.data.indexed import IndexedSource
+    from parallax.data.synthetic import SyntheticTask
+
+    if isinstance(spec, str):
+        (spec,) = parse_data_spec(spec)
+    if spec.format is None and spec.path == "synthetic":
+        size = {"image_size": image_size} if image_size else {}
+        return IndexedSource(SyntheticTask(seed=seed, **size))
+    fmt = spec.format or detect_format(spec.path)
+    kw = {"config": spec.config, "user_configs": user_configs, "cache_dir": cache_dir}
+    if fmt == "rlds":
+        from parallax.data.rlds import RLDSSource
+
+        source: Source = RLDSSource(spec.path, **kw)
+    elif fmt == "libero":
+        from parallax.data.libero import LiberoSource
+
+        source = LiberoSource(spec.path, **kw)
+    elif fmt == "lerobot":
+        from parallax.data.lerobot import LeRobotSource
+
+        source = LeRobotSource(spec.path, **kw)
+    else:
+        source = IndexedSource(EpisodeDataset(spec.path))
+    if spec.name is not None:  # the statistics follow the new name
+        source.statistics = {spec.name: next(iter(source.statistics.values()))}
+        source.name = spec.name
+    return source
+
+
+@dataclass
+class Mixture:
+    """Opened datasets and their sampling weights (normalised)."""
+
+    sources: list[Source]
+    weights: list[float]
+
+    @property
+    def statistics(self) -> dict[str, Any]:
+        """``norm_stats`` of every dataset, keyed by name (``dataset_statistics.json``)."""
+        return merge_statistics(*(s.statistics for s in self.sources))
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+
+def load_mixture(
+    data: str | list[dict[str, Any]] | list[DataSpec],
+    *,
+    user_configs: dict[str, KeyConfig] | None = None,
+    seed: int = 0,
+    image_size: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> Mixture:
+    """Open every dataset of a spec string or ``[[data]]`` list (see the module doc)."""
+    if isinstance(data, str):
+        specs = parse_data_spec(data)
+    elif data and isinstance(data[0], dict):
+        specs = specs_from_toml(data)  # type: ignore[arg-type]
+    else:
+        specs = list(data)  # type: ignore[arg-type]
+    if not specs:
+        raise DatasetError("no dataset given")
+    given = [s.weight is not None for s in specs]
+    if any(given) and not all(given):
+        raise DatasetError("give every dataset of a mixture a weight (@W), or none of them")
+    sources = [
+        open_source(
+            s, user_configs=user_configs, seed=seed, image_size=image_size, cache_dir=cache_dir
+        )
+        for s in specs
+    ]
+    merge_statistics(*(s.statistics for s in sources))  # names must be unique
+    raw = [s.weight for s in specs] if all(given) else [s.num_transitions for s in sources]
+    weights = np.asarray(raw, dtype=np.float64)
+    if weights.sum() <= 0:
+        raise DatasetError(f"mixture weights {raw} sum to zero")
+    return Mixture(sources, (weights / weights.sum()).tolist())

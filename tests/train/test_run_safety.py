@@ -1,0 +1,137 @@
+"""What keeps a run's folder and checkpoints safe: one run per --out, --overwrite, leftovers of
+a killed prune, a --resume with no steps left, and a non-finite step that stops before saving.
+
+Every case runs the real ``parallax.train.cli.run`` on two gloo ranks (dp 2, tiny model, a few
+steps) and checks that both ranks raise the same message. The synthetic dataset (immutable;
+its statistics take seconds to compute) is built once per worker and reused across runs.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from parallax.testing import run_ranks
+
+_DATASETS: dict = {}  # per worker process
+
+RUN = [
+    "--steps",
+    "4",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",  # one microbatch per dp rank and step
+    "--save-interval",
+    "2",
+    "--log-interval",
+    "2",
+    "--warmup-steps",
+    "1",
+]
+
+
+def _train(out: str, *args: str, poison_step: int | None = None):
+    """``run`` on this rank: ``None`` when it finished, else the UserError's message. With
+    ``poison_step``, dp rank 0's pixels of that step (counted from this invocation's first)
+    hold an inf, which makes the loss and the gradients NaN on every rank."""
+    import torch.distributed as dist
+
+    from parallax.testing import context
+    from parallax.train import cli
+    from parallax.train.config import parse_args
+
+    real, real_load = cli.BatchBuilder, cli.load_dataset
+
+    def load_once(name, seed):
+        if (name, seed) not in _DATASETS:
+            _DATASETS[name, seed] = real_load(name, seed=seed)
+        return _DATASETS[name, seed]
+
+    class Poisoned(real):
+        calls = 0
+
+        def __call__(self, samples):
+            mb = super().__call__(samples)
+            Poisoned.calls += 1
+            if Poisoned.calls == poison_step and dist.get_rank() == 0:
+                mb["pixel_values"][0, 0, 0, 0] = float("inf")
+            return mb
+
+    cli.BatchBuilder, cli.load_dataset = Poisoned, load_once
+    try:
+        cli.run(parse_args(["--out", out, *RUN, *args]), context(dp=2))
+    except cli.UserError as err:
+        return str(err)
+    finally:
+        cli.BatchBuilder, cli.load_dataset = real, real_load
+    return None
+
+
+def _agreed(results: list) -> str:
+    assert results[0] is not None and results[0] == results[1], results
+    return results[0]
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_one_run_per_out_resume_overwrite_and_leftovers(tmp_path):
+    out = tmp_path / "run"
+    assert run_ranks(_train, 2, str(out)) == [None, None]
+    before = _digest(out)
+    # a fresh run into it refuses, naming both ways out, and touches nothing
+    message = _agreed(run_ranks(_train, 2, str(out), "--steps", "3"))
+    assert "holds another run (checkpoints up to step_00000004 and metrics.jsonl)" in message
+    assert "--resume" in message and "--overwrite" in message
+    # a resume with no steps left says so instead of exiting as if it had trained
+    message = _agreed(run_ranks(_train, 2, str(out), "--resume"))
+    assert "at step 4 and --steps is 4: nothing left to train; raise --steps above 4" in message
+    assert _digest(out) == before
+    # what a kill during pruning leaves is never resumed and is removed by the next save
+    leftover = out / "checkpoints" / "step_00000008.deleting"
+    leftover.mkdir()
+    (leftover / "meta.json").write_text("{}")
+    assert run_ranks(_train, 2, str(out), "--resume", "--steps", "6") == [None, None]
+    assert _steps(out) == [1, 2, 3, 4, 5, 6]
+    assert _checkpoints(out) == ["latest", "step_00000004", "step_00000006"]
+    # --overwrite removes the old run first: the new one's checkpoints are all that is left
+    assert run_ranks(_train, 2, str(out), "--overwrite", "--steps", "2") == [None, None]
+    assert _steps(out) == [1, 2]
+    assert _checkpoints(out) == ["latest", "step_00000002"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002\n"
+
+
+def _finite_checkpoint(path: Path) -> bool:
+    from parallax.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(path)
+    return all(bool(torch.isfinite(ckpt.get(n).float()).all()) for n in ckpt.names())
+
+
+def test_a_non_finite_step_stops_the_run_before_any_later_save(tmp_path):
+    out = tmp_path / "nan"
+    # step 3 is reported while step 4 runs: the run stops there, before step 4's checkpoint
+    message = _agreed(run_ranks(_train, 2, str(out), poison_step=3))
+    assert message.startswith("step 3: the loss is nan and the gradient norm nan, not finite")
+    assert f"the latest checkpoint, {out / 'checkpoints' / 'step_00000002'}," in message
+    assert _checkpoints(out) == ["latest", "step_00000002"]
+    assert _finite_checkpoint(out / "checkpoints" / "step_00000002")
+    # a step that would be saved is checked before its checkpoint is written
+    message = _agreed(run_ranks(_train, 2, str(tmp_path / "nan2"), poison_step=2))
+    assert message.startswith("step 2: the loss is nan") and "no checkpoint was written" in message
+    assert not list((tmp_path / "nan2" / "checkpoints").glob("step_*"))
