@@ -19,7 +19,7 @@ the optimizer's calls. Buckets are launched from hooks only in a step that ``zer
 opened (:meth:`GradReducer.reset` with ``open``); ``step()`` closes it. Gradients that arrive
 in a closed step (``step(); backward()`` without ``zero_grad()``) wait for ``finish()``. So a
 ``zero_grad()`` after ``step()`` never has collectives to complete, on any rank, and one in the
-middle of a step (:meth:`GradReducer.discard`) first agrees on how far any rank got.
+middle of a step (:meth:`GradReducer.discard`) completes them on every rank.
 
 On GPUs the staging copies and the collectives are issued on a side stream (``stream``) that
 first waits for the compute stream: the bf16 -> fp32 copies then run beside the rest of the
@@ -148,18 +148,16 @@ class GradReducer:
         self.launched = b + 1
 
     def discard(self) -> None:
-        """End an unfinished step without its reduction (``zero_grad()`` in the middle of a
-        step): the dp ranks agree on the most buckets any of them launched and each launches up
-        to there, so all made the same collectives, then wait for them. The decision to agree
-        rests on what every rank sees the same (the step is open, not finished, overlapping);
-        the agreement is one small all-reduce and a host read."""
+        """End an unfinished step without using its reduction (``zero_grad()`` in the middle of
+        a step): launch every bucket not launched yet, as ``finish()`` would, and wait. The
+        ranks may have launched different numbers of buckets, and a collective agreeing on how
+        many would pair up with the ones in flight; launching all of them aligns every rank.
+        Whether to do it rests on what every rank sees the same (the step is open, not
+        finished, overlapping at dp >= 2), so a discarded step costs its collectives."""
         if self.done or not self.open or not self.overlap or self.ctx.dp_size == 1:
             return  # no rank launched anything that is still unmatched
-        most = torch.tensor([self.launched], dtype=torch.int64, device=self.device)
-        comm.all_reduce(most, self.ctx.dp_group, op="max")
-        # hooks never launch past a sequence-parallel bucket: these are dp collectives only
-        for b in range(self.launched, int(most.item())):
-            self._launch(b)
+        while self.launched < len(self.layout.buckets):
+            self._launch(self.launched)
         for work in self.works:
             comm.wait(work)
         self.works = []

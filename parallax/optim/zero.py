@@ -233,8 +233,9 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         view. Whether a parameter got a gradient is tracked by hooks either way. Call it on
         every rank between steps: after ``step()`` (and, for 16-bit parameters, after
         ``grad_norm()``), gradients hold unspecified (partly reduced) values. Called in the
-        middle of an opened step instead, it first completes what any dp rank launched (one
-        small agreement), so the ranks' collectives stay aligned.
+        middle of an opened step instead (after ``zero_grad()``, before ``grad_norm()`` or
+        ``step()``), it first makes the step's remaining reduce-scatters on every rank, so the
+        ranks' collectives stay aligned whatever each of them launched.
         """
         self.reducer.discard()
         self._end_step(open=True)

@@ -338,3 +338,33 @@ def test_bad_arguments():
         ZeroOptimizer(bare, "adamw", ctx, lr=1)
     opt = ZeroOptimizer(bare, torch.optim.SGD, ctx, lr=1)
     assert opt.names[:2] == ["0", "3"]  # positions in the list given; 1 and 2 are frozen
+
+
+def test_a_torch_optimizer_to_schedulers_and_hooks():
+    """ZeroOptimizer is built by torch.optim.Optimizer.__init__ (see optim/protocol.py): step
+    hooks run once around its whole step, state-dict hooks around its state_dict, and its
+    groups stay the wrapped optimizer's own, also after load_state_dict replaced them."""
+    ctx = parallax.ParallelContext.local()
+    model = build()
+    opt = ZeroOptimizer(groups(model), torch.optim.AdamW, ctx, lr=1e-2, bucket_numel=50)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "seen": True})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    x, y, use = batch(0, 0)
+    F.mse_loss(model(x, use), y).backward()
+    opt.step()
+    assert calls == ["pre", "post"]
+    saved = opt.state_dict()
+    assert saved["seen"] and opt.param_groups is opt.inner.param_groups
+    opt.load_state_dict(saved)
+    assert calls[-1] == "loaded" and opt.param_groups is opt.inner.param_groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    opt.zero_grad()
+    F.mse_loss(model(x, use), y).backward()
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.inner.param_groups] == [5e-3, 5e-3]
+    with pytest.raises(NotImplementedError, match="fixed at construction"):
+        opt.add_param_group({"params": [torch.zeros(1)]})
