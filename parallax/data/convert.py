@@ -1,17 +1,9 @@
 """Write a dataset in the parallax episode format (see :mod:`parallax.data.episodes`).
 
-From a folder of episodes::
+From a folder of episodes (``python -m parallax.data.convert folder --help`` shows the layout)::
 
     python -m parallax.data.convert folder SRC OUT [--name NAME] [--image-size H [W]]
-
-    SRC/
-      instructions.json           optional: {"<episode folder>": "<instruction>", ...}
-      <episode folder>/           one per episode, taken in sorted name order
-        instruction.txt           the instruction (unless instructions.json has it)
-        actions.npy | actions.csv (T, 7) numbers; a CSV may have one header line
-        images.npy                (T, H, W, 3) uint8, or
-        images/                   T frames in name order: .npy (H, W, 3) uint8, or .png / .jpg
-                                  (PNG and JPEG need Pillow: pip install pillow)
+                                                   [--action-dim D]
 
 From the built-in synthetic task (to see the format, or to train from disk)::
 
@@ -26,7 +18,10 @@ takes the primary camera, the dataset config's actions (gripper standardised as 
 and each episode's first instruction; ``auto`` detects the format.
 
 ``--image-size`` resizes every frame (bilinear, antialiased) so that episodes of different
-cameras share one shape. Nothing is pickled; the output appears only once it is complete.
+cameras share one shape. Every episode's actions must have ``--action-dim`` numbers (7 by
+default: OpenVLA's x, y, z, roll, pitch, yaw, gripper); the statistics and the index record that
+dimension, and training checks it against the model's. Nothing is pickled; the output appears
+only once it is complete.
 """
 
 from __future__ import annotations
@@ -49,6 +44,38 @@ from parallax.data.synthetic import SyntheticTask
 
 log = logging.getLogger(__name__)
 FRAME_SUFFIXES = (".npy", ".png", ".jpg", ".jpeg")
+OPENVLA_ACTION_DIM = 7
+FOLDER_LAYOUT = """\
+SRC holds one folder per episode (taken in sorted name order, episode_2 before episode_10):
+
+  SRC/
+    instructions.json         optional: {"<episode folder>": "<instruction>", ...}
+    <episode folder>/
+      instruction.txt         the instruction, e.g. "put the cup in the sink"
+                              (unless instructions.json has it)
+      actions.npy             (T, D) numbers, one row per step, or
+      actions.csv             T rows of D comma-separated numbers (one header line allowed)
+      images.npy              (T, H, W, 3) uint8 RGB, or
+      images/                 T frames in name order: .npy (H, W, 3) uint8, .png or .jpg
+                              (PNG and JPEG need Pillow: pip install pillow)
+
+Step t's action is what the robot did after seeing frame t. D is --action-dim (default 7:
+x, y, z, roll, pitch, yaw, gripper; the last dimension is the gripper, not normalised).
+
+Example:
+
+  my_episodes/
+    instructions.json         {"2024-05-01_run1": "pick up the red cup"}
+    2024-05-01_run1/
+      actions.csv
+      images/frame_000.png  frame_001.png  ...
+    2024-05-01_run2/
+      instruction.txt
+      actions.npy
+      images.npy
+
+  python -m parallax.data.convert folder my_episodes/ data/kitchen --image-size 224
+"""
 
 
 def _natural_key(path: Path) -> list:
@@ -95,9 +122,15 @@ def _read_actions(ep_dir: Path) -> np.ndarray:
     except (ValueError, IndexError):
         lines = lines[1:]  # a header line
     try:
-        return np.array([[float(v) for v in ln.split(",")] for ln in lines], dtype=np.float32)
+        rows = [[float(v) for v in ln.split(",")] for ln in lines]
     except ValueError as err:
         raise DatasetError(f"{path}: not a CSV of numbers ({err})") from None
+    for k, row in enumerate(rows):
+        if len(row) != len(rows[0]):
+            raise DatasetError(
+                f"{path}: data row {k + 1} has {len(row)} numbers, the first has {len(rows[0])}"
+            )
+    return np.array(rows, dtype=np.float32).reshape(len(rows), -1)
 
 
 def _resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -107,14 +140,37 @@ def _resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-def read_folder(src: str | Path, image_size: tuple[int, int] | None = None) -> Iterator[Episode]:
-    """Episodes of a source folder laid out as in the module doc, one at a time."""
+def _check_actions(ep_dir: Path, actions: np.ndarray, action_dim: int) -> None:
+    file = "actions.npy" if (ep_dir / "actions.npy").is_file() else "actions.csv"
+    if actions.ndim != 2:
+        raise DatasetError(
+            f"{ep_dir / file}: actions must be (T, D), one row per step, got {actions.shape}"
+        )
+    if actions.shape[1] != action_dim:
+        raise DatasetError(
+            f"{ep_dir / file}: {actions.shape[1]}-dimensional actions, but --action-dim is "
+            f"{action_dim}{' (the default: OpenVLA)' if action_dim == OPENVLA_ACTION_DIM else ''}"
+            f"; pass --action-dim {actions.shape[1]} if that is your robot's action (training "
+            f"then needs a model whose statistics are {actions.shape[1]}-dimensional too, or "
+            "none: a preset)"
+        )
+
+
+def read_folder(
+    src: str | Path,
+    image_size: tuple[int, int] | None = None,
+    action_dim: int = OPENVLA_ACTION_DIM,
+) -> Iterator[Episode]:
+    """Episodes of a source folder laid out as ``FOLDER_LAYOUT`` says, one at a time."""
     src = Path(src)
     if not src.is_dir():
         raise DatasetError(f"source folder {src} does not exist")
     ep_dirs = sorted((p for p in src.iterdir() if p.is_dir()), key=_natural_key)
     if not ep_dirs:
-        raise DatasetError(f"{src} has no episode folders")
+        raise DatasetError(
+            f"{src} has no episode folders (python -m parallax.data.convert folder --help "
+            "shows the layout)"
+        )
     names: dict[str, str] = {}
     if (src / "instructions.json").is_file():
         names = json.loads((src / "instructions.json").read_text())
@@ -131,8 +187,9 @@ def read_folder(src: str | Path, image_size: tuple[int, int] | None = None) -> I
         tensor = torch.from_numpy(np.ascontiguousarray(images))
         if image_size is not None and tensor.ndim == 4 and tuple(tensor.shape[1:3]) != image_size:
             tensor = _resize(tensor, image_size)
-        actions = torch.from_numpy(np.asarray(_read_actions(ep_dir), dtype=np.float32))
-        yield Episode(tensor, actions, instruction)
+        actions = np.asarray(_read_actions(ep_dir), dtype=np.float32)
+        _check_actions(ep_dir, actions, action_dim)
+        yield Episode(tensor, torch.from_numpy(actions), instruction)
 
 
 FOREIGN = ("rlds", "lerobot", "libero", "auto")  # readers of other projects' formats
@@ -193,11 +250,30 @@ def _parser() -> argparse.ArgumentParser:
         description="Write a dataset in the parallax episode format.",
     )
     sub = parser.add_subparsers(dest="source", required=True)
-    folder = sub.add_parser("folder", help="convert a folder of episodes (see the module doc)")
-    folder.add_argument("src", type=Path)
-    folder.add_argument("out", type=Path)
+    folder = sub.add_parser(
+        "folder",
+        help="convert a folder of episodes (folder --help shows its layout)",
+        description="Convert a folder of episodes into a parallax dataset directory.",
+        epilog=FOLDER_LAYOUT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    folder.add_argument("src", type=Path, help="the folder of episodes (layout below)")
+    folder.add_argument("out", type=Path, help="the dataset directory to write")
     folder.add_argument("--name", default=None, help="dataset name (default: OUT's name)")
-    folder.add_argument("--image-size", type=int, nargs="+", metavar="H [W]")
+    folder.add_argument(
+        "--image-size",
+        type=int,
+        nargs="+",
+        metavar="SIZE",
+        help="H, or H W: resize every frame to H x W",
+    )
+    folder.add_argument(
+        "--action-dim",
+        type=int,
+        default=OPENVLA_ACTION_DIM,
+        metavar="D",
+        help=f"numbers per action (default {OPENVLA_ACTION_DIM}, as OpenVLA)",
+    )
     synth = sub.add_parser("synthetic", help="export the built-in synthetic task")
     synth.add_argument("out", type=Path)
     synth.add_argument("--episodes", type=int, default=100)
@@ -211,10 +287,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise DatasetError(f"{out} already exists and is not empty; pass --overwrite to replace it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        _check_out(args.out, args.overwrite)
         if args.source in FOREIGN:
             out = _convert_foreign(args)
         elif args.source == "synthetic":
@@ -230,13 +312,20 @@ def main(argv: list[str] | None = None) -> int:
             size = args.image_size
             if size is not None and len(size) not in (1, 2):
                 raise DatasetError(f"--image-size takes H or H W, got {size}")
+            if args.action_dim < 1:
+                raise DatasetError(f"--action-dim must be >= 1, got {args.action_dim}")
             size = None if size is None else (size[0], size[-1])
             name = args.name or args.out.name
-            out = write_dataset(args.out, read_folder(args.src, size), name, args.overwrite)
+            episodes = read_folder(args.src, size, args.action_dim)
+            out = write_dataset(args.out, episodes, name, args.overwrite)
     except (DatasetError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"parallax.data.convert: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {out}")
+    index = json.loads((out / "index.json").read_text())
+    print(
+        f"wrote {out}: {index['num_episodes']} episodes, {index['num_transitions']} steps, "
+        f"{index['action_dim']}-dimensional actions, images {index['image_shape']}"
+    )
     return 0
 
 

@@ -95,7 +95,9 @@ def write_dataset(
     """
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise DatasetError(f"{out} already exists and is not empty (pass overwrite to replace)")
+        raise DatasetError(
+            f"{out} already exists and is not empty (pass overwrite=True to replace it)"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out)
     (tmp / "episodes").mkdir(parents=True)
@@ -177,6 +179,13 @@ class EpisodeDataset:
             raise DatasetError(f"dataset {self.path} is empty: its index lists no episodes")
         self.image_shape = tuple(index["image_shape"])
         self.action_dim = int(index["action_dim"])
+        stats_dim = len(self.statistics[stats_name]["action"]["q01"])
+        if stats_dim != self.action_dim:
+            raise DatasetError(
+                f"{self.path}: {INDEX} says the actions have {self.action_dim} dimensions, "
+                f"{STATISTICS} has statistics of {stats_dim}; write the dataset again "
+                "(python -m parallax.data.convert)"
+            )
         for k, entry in enumerate(self.episodes):
             self._check_file(k, entry)
         self._ends = np.cumsum([e["length"] for e in self.episodes]).tolist()

@@ -2,9 +2,12 @@
 
 As OpenVLA's own pipeline does: actions are normalised with the dataset's q01/q99 bounds and
 turned into action tokens, the prompt ``In: What action should the robot take to {instruction}?
-Out:`` is tokenised, only the 7 action tokens and the closing EOS carry labels, sequences are
-right-padded with the pad id (labels -100), and the image is resized and normalised for both
-vision towers (6 channels).
+Out:`` is tokenised, only the D action tokens (7 for OpenVLA) and the closing EOS carry labels,
+sequences are right-padded with the pad id (labels -100), and the image is resized and
+normalised for both vision towers (6 channels).
+
+The action dimension D is the dataset's (its statistics); a model checkpoint whose
+``norm_stats`` were computed on actions of another dimension cannot take it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,31 @@ def text_tokenizer(config: OpenVLAConfig, checkpoint_dir=None):
     return TinyTokenizer()
 
 
+def action_dim(stats: Mapping) -> int:
+    """The dimension of the actions one dataset's ``norm_stats`` entry describes."""
+    return len(stats["action"]["q01"])
+
+
+def check_action_dim(config: OpenVLAConfig, stats: Mapping) -> None:
+    """The dataset's actions must have a dimension the model's statistics know (any, when it
+    has none: a preset); raises ``ValueError`` naming both and where each comes from."""
+    ((name, entry),) = stats.items()
+    data_dim = action_dim(entry)
+    model_dims = {key: action_dim(s) for key, s in config.norm_stats.items() if "action" in s}
+    if not model_dims or data_dim in model_dims.values():
+        return
+    where = f"checkpoint {config.source}" if config.source else "the model"
+    keys = ", ".join(f"{k} ({d})" for k, d in sorted(model_dims.items())[:3])
+    more = ", ..." if len(model_dims) > 3 else ""
+    dims = " or ".join(map(str, sorted(set(model_dims.values()))))
+    raise ValueError(
+        f"dataset {name!r} has {data_dim}-dimensional actions (its dataset statistics), but "
+        f"{where} was made for {dims}-dimensional ones (the norm_stats of its config.json: "
+        f"{keys}{more}); convert the data with actions of that dimension, or train a preset "
+        "(--model tiny, small or openvla-7b: no statistics, any dimension)"
+    )
+
+
 class BatchBuilder:
     """Turns lists of raw samples into ``{"pixel_values", "input_ids", "labels"}`` tensors."""
 
@@ -50,6 +78,7 @@ class BatchBuilder:
         self.action_tokenizer = ActionTokenizer.from_config(config)
         if len(stats) != 1:
             raise ValueError(f"expected statistics of one dataset, got {sorted(stats)}")
+        check_action_dim(config, stats)
         self.action_stats = next(iter(stats.values()))["action"]
 
     def __call__(self, samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:

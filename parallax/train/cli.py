@@ -1,21 +1,23 @@
 """``torchrun -m parallax.train``: parse flags, build, train, log, checkpoint, resume.
 
 Every failure that a user can cause (a bad layout, batch sizes that do not divide, a missing
-dataset, a corrupt or partial checkpoint) ends with one clear message and exit status 2,
-before training starts and without touching existing checkpoints. Ranks agree on such errors
-before any collective that depends on them, so none is left waiting. A peer that dies or hangs
-mid-run ends the others' collectives within ``--timeout`` seconds: they exit with status 1 and
-say so; ``torchrun --max-restarts N ... --resume`` then carries on from the last checkpoint.
+dataset, a corrupt or partial checkpoint) ends with one clear message (rank 0's) and exit status
+2 on every rank, before training starts and without touching existing checkpoints. Ranks agree
+on such errors before any collective that depends on them, so none is left waiting. A peer that
+dies or hangs mid-run ends the others' collectives within ``--timeout`` seconds: they exit with
+status 1 and say so once each; ``torchrun --max-restarts N ... --resume`` then carries on from
+the last checkpoint. :mod:`parallax.train.failures` says who says what.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import os
 import signal
-import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -24,11 +26,13 @@ import torch.distributed as dist
 
 from parallax import comm
 from parallax.checkpoint import CheckpointError
-from parallax.context import ParallelContext, init_parallel
+from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.data import BatchLoader, DatasetError, load_dataset
+from parallax.dims import ParallelDims
 from parallax.train import state
 from parallax.train.batches import BatchBuilder, text_tokenizer
 from parallax.train.config import TrainConfig, parse_args
+from parallax.train.failures import Ending, is_comm_failure, sigterm_held
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
 from parallax.train.trainer import Trainer, resolve_model_config
 
@@ -90,7 +94,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     )
     builder = agree(
         ctx,
-        "tokenizer",
+        "data and model",
         lambda: BatchBuilder(
             model_config, data.statistics, text_tokenizer(model_config, checkpoint_dir)
         ),
@@ -185,57 +189,44 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
         log.info("exported the Hugging Face checkpoint to %s", path)
 
 
-def _on_sigterm(signum, frame) -> None:
-    rank = os.environ.get("RANK", "?")
-    print(
-        f"parallax.train: rank {rank} terminated by the launcher (SIGTERM), most likely "
-        "because another rank failed; restart with --resume to continue from the last "
-        "checkpoint",
-        file=sys.stderr,
-        flush=True,
-    )
-    sys.exit(143)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m parallax.train`` and ``parallax-train``."""
+    """Entry point of ``python -m parallax.train`` and ``parallax-train``. What each rank says
+    and which exit status it gives when the run cannot go on: :mod:`parallax.train.failures`."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ending = Ending(int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1))
+    signal.signal(signal.SIGTERM, ending.on_sigterm)
+    cfg = ctx = None
     try:
-        cfg = parse_args(argv)
-    except ValueError as err:
-        print(f"parallax.train: error: {err}", file=sys.stderr)
-        return 2
-    if cfg.dry_run:
-        from parallax.train.plan import print_plan
+        # what every rank checks alike, rank 0 says; a launcher's SIGTERM (a peer that already
+        # failed on the same check) waits until it has been said
+        with sigterm_held():
+            try:
+                cfg = parse_args(argv)
+                if cfg.dry_run:
+                    from parallax.train.plan import print_plan
 
-        try:
-            print_plan(cfg)
-        except ValueError as err:
-            print(f"parallax.train: error: {err}", file=sys.stderr)
-            return 2
-        return 0
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    ctx = None
-    try:
+                    print_plan(cfg, file=None if ending.rank == 0 else io.StringIO())
+                    return ending.end(0)
+                ParallelDims.from_world(ending.world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+            except ValueError as err:
+                return ending.user_error(err, agreed=True)
         ctx = init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, timeout=cfg.timeout)
         if ctx.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         run(cfg, ctx)
-        return 0
-    except (UserError, *USER_ERRORS) as err:
-        if ctx is None or ctx.rank == 0 or not isinstance(err, UserError):
-            print(f"parallax.train: error: {err}", file=sys.stderr)
-        return 2
-    except (RuntimeError, dist.DistBackendError) as err:
-        rank = "?" if ctx is None else ctx.rank
-        print(
-            f"parallax.train: rank {rank} stopped: a collective failed or timed out "
-            f"(--timeout {cfg.timeout:g} s), most likely because another rank died or hung; "
-            f"restart with --resume to continue from the last checkpoint. Cause: {err}",
-            file=sys.stderr,
-        )
-        return 1
+        return ending.end(0)
+    except UserError as err:
+        return ending.user_error(err, agreed=True)
+    except USER_ERRORS as err:
+        return ending.user_error(err, agreed=False)
+    except KeyboardInterrupt:
+        return ending.interrupted()
+    except Exception as err:
+        if is_comm_failure(err):
+            return ending.peer_failed(err, cfg.timeout if cfg else DEFAULT_TIMEOUT_S)
+        return ending.crashed(traceback.format_exc())  # a bug: say where
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group cannot always be torn down
                 dist.destroy_process_group()
+        ending.hold_on()

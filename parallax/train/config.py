@@ -11,8 +11,9 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from parallax.train.values import convert, field_kinds, out_problems, read_toml, show
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # Peak learning rates that train each preset well from scratch on the synthetic task; a 7B
@@ -28,6 +29,12 @@ def default_lr(model: str) -> float:
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
+CHOICES = {
+    "schedule": SCHEDULES,
+    "precision": PRECISIONS,
+    "lr_schedule": LR_SCHEDULES,
+    "logits": LOGITS,
+}
 
 
 @dataclass
@@ -76,19 +83,21 @@ class TrainConfig:
     def check(self) -> None:
         """Raise ``ValueError`` for values no layout could run (layout checks come later);
         fills in what defaults to the model's (the learning rate)."""
+        problems = []
+        for name, kind in FLAG_KINDS.items():  # types first: the checks below compare values
+            value = getattr(self, name)
+            try:
+                value = convert(
+                    f"{name} = {show(value)}", value, kind, CHOICES.get(name), text=False
+                )
+            except ValueError as err:
+                problems.append(str(err))
+            setattr(self, name, value)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.lr is None:
             self.lr = default_lr(self.model)
-        problems = []
-        if self.schedule not in SCHEDULES:
-            problems.append(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.logits not in LOGITS:
-            problems.append(f"--logits must be one of {LOGITS}, got {self.logits!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            problems.append(
-                f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
-            )
+        problems += out_problems(self.out)
         for name in (
             "steps",
             "global_batch_size",
@@ -133,18 +142,33 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+# every flag's type, from the annotations above (``extra`` is not a flag)
+FLAG_KINDS = field_kinds(TrainConfig)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises its errors instead of printing them, so the CLI decides which rank says them."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (--help lists the flags)")
+
+
+def _choices(options: tuple[str, ...]) -> str:
+    return "{" + ",".join(options) + "}"
+
+
 def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="parallax.train",
         description="Train OpenVLA (tiny by default, on a built-in synthetic robot task) in any "
         "dp x tp x pp layout. Launch with torchrun; flags override --config (TOML).",
     )
     p.add_argument("--config", help="TOML file of flag values (keys as flags, '-' -> '_')")
     g = p.add_argument_group("layout")
-    g.add_argument("--tp", type=int, help=f"tensor-parallel size (default {d.tp})")
-    g.add_argument("--pp", type=int, help=f"pipeline stages (default {d.pp})")
-    g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp*pp))")
+    g.add_argument("--tp", help=f"tensor-parallel size (default {d.tp})")
+    g.add_argument("--pp", help=f"pipeline stages (default {d.pp})")
+    g.add_argument("--dp", help="data-parallel size (default: world / (tp*pp))")
     g = p.add_argument_group("model and data")
     g.add_argument(
         "--model", help=f"tiny, openvla-7b, or an OpenVLA checkpoint dir (default {d.model})"
@@ -153,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--freeze-vision", action="store_true", default=None, help="freeze both vision towers"
     )
-    g.add_argument("--precision", choices=PRECISIONS, help=f"default {d.precision}")
+    g.add_argument("--precision", metavar=_choices(PRECISIONS), help=f"default {d.precision}")
     g.add_argument(
         "--activation-checkpointing",
         action="store_true",
@@ -161,40 +185,29 @@ def _parser() -> argparse.ArgumentParser:
         help="recompute each block's activations in the backward pass",
     )
     g = p.add_argument_group("schedule")
-    g.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    g.add_argument(
-        "--global-batch-size", type=int, help=f"samples per step (default {d.global_batch_size})"
-    )
+    g.add_argument("--steps", help=f"optimizer steps (default {d.steps})")
+    g.add_argument("--global-batch-size", help=f"samples per step (default {d.global_batch_size})")
     g.add_argument(
         "--micro-batch-size",
-        type=int,
         help=f"samples per microbatch (default {d.micro_batch_size})",
     )
     g.add_argument(
-        "--schedule", choices=SCHEDULES, help=f"pipeline schedule (default {d.schedule})"
+        "--schedule", metavar=_choices(SCHEDULES), help=f"pipeline schedule (default {d.schedule})"
     )
-    g.add_argument("--chunks", type=int, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--chunks", help="model chunks per pipeline rank (interleaved)")
     g = p.add_argument_group("optimisation")
     g.add_argument(
         "--lr",
-        type=float,
         help=f"peak learning rate (default {DEFAULT_LR} by model, else {DEFAULT_LR_7B})",
     )
-    g.add_argument(
-        "--min-lr", type=float, help=f"final lr of the cosine schedule (default {d.min_lr})"
-    )
-    g.add_argument(
-        "--warmup-steps", type=int, help=f"linear warm-up steps (default {d.warmup_steps})"
-    )
-    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, help=f"default {d.lr_schedule}")
+    g.add_argument("--min-lr", help=f"final lr of the cosine schedule (default {d.min_lr})")
+    g.add_argument("--warmup-steps", help=f"linear warm-up steps (default {d.warmup_steps})")
+    g.add_argument("--lr-schedule", metavar=_choices(LR_SCHEDULES), help=f"default {d.lr_schedule}")
     g.add_argument(
         "--weight-decay",
-        type=float,
         help=f"AdamW weight decay on matrices (default {d.weight_decay})",
     )
-    g.add_argument(
-        "--grad-clip", type=float, help=f"global grad-norm clip, 0 = off (default {d.grad_clip})"
-    )
+    g.add_argument("--grad-clip", help=f"global grad-norm clip, 0 = off (default {d.grad_clip})")
     g.add_argument(
         "--no-overlap",
         dest="overlap_grad_reduce",
@@ -205,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("speed (same results either way)")
     g.add_argument(
         "--logits",
-        choices=LOGITS,
+        metavar=_choices(LOGITS),
         help="where the last stage applies the final norm and lm_head: at the labelled "
         f"positions only, inside the loss, or at every position (default {d.logits})",
     )
@@ -245,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {'on' if d.overlap_param_gather else 'off'})",
     )
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, help=f"seed of weights and data (default {d.seed})")
+    g.add_argument("--seed", help=f"seed of weights and data (default {d.seed})")
     g.add_argument("--out", help=f"output dir: metrics.jsonl, checkpoints/ (default {d.out})")
     g.add_argument(
         "--resume",
@@ -262,16 +275,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--save-interval",
-        type=int,
         help=f"checkpoint every N steps and at the end; 0: never (default {d.save_interval})",
     )
-    g.add_argument("--keep-last", type=int, help=f"checkpoints to keep (default {d.keep_last})")
-    g.add_argument(
-        "--log-interval", type=int, help=f"print every N steps (default {d.log_interval})"
-    )
-    g.add_argument(
-        "--timeout", type=float, help=f"collective timeout in seconds (default {d.timeout:g})"
-    )
+    g.add_argument("--keep-last", help=f"checkpoints to keep (default {d.keep_last})")
+    g.add_argument("--log-interval", help=f"print every N steps (default {d.log_interval})")
+    g.add_argument("--timeout", help=f"collective timeout in seconds (default {d.timeout:g})")
     g.add_argument(
         "--export-hf",
         action="store_true",
@@ -288,24 +296,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError as err:
-            raise ValueError("--config needs Python >= 3.11 or `pip install tomli`") from err
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    with open(file, "rb") as f:
-        data = tomllib.load(f)
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra", "config"}
-    values = {k.replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown keys {unknown}; known keys: {sorted(known)}")
-    return values
+    """The flag values of a TOML file (keys as flags, ``-`` or ``_``), each type-checked."""
+    return read_toml(path, {k: v for k, v in FLAG_KINDS.items() if k != "config"}, CHOICES)
+
+
+def _flag_value(key: str, value: Any) -> Any:
+    """A command-line value (text, or a switch's bool: always valid) as its field's type."""
+    label = f"--{key.replace('_', '-')} {value}"
+    return convert(label, value, FLAG_KINDS[key], CHOICES.get(key), text=True)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -318,6 +316,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         cfg.config = args.config
     for key, value in vars(args).items():
         if value is not None and key != "config":
-            setattr(cfg, key, value)
+            setattr(cfg, key, _flag_value(key, value))
     cfg.check()
     return cfg

@@ -5,6 +5,12 @@ they are read one step late, after the next step has been launched, so logging n
 the GPU. Rank 0 writes and displays. A loss or gradient norm that is not finite raises
 :class:`NonFiniteError` on every rank at the same step (the values are reduced over all ranks,
 so they all see it); the step's row is still written.
+
+In a terminal, the live bar row and the printed lines fit the terminal's width (80 columns
+included): the bar, step count and time remaining keep their place and the metrics fill what is
+left, most useful first, leaving out those that do not fit (``metrics.jsonl`` has them all).
+Output that is not a terminal (a log file) gets every field. MFU is measured against a GPU's
+peak: on a CPU it shows ``-`` and is ``null`` in ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,6 +49,36 @@ class NonFiniteError(ValueError):
     def __init__(self, step: int, loss: float, grad_norm: float) -> None:
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
         super().__init__(f"step {step}: loss {loss}, gradient norm {grad_norm} (not finite)")
+
+
+BAR_WIDTH = 20
+ETA_WIDTH = 8  # rich's "h:mm:ss" up to 9 h, "mm:ss" below one
+
+
+def fields(row: dict[str, Any]) -> list[str]:
+    """The metrics of a step as short texts, most useful first."""
+    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    return [
+        f"loss {row['loss']:.4f}",
+        f"acc {row['action_accuracy']:.3f}",
+        f"l1 {row['l1']:.3f}",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+        f"mfu {mfu}",
+        f"lr {row['lr']:.2e}",
+        f"gnorm {row['grad_norm']:.2f}",
+        f"mem {row['memory_gib']:.2f} GiB",
+    ]
+
+
+def fit(parts: list[str], width: int | None, sep: str = "  ") -> str:
+    """``parts`` joined, stopping before the first that would pass ``width`` (None: all)."""
+    out = ""
+    for part in parts:
+        joined = f"{out}{sep}{part}" if out else part
+        if width is not None and len(joined) > width:
+            break
+        out = joined
+    return out
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -77,7 +114,9 @@ class Monitor:
         device: torch.device,
         log_interval: int,
         total_steps: int,
+        console=None,
     ) -> None:
+        """``console``: where rank 0 displays (a ``rich.console.Console``; default: stdout)."""
         self.active = rank == 0
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
@@ -96,13 +135,12 @@ class Monitor:
                 TimeRemainingColumn,
             )
 
-            self._console = Console()
+            self._console = console or Console()
             if self._console.is_terminal:  # a live bar for people; plain lines for logs
                 self._progress = Progress(
-                    TextColumn("[bold]train"),
-                    BarColumn(),
+                    BarColumn(bar_width=BAR_WIDTH),
                     MofNCompleteColumn(),
-                    TimeRemainingColumn(),
+                    TimeRemainingColumn(compact=True),
                     TextColumn("{task.description}"),
                     console=self._console,
                 )
@@ -134,6 +172,9 @@ class Monitor:
     ) -> None:
         m = out.metrics.tolist()  # the one host sync, a step late
         counts = max(m[3], 1.0)
+        mfu = None  # measured against a GPU's peak; null on a CPU
+        if self.device.type == "cuda":
+            mfu = flops / seconds / (self.world * PEAK_TFLOPS * 1e12)
         row = {
             "step": step,
             "loss": float(out.loss),
@@ -142,7 +183,7 @@ class Monitor:
             "lr": out.lr,
             "grad_norm": float(out.grad_norm),
             "tokens_per_s": tokens / seconds,
-            "mfu": flops / seconds / (self.world * PEAK_TFLOPS * 1e12),
+            "mfu": mfu,
             "memory_gib": peak_memory_gib(self.device),
             "step_time_s": seconds,
         }
@@ -154,15 +195,12 @@ class Monitor:
             raise NonFiniteError(step, row["loss"], row["grad_norm"])
         if not self.active:
             return
-        line = (
-            f"loss {row['loss']:.4f}  acc {row['action_accuracy']:.3f}  l1 {row['l1']:.3f}  "
-            f"lr {row['lr']:.2e}  gnorm {row['grad_norm']:.2f}  "
-            f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.2f}%  "
-            f"mem {row['memory_gib']:.2f} GiB"
-        )
+        width = self._console.width - 1 if self._console.is_terminal else None
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, description=line)
+            steps = 2 * len(str(self.total_steps)) + 1
+            room = width - (BAR_WIDTH + steps + ETA_WIDTH + 3)  # 3: spaces between columns
+            self._progress.update(self._task, completed=step, description=fit(fields(row), room))
         if step % self.log_interval == 0 or step == self.total_steps or step == 1:
-            self._console.print(
-                f"step {step:>6}/{self.total_steps}  {line}", highlight=False, soft_wrap=True
-            )
+            head = f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"
+            line = fit([head, *fields(row)], width)
+            self._console.print(line, highlight=False, soft_wrap=True)

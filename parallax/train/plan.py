@@ -84,19 +84,39 @@ def _blocks_text(names: list[str]) -> str:
     return ", ".join(parts)
 
 
-def print_plan(cfg: TrainConfig) -> None:
-    """Print the layout, the blocks of each stage, parameters and memory per rank, and the
-    schedule table; raises ``ValueError`` for anything a real run would refuse."""
+def launch_note(cfg: TrainConfig, dims: ParallelDims) -> str | None:
+    """Outside torchrun, which world the plan is for and how to plan for another."""
+    if "WORLD_SIZE" in os.environ:
+        return None
+    if dims.world_size == 1:
+        return (
+            "not under torchrun: planning for one process; pass --dp N (with --tp and --pp) "
+            "to plan for N x tp x pp processes, or add --dry-run to the torchrun command"
+        )
+    return (
+        f"not under torchrun: planning for the {dims.world_size} processes of --tp {dims.tp} "
+        f"--pp {dims.pp} --dp {dims.dp}"
+    )
+
+
+def print_plan(cfg: TrainConfig, file=None) -> None:
+    """Print (to ``file``, default stdout) the layout, the blocks of each stage, parameters and
+    memory per rank, and the schedule table; raises ``ValueError`` for anything a real run
+    would refuse."""
     from rich.console import Console
     from rich.table import Table
 
     dims = _dims(cfg)
     plans = [rank_plan(cfg, dims, p) for p in range(dims.pp)]
     schedule = plans[0]["schedule"]
-    console = Console(width=max(160, Console().width))
+    console = Console(file=file, width=max(160, Console().width))
+    note = launch_note(cfg, dims)
+    if note:
+        console.print(note, highlight=False)
     m = num_microbatches(cfg, dims.dp)
     console.print(
-        f"[bold]parallax plan[/bold]: model {cfg.model}, {dims} = {dims.world_size} ranks; "
+        f"[bold]parallax plan[/bold]: model {cfg.model}, {dims} = {dims.world_size} "
+        f"rank{'s' if dims.world_size > 1 else ''}; "
         f"global batch {cfg.global_batch_size} = {dims.dp} dp x {m} microbatches x "
         f"{cfg.micro_batch_size}; precision {cfg.precision}; schedule {cfg.schedule}",
         highlight=False,

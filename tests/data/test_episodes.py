@@ -176,3 +176,50 @@ def _edit_index(path, episodes=None, length=None):
     if length is not None:
         index["episodes"][0]["length"] = length
     (path / "index.json").write_text(json.dumps(index))
+
+
+def _episode_folder(root, name, actions):
+    ep = root / name
+    ep.mkdir(parents=True)
+    np.save(ep / "images.npy", np.zeros((len(actions), 8, 8, 3), np.uint8))
+    np.save(ep / "actions.npy", np.asarray(actions, np.float32))
+    (ep / "instruction.txt").write_text("wave")
+
+
+def test_converter_checks_the_action_dimension(tmp_path, capsys):
+    src, out = tmp_path / "src", tmp_path / "out"
+    _episode_folder(src, "ep_0", np.zeros((2, 6)))
+    assert convert(["folder", str(src), str(out)]) == 1  # 6 numbers, OpenVLA's 7 expected
+    err = capsys.readouterr().err
+    assert "ep_0/actions.npy: 6-dimensional actions, but --action-dim is 7" in err, err
+    assert "--action-dim 6" in err and not out.exists()
+    assert convert(["folder", str(src), str(out), "--action-dim", "6"]) == 0
+    assert "6-dimensional actions" in capsys.readouterr().out
+    data = EpisodeDataset(out)
+    assert data.action_dim == 6 and len(data.statistics["out"]["action"]["q01"]) == 6
+    _episode_folder(src, "ep_1", np.zeros((2, 7)))  # one episode of another dimension
+    assert convert(["folder", str(src), str(tmp_path / "o2"), "--action-dim", "6"]) == 1
+    assert "ep_1/actions.npy: 7-dimensional actions" in capsys.readouterr().err
+    # an index and statistics that disagree (edited by hand) fail when the dataset opens
+    index = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**index, "action_dim": 7}))
+    with pytest.raises(DatasetError, match="actions have 7 dimensions.*statistics of 6"):
+        EpisodeDataset(out)
+
+
+def test_converter_names_its_flags_and_shows_the_folder_layout(tmp_path, capsys):
+    src = tmp_path / "src"
+    _episode_folder(src, "ep_0", np.zeros((2, 7)))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old").write_text("x")
+    assert convert(["folder", str(src), str(tmp_path / "out")]) == 1
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
+    (src / "ep_0" / "actions.npy").unlink()
+    (src / "ep_0" / "actions.csv").write_text("1,2,3,4,5,6,7\n1,2,3,4,5,6\n")
+    assert convert(["folder", str(src), str(tmp_path / "o")]) == 1
+    assert "data row 2 has 6 numbers, the first has 7" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert(["folder", "--help"])
+    shown = capsys.readouterr().out
+    for text in ("instructions.json", "instruction.txt", "actions.csv", "images/", "--action-dim"):
+        assert text in shown, shown

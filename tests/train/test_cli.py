@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -160,8 +161,14 @@ def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_p
     _kill_one_worker(launcher)
     t0 = time.monotonic()
     _, err = launcher.communicate(timeout=90)
-    assert launcher.returncode != 0 and time.monotonic() - t0 < 60
-    assert "parallax.train: rank" in err or "ChildFailedError" in err, err[-2000:]
+    assert launcher.returncode == 1 and time.monotonic() - t0 < 60
+    # the surviving rank 0 says once why it stopped (a failed collective, or torchrun's
+    # SIGTERM), with no traceback of its own; torchrun then names the killed rank
+    ours = [line for line in err.splitlines() if line.startswith("parallax.train:")]
+    assert len(ours) == 1 and ours[0].startswith("parallax.train: rank 0: stopped"), err[-3000:]
+    assert "Exception ignored" not in err and "SystemExit" not in err, err[-3000:]
+    assert err.count("Traceback") == 1 and "ChildFailedError" in err  # torchrun's own
+    assert "Signal 9 (SIGKILL)" in err
     # torchrun --max-restarts with --resume carries on from the last checkpoint
     launcher = launch(2, *args, "--resume", extra=("--max-restarts=1",))
     _wait_for(tmp_path / "k" / "checkpoints" / "step_00000009", launcher)
@@ -220,10 +227,23 @@ def test_two_node_launch_on_one_machine(tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2, 3]
 
 
-def test_bad_layout_fails_on_every_rank(tmp_path):
+def test_bad_layout_fails_on_every_rank_and_rank_0_says_it(tmp_path):
     proc = torchrun(2, "--tp", "3", "--out", str(tmp_path))
-    assert proc.returncode != 0
-    assert proc.stderr.count("world size 2 is not divisible by tp*pp = 3*1") == 2, proc.stderr
+    err = proc.stderr
+    message = "parallax.train: error: world size 2 is not divisible by tp*pp = 3*1 = 3"
+    assert err.startswith(message), err  # the first line a user reads
+    assert proc.returncode == 1  # torchrun's status for any failed worker
+    # both ranks exit 2; rank 0's line is the root cause in torchrun's summary too
+    assert err.count("exitcode  : 2 (pid") == 2, err
+    assert err.count(message) == 2 and err.split("Root Cause")[1].count(message) == 1, err
+    assert err.count("Traceback") == 1 and "ChildFailedError" in err  # torchrun's own
+
+
+def test_dry_run_under_torchrun_prints_the_plan_once():
+    proc = torchrun(2, "--dry-run", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("parallax plan") == 1, proc.stdout
+    assert "tp2 pp1 dp1 = 2 ranks" in proc.stdout and "not under torchrun" not in proc.stdout
 
 
 def test_bad_inputs_fail_before_training(tmp_path):
@@ -237,7 +257,29 @@ def test_bad_inputs_fail_before_training(tmp_path):
     for args, message in cases:
         proc = single("--out", str(tmp_path / "o"), *args)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+        assert proc.stderr.startswith("parallax.train: error: "), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_bad_values_end_in_one_line_and_status_2(tmp_path, capsys):
+    from parallax.train.cli import main
+
+    (tmp_path / "file").write_text("")
+    (tmp_path / "run.toml").write_text('steps = "100"\n')
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        for args, message in (
+            (["--steps", "ten"], "--steps ten: expected an integer"),
+            (["--out", str(tmp_path / "file")], "is a file, not a directory"),
+            (["--config", str(tmp_path / "run.toml")], 'steps = "100": expected an integer'),
+        ):
+            assert main(args) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("parallax.train: error: ") and message in err, err
+            assert len(err.splitlines()) == 1, err
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -338,6 +380,20 @@ def test_dry_run_prints_the_plan():
     assert proc.returncode == 0, proc.stderr
     for text in ("tp2 pp2 dp2 = 8 ranks", "vision", "head", "rank 1 | 1F0", "bubble"):
         assert text in proc.stdout, proc.stdout
+    assert "not under torchrun: planning for the 8 processes" in proc.stdout
+
+
+def test_dry_run_outside_torchrun_says_it_plans_one_process(monkeypatch):
+    import io
+
+    from parallax.train.config import parse_args
+    from parallax.train.plan import print_plan
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = io.StringIO()
+    print_plan(parse_args(["--dry-run"]), file=out)
+    assert "not under torchrun: planning for one process; pass --dp N" in out.getvalue()
+    assert "tp1 pp1 dp1 = 1 rank;" in out.getvalue()
 
 
 def test_toml_config_and_flag_override(tmp_path):
@@ -350,6 +406,46 @@ def test_toml_config_and_flag_override(tmp_path):
     path.write_text("stepz = 3\n")
     with pytest.raises(ValueError, match="unknown keys"):
         parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ('steps = "100"', 'steps = "100": expected an integer, not a string (write it without'),
+        ('lr = "fast"', 'lr = "fast": expected a number, not a string (or leave it out)'),
+        ("tp = 1.5", "tp = 1.5: expected an integer"),
+        ('resume = "yes"', 'resume = "yes": expected true or false, not a string'),
+        ("steps = true", "steps = true: expected an integer"),
+        ('schedule = "fast"', 'schedule = "fast": expected one of gpipe, 1f1b, interleaved'),
+        ("steps = = 3", "not a valid TOML file: "),
+    ],
+)
+def test_toml_values_are_checked_against_their_flags(tmp_path, toml, message):
+    from parallax.train.config import parse_args
+
+    path = tmp_path / "run.toml"
+    path.write_text(toml + "\n")
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", str(path)])
+    assert str(err.value).startswith(f"--config {path}: {message}"), str(err.value)
+
+
+def test_command_line_values_and_config_fields_are_checked():
+    from parallax.train.config import TrainConfig, parse_args
+
+    for argv, message in (
+        (["--tp", "1.5"], "--tp 1.5: expected an integer"),
+        (["--lr", "fast"], "--lr fast: expected a number (or leave it out)"),
+        (["--timeout", "inf"], "--timeout inf: expected a finite number"),
+        (["--precision", "fp8"], "--precision fp8: expected one of fp32, bf16"),
+        (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_args(argv)
+    cfg = parse_args(["--lr", "1", "--tp", "2"])  # an integer is a fine float
+    assert (cfg.lr, type(cfg.lr), cfg.tp) == (1.0, float, 2)
+    with pytest.raises(ValueError, match=re.escape('steps = "100": expected an integer')):
+        TrainConfig(steps="100").check()  # a config built in Python is checked too
 
 
 def _export_in_pool(out):

@@ -115,7 +115,7 @@ def test_flags():
         True,
     )
     assert parse_args(["--fused-projections"]).fused_projections
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--logits some: expected one of labelled, all"):
         parse_args(["--logits", "some"])
 
 

@@ -1,0 +1,153 @@
+"""How a run ends when it cannot go on: one line per rank at most, and a known exit status.
+
+* a user error every rank sees alike (flags, layout, an error the ranks agreed on): rank 0 says
+  it, the other ranks stay silent; status 2 everywhere;
+* a user error one rank found alone: that rank says it, with its rank; status 2;
+* a collective that failed or timed out (a peer died or hung): each rank says so once; status 1;
+* any other exception (a bug): that rank prints its traceback; status 1;
+* SIGTERM (torchrun stopping the workers because one failed): a rank that has said nothing yet
+  says it was stopped; it then leaves at once with ``os._exit`` (its status, else 143), so no
+  exception is raised at whatever point the signal arrived;
+* Ctrl-C: rank 0 says it; status 130.
+
+Under torchrun the rank that reports a user error also writes its line to
+``TORCHELASTIC_ERROR_FILE``, so torchrun's failure summary shows it in place of a link to its
+documentation. The other lines are not written there: their rank is not the root cause, and
+torchrun takes the earliest reply as the root cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+
+USER_ERROR, FAILED, TERMINATED, INTERRUPTED = 2, 1, 143, 130
+PROG = "parallax.train"
+LINGER_S = 60.0  # how long a silent rank waits for torchrun to stop it (see Ending.user_error)
+SHOW_CURSOR = "\x1b[?25h"  # the live progress bar hides it; os._exit skips its cleanup
+
+
+@contextlib.contextmanager
+def sigterm_held():
+    """SIGTERM waits (pending) while this block runs, and is delivered when it ends (also
+    when an enclosing block still runs: the first to end releases it)."""
+    if not hasattr(signal, "pthread_sigmask"):  # not a POSIX system: nothing to hold
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def short_cause(err: BaseException, limit: int = 160) -> str:
+    """The first sentence of an error, without a source-file prefix such as ``[pair.cc:553]``."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    text = text.split(". ", 1)[0].rstrip(".")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    """A collective that failed or timed out (gloo reports these as plain RuntimeErrors)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    words = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer")
+    return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in words)
+
+
+class Ending:
+    """This process's exit: decided once, said at most once (see the module doc)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.status: int | None = None
+        self.under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+
+    def _where(self) -> str:
+        return f"{PROG}: rank {self.rank}" if self.world > 1 else PROG
+
+    def end(self, status: int, message: str | None = None, *, root_cause: bool = False) -> int:
+        """Decide the exit status (the first decision stands) and say ``message``, if any;
+        a ``root_cause`` (a user error) also goes into torchrun's reply file."""
+        with sigterm_held():  # a SIGTERM now must not cut the line off or say a second one
+            if self.status is not None:
+                return self.status
+            self.status = status
+            if message:
+                print(message, file=sys.stderr, flush=True)
+                if root_cause:
+                    _write_error_file(message)
+        return status
+
+    def user_error(self, err: BaseException, *, agreed: bool) -> int:
+        """Exit status 2; rank 0 says an error every rank saw, any rank one it saw alone.
+
+        A silent rank under torchrun then waits for the launcher to stop it, which happens
+        once rank 0 has said the error and left: leaving first would get rank 0 stopped by
+        SIGTERM, perhaps before it could say anything (it may still be importing)."""
+        if agreed:
+            message = f"{PROG}: error: {err}" if self.rank == 0 else None
+        else:
+            message = f"{self._where()}: error: {err}"
+        status = self.end(USER_ERROR, message, root_cause=True)
+        if message is None and self.under_torchrun:
+            time.sleep(LINGER_S)  # ended by on_sigterm, with status 2
+        return status
+
+    def hold_on(self) -> None:
+        """Once the status is decided, a SIGTERM during the interpreter's shutdown must not
+        turn it into "killed by SIGTERM": under torchrun, hold the signal until exit."""
+        if self.under_torchrun and self.status is not None and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def peer_failed(self, err: BaseException, timeout: float) -> int:
+        return self.end(
+            FAILED,
+            f"{self._where()}: stopped: a collective failed or timed out (--timeout {timeout:g} "
+            f"s): {short_cause(err)}; most likely another rank died or hung; restart with "
+            "--resume to continue from the last checkpoint",
+        )
+
+    def crashed(self, trace: str) -> int:
+        """An unexpected exception (a bug): its traceback, said before a launcher's SIGTERM
+        can cut it off; status 1."""
+        return self.end(FAILED, f"{self._where()}: crashed (a bug):\n{trace.rstrip()}")
+
+    def interrupted(self) -> int:
+        message = f"{PROG}: interrupted; --resume continues from the last checkpoint"
+        return self.end(INTERRUPTED, message if self.rank == 0 else None)
+
+    def on_sigterm(self, signum, frame) -> None:
+        """Say once why this rank stops, then leave at once (no exception at an arbitrary
+        point, no teardown that may wait on dead peers)."""
+        self.end(
+            TERMINATED,
+            f"{self._where()}: stopped by the launcher (SIGTERM), most likely because another "
+            "rank failed; restart with --resume to continue from the last checkpoint",
+        )
+        with contextlib.suppress(Exception):
+            if sys.stdout.isatty():
+                sys.stdout.write(SHOW_CURSOR)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(self.status)
+
+
+def _write_error_file(message: str) -> None:
+    """torchrun's per-worker reply file (the layout its ``record`` decorator writes): its
+    failure summary then prints ``message`` where it would print a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": info}}, f)

@@ -1,0 +1,150 @@
+"""One flag value checked against the type its ``TrainConfig`` field declares.
+
+The field annotations are the one source of truth, so a new flag is checked without more code:
+``int``, ``float`` (an int is fine), ``bool``, ``str`` (some with a fixed set of choices), each
+perhaps ``| None``. A command-line value is text and is parsed; a TOML value already has a type,
+which must be the field's (TOML's ``"100"`` is a string, ``1.5`` is not an integer, ``"yes"`` is
+not a boolean). Every mismatch is one ``ValueError`` naming the key, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+KINDS = (int, float, bool, str)
+Kind = tuple[type, bool]  # (int | float | bool | str, whether None is allowed)
+
+
+def field_kinds(cls: type) -> dict[str, Kind]:
+    """``{field: (type, optional)}`` for every field of dataclass ``cls`` of a simple type."""
+    hints = typing.get_type_hints(cls)
+    kinds = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        args = typing.get_args(hint) if union else (hint,)
+        base = [a for a in args if a is not type(None)]
+        if len(base) == 1 and base[0] in KINDS:
+            kinds[f.name] = (base[0], type(None) in args)
+    return kinds
+
+
+def allowed(kind: Kind, choices: Sequence[str] | None = None) -> str:
+    """What a field takes, in words: ``an integer``, ``one of gpipe, 1f1b, interleaved``..."""
+    base, _ = kind
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[base]
+    if choices:
+        words = "one of " + ", ".join(choices)
+    return words
+
+
+def show(value: Any) -> str:
+    """A value as TOML writes it (``"100"``, ``1.5``, ``true``)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _parse(text: str, base: type) -> Any:
+    """Command-line text as ``base``; ``ValueError`` when it is not one."""
+    if base is bool:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        raise ValueError(text)
+    return base(text)
+
+
+def _typed(value: Any, base: type) -> Any:
+    """A typed value (TOML, Python) as ``base``; ``TypeError`` when it is not one."""
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not base:  # bool is an int to Python, not to a flag
+        raise TypeError(type(value).__name__)
+    return value
+
+
+def convert(
+    label: str, value: Any, kind: Kind, choices: Sequence[str] | None = None, *, text: bool
+) -> Any:
+    """``value`` as the field's type (parsed first when ``text``), or a ``ValueError`` that
+    starts with ``label`` (how the user wrote the key and value) and says what is allowed."""
+    base, optional = kind
+    if value is None and optional:
+        return None
+    expected = f"{label}: expected {allowed(kind, choices)}"
+    unset = " (or leave it out)" if optional else ""
+    try:
+        out = _parse(value, base) if text and isinstance(value, str) else _typed(value, base)
+    except (TypeError, ValueError):
+        hint = ""
+        if not text and isinstance(value, str):  # "100" in a TOML file: a quoted number
+            try:
+                hint = f", not a string (write it without quotes: {show(_parse(value, base))})"
+            except ValueError:
+                hint = ", not a string"
+        raise ValueError(expected + hint + unset) from None
+    if base is float and not math.isfinite(out):
+        raise ValueError(f"{label}: expected a finite number")
+    if choices and out not in choices:
+        raise ValueError(expected + unset)
+    return out
+
+
+def read_toml(path: str, kinds: Mapping[str, Kind], choices: Mapping[str, Sequence[str]]) -> dict:
+    """``{field: value}`` of a TOML file of flag values; names the file in every error."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError as err:
+            raise ValueError("--config needs Python >= 3.11 or `pip install tomli`") from err
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        with open(file, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"--config {path}: not a valid TOML file: {err}") from None
+    values = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - set(kinds))
+    if unknown:
+        raise ValueError(f"--config {path}: unknown keys {unknown}; known keys: {sorted(kinds)}")
+    return {
+        key: convert(
+            f"--config {path}: {key} = {show(value)}",
+            value,
+            kinds[key],
+            choices.get(key),
+            text=False,
+        )
+        for key, value in values.items()
+    }
+
+
+def out_problems(out: str) -> list[str]:
+    """Why ``--out`` cannot hold a run, if it cannot: checked before any process group, on a
+    file system every rank shares (checkpoints are written there by several ranks)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return [
+            f"--out {out} is a file, not a directory (it would hold metrics.jsonl and "
+            "checkpoints/): pass a directory"
+        ]
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"--out {out}: {existing} is a file, so no directory can be made below it"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"--out {out}: no permission to write in {existing}"]
+    return []
