@@ -112,6 +112,26 @@ def all_gather_object(obj: object, group: Group) -> list[object]:
     return out
 
 
+def problems(problem: str | None, group: Group) -> list[str]:
+    """Every rank's ``problem`` in ``group`` as ``"rank R: ..."`` (global ranks; the bare
+    sentence in a group of one), the same list on every rank, empty when no rank has one.
+
+    A check that one rank makes alone goes through here before the collectives that depend on
+    it, so every rank raises instead of leaving the others waiting. When all is well this is
+    one small all-reduce read by the host (on the CPU over gloo, on the current device
+    otherwise); the sentences travel only when some rank has one.
+    """
+    if size(group) == 1:
+        return [] if problem is None else [problem]
+    device = "cpu" if dist.get_backend(group) == "gloo" else torch.cuda.current_device()
+    flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=device)
+    all_reduce(flag, group, op="max")
+    if not flag.item():
+        return []
+    reports = all_gather_object((dist.get_rank(), problem), group)
+    return [f"rank {r}: {p}" for r, p in reports if p is not None]
+
+
 def barrier(group: Group) -> None:
     if size(group) > 1:
         dist.barrier(group=group)

@@ -36,6 +36,9 @@ class ParallelContext:
     dp_group: Group = None
     pp_group: Group = None
     world_group: Group = None
+    # gloo over the whole world: verdicts the host reads (comm.problems) travel there without
+    # waiting for the device's queue; the world group itself under gloo, None at world 1
+    host_group: Group = None
     timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)
 
     @classmethod
@@ -71,6 +74,12 @@ class ParallelContext:
     @property
     def pp_size(self) -> int:
         return self.dims.pp
+
+    @property
+    def agreement_group(self) -> Group:
+        """Where the whole world agrees on a verdict: the host group (a context built by hand
+        may have only the world group)."""
+        return self.host_group if self.host_group is not None else self.world_group
 
     # -- groups as rank lists ------------------------------------------------------------------
     @property
@@ -206,6 +215,13 @@ def init_parallel(
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[axis] = group
+    host_group = None
+    if world > 1:
+        host_group = (
+            dist.group.WORLD
+            if backend == "gloo"
+            else dist.new_group(backend="gloo", timeout=timeout)
+        )
     ctx = ParallelContext(
         dims=dims,
         rank=rank,
@@ -215,6 +231,7 @@ def init_parallel(
         dp_group=groups["dp"],
         pp_group=groups["pp"],
         world_group=dist.group.WORLD if world > 1 else None,
+        host_group=host_group,
         timeout=timeout,
     )
     log.debug("parallel context ready: %s", ctx)

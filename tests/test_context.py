@@ -62,3 +62,18 @@ def test_local_context_without_process_group():
     assert ctx.world_size == 1 and ctx.tp_group is None and ctx.is_first_stage and ctx.is_last_stage
     x = torch.ones(3)
     assert comm.all_reduce(x, ctx.tp_group) is x
+
+
+def _problems_on_rank_2():
+    ctx = context(tp=2)
+    assert ctx.agreement_group is ctx.host_group is not None  # the world, under gloo
+    return (
+        comm.problems("bad input" if ctx.rank == 2 else None, ctx.agreement_group),
+        comm.problems(None, ctx.agreement_group),
+    )
+
+
+def test_one_ranks_problem_reaches_every_rank():
+    for found, none in run_ranks(_problems_on_rank_2, 4, timeout=30):
+        assert found == ["rank 2: bad input"] and none == []
+    assert comm.problems("alone", None) == ["alone"]

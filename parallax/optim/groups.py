@@ -4,6 +4,10 @@ Names are what make the optimizer's saved state independent of the layout: a che
 ``"layers.3.mlp.up.weight"`` can be loaded at any dp, tp or pp split that uses the same logical
 names. Without names, a parameter is named by its position in the list given (frozen ones
 included), which is stable only as long as that list is.
+
+:func:`accept` checks everything a ZeroOptimizer is given on this rank, then agrees with the
+other ranks of its stage (:mod:`parallax.optim.agree`): a bad argument on one rank raises the
+same error on all of them instead of leaving them in the next collective.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from typing import Any
 
 import torch
 
-from parallax import comm
 from parallax.context import ParallelContext
+from parallax.optim.agree import plane_problems
 
 
 @dataclass
@@ -122,24 +126,69 @@ def forward_order(
     return order
 
 
-def check_agreement(ctx: ParallelContext, signature: list[tuple]) -> None:
-    """Every dp (and tp) rank must build the same buffers, or collectives would not match."""
-    for axis, group in (("dp", ctx.dp_group), ("tp", ctx.tp_group)):
-        if comm.size(group) == 1:
-            continue
-        signatures = comm.all_gather_object(signature, group)
-        for r, other in enumerate(signatures):
-            if other == signatures[0]:
-                continue
-            diff = next((i for i, (a, b) in enumerate(zip(signatures[0], other)) if a != b), None)
-            what = (
-                f"{len(signatures[0])} vs {len(other)} trainable parameters"
-                if diff is None
-                else f"parameter #{diff}: {signatures[0][diff]} on {axis} rank 0 vs "
-                f"{other[diff]} on {axis} rank {r}"
-            )
-            raise ValueError(
-                f"ZeroOptimizer: {axis} ranks disagree on the trainable parameters ({what}); every "
-                f"{axis} rank must pass the same names, shapes, dtypes, requires_grad and groups "
-                "(name, shape, dtype, sequence_parallel, group)"
-            )
+@dataclass
+class Accepted:
+    """What a ZeroOptimizer is built from, the same layout on every rank of its plane."""
+
+    groups: list[ParamGroup]
+    names: list[str]  # the trainable parameters, in the order given
+    params: list[torch.Tensor]
+    group_of: list[int]  # each one's group
+    group_names: list[list[str]]  # each group's trainable names
+    sequence_parallel: list[bool]
+    order: list[int] | None  # the forward order (see forward_order)
+    device: torch.device
+
+
+def accept(
+    ctx: ParallelContext,
+    params: Iterable,
+    optimizer_class: Any,
+    passes: Any,
+    bucket_numel: Any,
+    param_order: Iterable[torch.Tensor] | None,
+) -> Accepted:
+    """Check the arguments here, then agree over the stage's dp x tp plane (a collective)."""
+    own: Exception | None = None
+    groups, names, tensors, group_of, order = [], [], [], [], None
+    try:
+        _check_arguments(optimizer_class, passes, bucket_numel)
+        groups = normalize_param_groups(params)
+        names, tensors, group_of = trainable(groups)
+        order = forward_order(tensors, names, param_order)
+        devices = sorted({str(p.device) for p in tensors})
+        if len(devices) > 1:
+            raise ValueError(f"parameters are on several devices {devices}; move them first")
+        if devices == ["meta"]:
+            raise ValueError("parameters are on the meta device; materialize them first")
+    except (TypeError, ValueError) as err:
+        own = err
+    device = tensors[0].device if tensors and own is None else ctx.device
+    sp = [bool(getattr(p, "sequence_parallel", False)) for p in tensors]
+    signature = [
+        (n, tuple(p.shape), str(p.dtype), s, g) for n, p, s, g in zip(names, tensors, sp, group_of)
+    ]
+    found = plane_problems(ctx, None if own is None else str(own), device.type, signature)
+    if own is not None and found == [str(own)]:  # alone in its plane: the error as raised
+        raise own
+    if found:
+        raise (ValueError if own is None else type(own))("ZeroOptimizer: " + "; ".join(found))
+    group_names = [[n for n, gi in zip(names, group_of) if gi == j] for j in range(len(groups))]
+    return Accepted(groups, names, tensors, group_of, group_names, sp, order, device)
+
+
+def _check_arguments(optimizer_class: Any, passes: Any, bucket_numel: Any) -> None:
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    check_passes(passes)
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be a positive integer, got {bucket_numel!r}")
+
+
+def check_passes(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from parallax.optim.zero import ZeroOptimizer
 
 GiB = 2**30
 
@@ -80,3 +84,22 @@ def plain_adamw_bytes(params: Iterable[torch.Tensor]) -> int:
         per = 2 * p.element_size() + 8 + (0 if p.dtype == torch.float32 else 4)
         total += p.numel() * per
     return total
+
+
+def zero_memory(opt: ZeroOptimizer) -> MemoryReport:
+    """What ``opt`` holds on this rank, measured from its tensors."""
+    states = [
+        v for s in opt.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    masters, grads = opt.flat.master_flat, opt.flat.grad_shard_flat
+    return MemoryReport(
+        numel=sum(p.numel() for p in opt.params),
+        dp=opt.ctx.dp_size,
+        param_bytes=tensor_bytes(opt.flat.param_buffers),
+        grad_bytes=tensor_bytes(opt.flat.grad_buffers),
+        master_bytes=tensor_bytes([masters] if masters is not None else []),
+        grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
+        state_bytes=tensor_bytes(states),
+        plain_adamw_bytes=plain_adamw_bytes(opt.params),
+        staging_bytes=tensor_bytes([opt.flat.staging, *opt.reducer.staging]),
+    )

@@ -14,6 +14,13 @@ buffers first and reduced into their fp32 home (``outputs[b]``). Buckets of
 without a home (``outputs[b] is None``: dp=1, its fp32 gradient is made when it is stepped) is
 only marked as reduced, so misuse raises the same errors whatever the home.
 
+Which collectives a rank makes depends only on what every rank sees the same: the order of
+the optimizer's calls. Buckets are launched from hooks only in a step that ``zero_grad()``
+opened (:meth:`GradReducer.reset` with ``open``); ``step()`` closes it. Gradients that arrive
+in a closed step (``step(); backward()`` without ``zero_grad()``) wait for ``finish()``. So a
+``zero_grad()`` after ``step()`` never has collectives to complete, on any rank, and one in the
+middle of a step (:meth:`GradReducer.discard`) completes them on every rank.
+
 On GPUs the staging copies and the collectives are issued on a side stream (``stream``) that
 first waits for the compute stream: the bf16 -> fp32 copies then run beside the rest of the
 backward instead of in line with it. With ``average=False`` the outputs keep the dp sum and the
@@ -22,6 +29,7 @@ caller divides (ZeRO folds the division into a fused optimizer's ``grad_scale``)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +37,8 @@ import torch
 from parallax import comm
 from parallax.context import ParallelContext
 from parallax.optim.buckets import FlatLayout
+
+log = logging.getLogger(__name__)
 
 
 class GradReducer:
@@ -56,10 +66,14 @@ class GradReducer:
         ]
         device = grad_buffers[0].device if grad_buffers else torch.device("cpu")
         self.staging = [torch.empty(max(staged), device=device) for _ in range(2)] if staged else []
-        self.reset()
+        self.device = device
+        self._told = False  # that a closed step does not overlap, said once
+        self.reset(open=False)
 
-    def reset(self) -> None:
-        """Forget this step's accumulations; the next backward pass starts a new step."""
+    def reset(self, open: bool) -> None:
+        """Forget this step's accumulations. ``open``: hooks may launch buckets (``zero_grad()``
+        opens a step, ``step()`` and construction leave it closed)."""
+        self.open = open
         self.counts = [0] * len(self.layout.slots)
         self.pending = [len(b.params) for b in self.layout.buckets]
         self.launched = 0  # buckets [0, launched) are in flight or done
@@ -67,11 +81,6 @@ class GradReducer:
         self.staging_work: list[object] = [None] * len(self.staging)
         self.staged = 0
         self.done = False
-
-    @property
-    def dirty(self) -> bool:
-        """Whether any gradient has arrived since the last reset."""
-        return any(self.counts) or self.launched > 0
 
     def on_grad(self, i: int) -> None:
         """Parameter ``i`` has just accumulated a gradient (called from its backward hook)."""
@@ -91,6 +100,15 @@ class GradReducer:
                 f"more than backward_passes_per_step={self.passes}; raise it, or construct the "
                 "optimizer with overlap=False"
             )
+        if not self.open:
+            if not self._told and self.ctx.dp_size > 1:
+                log.info(
+                    "ZeroOptimizer: gradients arrived before zero_grad() opened the step: their "
+                    "reduction waits for step() (call zero_grad() before the backward to "
+                    "overlap it)"
+                )
+                self._told = True
+            return
         if self.counts[i] == self.passes:
             self.pending[self.bucket_of[i]] -= 1
             self._launch_ready()
@@ -128,6 +146,21 @@ class GradReducer:
             self.staging_work[k] = work
         self.works.append(work)
         self.launched = b + 1
+
+    def discard(self) -> None:
+        """End an unfinished step without using its reduction (``zero_grad()`` in the middle of
+        a step): launch every bucket not launched yet, as ``finish()`` would, and wait. The
+        ranks may have launched different numbers of buckets, and a collective agreeing on how
+        many would pair up with the ones in flight; launching all of them aligns every rank.
+        Whether to do it rests on what every rank sees the same (the step is open, not
+        finished, overlapping at dp >= 2), so a discarded step costs its collectives."""
+        if self.done or not self.open or not self.overlap or self.ctx.dp_size == 1:
+            return  # no rank launched anything that is still unmatched
+        while self.launched < len(self.layout.buckets):
+            self._launch(self.launched)
+        for work in self.works:
+            comm.wait(work)
+        self.works = []
 
     def finish(self) -> None:
         """Launch every bucket not yet launched, in order, wait for all, average over dp

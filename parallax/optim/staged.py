@@ -10,34 +10,21 @@ them would, with its own group's hyperparameters. The wrapped optimizer must not
 across parameters (none of ``torch.optim`` does, LBFGS aside), and hooks registered on it run
 once per bucket.
 
-For each call the wrapped optimizer's groups are narrowed to the bucket's pieces, so a call
-costs in proportion to the bucket, not the model: the group dicts, their hyperparameters and
-the state stay the same objects; only each group's ``"params"`` list is swapped for the call.
+For each call the wrapped optimizer's groups are narrowed to the bucket's pieces
+(:func:`parallax.optim.protocol.narrowed`), so a call costs in proportion to the bucket, not the
+model: the group dicts, their hyperparameters and the state stay the same objects; only each
+group's ``"params"`` list is swapped for the call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
 from parallax.optim.buckets import STAGED
 from parallax.optim.flat import FlatBuffers
-
-
-@contextmanager
-def narrowed(inner: torch.optim.Optimizer, members: Sequence[list[torch.Tensor]]) -> Iterator[None]:
-    """Let ``inner``'s group ``j`` hold only ``members[j]`` for the duration."""
-    groups = inner.param_groups
-    saved = [g["params"] for g in groups]
-    try:
-        for g, m in zip(groups, members):
-            g["params"] = m
-        yield
-    finally:
-        for g, s in zip(groups, saved):
-            g["params"] = s
+from parallax.optim.protocol import narrowed
 
 
 class StagedSteps:

@@ -13,7 +13,8 @@ group's ``"params"``.
 
 Saving gathers one tensor at a time (every rank of the dp and tp group takes part, in the same
 order; only the ranks that write need keep it). Loading makes no collective: each rank pulls
-the full tensors it needs through ``get(key)`` and keeps its slice.
+the full tensors it needs through ``get(key)`` and keeps its slice. :class:`StateMethods` is
+ZeroOptimizer's public face of all this.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallax import comm
+from parallax.optim.agree import plane_gather
 from parallax.tensor.sharding import logical_shape, shard_tensor, unshard_tensor
 
 if TYPE_CHECKING:
@@ -61,12 +63,22 @@ def _local_kinds(opt: ZeroOptimizer) -> dict[int, Kinds]:
 
 
 def state_kinds(opt: ZeroOptimizer) -> dict[int, Kinds]:
-    """Per parameter index, the state its owners hold, agreed over dp and tp (collective)."""
-    merged = _local_kinds(opt)
-    for group in (opt.ctx.dp_group, opt.ctx.tp_group):
-        for other in comm.all_gather_object(merged, group):
-            for i, kinds in other.items():
-                merged.setdefault(i, {}).update(kinds)
+    """Per parameter index, the state its owners hold, agreed over dp and tp (collective).
+    State that cannot be saved, on any rank of the plane, raises on all of them."""
+    try:
+        local, problem = _local_kinds(opt), None
+    except NotImplementedError as err:
+        local, problem = {}, str(err)
+    reports = [
+        r for column in plane_gather(opt.ctx, (opt.ctx.rank, problem, local)) for r in column
+    ]
+    found = [f"rank {r}: {p}" if len(reports) > 1 else p for r, p, _ in reports if p]
+    if found:
+        raise NotImplementedError("; ".join(found))
+    merged: dict[int, Kinds] = {}
+    for _, _, other in reports:
+        for i, kinds in other.items():
+            merged.setdefault(i, {}).update(kinds)
     return merged
 
 
@@ -217,3 +229,42 @@ def _load_one(
             t.copy_(part)
         else:
             new_state.setdefault(index[id(t)], {})[key] = part.clone()
+
+
+class StateMethods:
+    """ZeroOptimizer's state methods: full logical tensors, loadable at any dp and tp size."""
+
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able description of the state: hyperparameters and, per parameter name, the
+        state keys that :meth:`state_tensors` yields. Collective: call on every rank."""
+        self.wait_params()
+        return state_meta(self)
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``("<name>.<state>", full logical tensor)`` one at a time (see
+        :mod:`parallax.optim.state`). Collective: every rank must consume it all."""
+        self.wait_params()
+        return state_tensors(self)
+
+    def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
+        """Load from ``meta`` and ``get(key) -> full tensor``, one tensor at a time, at any
+        dp and tp size. Also writes the masters into the model. No collective: a caller whose
+        ranks may fail differently (a rank-local read error) agrees on the outcome itself."""
+        self.wait_params()
+        load_state_tensors(self, meta, get)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"meta": state_meta(), "tensors": {key: full tensor on CPU}}``; for big models use
+        :meth:`state_tensors`, which never holds more than one full tensor. The hooks of
+        ``register_state_dict_pre_hook`` / ``_post_hook`` run around it."""
+
+        def make() -> dict[str, Any]:
+            meta = self.state_meta()
+            return {"meta": meta, "tensors": {k: v.cpu() for k, v in self.state_tensors()}}
+
+        return self._with_state_dict_hooks(make)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._with_load_hooks(
+            state_dict, lambda sd: self.load_state_tensors(sd["meta"], sd["tensors"].__getitem__)
+        )

@@ -338,12 +338,26 @@ def heads_per_rank(num_heads: int, tp_size: int, what: str = "attention") -> int
 
 
 def sync_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
-    """Sum over tp the gradients of replicated parameters marked ``sequence_parallel``.
+    """Sum over tp the gradients of replicated parameters marked ``sequence_parallel``, for
+    training without :class:`~parallax.optim.ZeroOptimizer` (a plain torch optimizer).
 
     Under sequence parallelism such a parameter (a row-parallel bias, a norm weight) sees only
-    this rank's part of the sequence, so its gradient is partial until summed. Call after the
-    backward pass, before clipping and the optimizer step.
+    this rank's part of the sequence, so its gradient is partial until summed. Call it after the
+    backward pass, before clipping and the optimizer step. A ZeroOptimizer makes that sum itself
+    as part of its reduction, so for parameters it owns this raises ``ValueError`` instead of
+    summing a second time (the verdict is the same on every tp rank: ZeroOptimizer is built
+    over the same sequence-parallel parameters on all of them).
     """
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+    marked = [
+        (n, p) for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)
+    ]
+    owned = [n for n, p in marked if getattr(p, "_zero_owner", None) is not None]
+    if owned:
+        raise ValueError(
+            f"sync_sequence_parallel_grads: {len(owned)} sequence-parallel parameters (e.g. "
+            f"{owned[:3]}) belong to a ZeroOptimizer, which sums their gradients over tp itself; "
+            "do not call sync_sequence_parallel_grads with it (that would double them)"
+        )
+    for _, p in marked:
+        if p.grad is not None:
             comm.all_reduce(p.grad, group)

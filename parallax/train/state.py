@@ -203,10 +203,13 @@ def _load(trainer, ckpt: Checkpoint, loader) -> int:
     for chunk in trainer.chunks:
         load_module(chunk, view)
     meta = ckpt.meta
-    trainer.optimizer.load_state_tensors(
-        model_meta(meta["optimizer"], trainer.optimizer.names),
-        lambda key: view.get(OPTIM_PREFIX + key),
-    )
+    try:  # the optimizer's own checks (shapes, groups) are this rank's alone: agree on them too
+        trainer.optimizer.load_state_tensors(
+            model_meta(meta["optimizer"], trainer.optimizer.names),
+            lambda key: view.get(OPTIM_PREFIX + key),
+        )
+    except ValueError as err:
+        raise CheckpointError(f"{ckpt.path}: optimizer state: {err}") from err
     trainer.scheduler.load_state_dict(meta["scheduler"])
     loader.load_state_dict(meta["data"])
     set_rng_state(meta["rng"])

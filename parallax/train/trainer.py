@@ -2,9 +2,10 @@
 
 :class:`Trainer` builds this rank's model chunks, the pipeline schedule, the optimizer and the
 learning-rate schedule from a :class:`~parallax.train.config.TrainConfig`, and runs one optimizer
-step per :meth:`Trainer.train_step` without host synchronisation. Loss normalisation follows the
-global batch: each microbatch contributes ``sum of token losses / tokens in the global batch``,
-so the loss (and the update) is the same at every layout.
+step per :meth:`Trainer.train_step` without waiting for the device: the one agreement of a step
+(every rank's inputs are well-formed) is a small all-reduce over the host group. Loss
+normalisation follows the global batch: each microbatch contributes ``sum of token losses /
+tokens in the global batch``, so the loss (and the update) is the same at every layout.
 
 Speed options, each computing the same step (see ``TrainConfig``): ``logits="labelled"`` has the
 last stage return hidden states and applies the final norm and lm_head inside the loss, to the
@@ -55,6 +56,7 @@ from parallax.train.flops import batch_flops
 log = logging.getLogger(__name__)
 
 METRIC_KEYS = ("loss_sum", "action_correct", "action_l1_sum", "action_tokens")
+INPUT_KEYS = ("pixel_values", "input_ids", "labels")  # what each microbatch dict holds
 
 
 def resolve_model_config(spec: str) -> tuple[OpenVLAConfig, Path | None]:
@@ -316,14 +318,12 @@ class Trainer:
     def train_step(self, microbatches: list[dict], timeline: Timeline | None = None) -> StepOutput:
         """One optimizer step over this dp rank's microbatches (dicts of ``pixel_values``
         ``(b, 6, S, S)``, ``input_ids`` ``(b, t)``, ``labels`` ``(b, t)``, labels best on the
-        host). Every rank passes the same number of microbatches (checked before any
-        collective)."""
+        host). Every rank passes ``num_microbatches`` of them: the ranks agree on that before
+        any collective, so a wrong count on one rank raises the same ``ValueError`` on all."""
         ctx, dev = self.ctx, self.ctx.device
-        if len(microbatches) != self.num_microbatches:
-            raise ValueError(
-                f"train_step got {len(microbatches)} microbatches, the schedule "
-                f"runs {self.num_microbatches}"
-            )
+        found = comm.problems(self._input_problem(microbatches), ctx.agreement_group)
+        if found:
+            raise ValueError("train_step: " + "; ".join(found))
         self._tokens = self._global_tokens(microbatches)
         self._metrics = []
         inputs = [
@@ -366,6 +366,19 @@ class Trainer:
         self.scheduler.step()
         loss = metrics[0] / self._tokens_ready()  # the global batch's mean token loss
         return StepOutput(loss=loss, grad_norm=grad_norm.detach(), metrics=metrics, lr=lr)
+
+    def _input_problem(self, microbatches: list[dict]) -> str | None:
+        """What is wrong with this rank's microbatches, or ``None``."""
+        if len(microbatches) != self.num_microbatches:
+            return (
+                f"got {len(microbatches)} microbatches, the schedule runs "
+                f"{self.num_microbatches} (global batch / (micro batch x dp))"
+            )
+        for m, mb in enumerate(microbatches):
+            missing = [k for k in INPUT_KEYS if not isinstance(mb, dict) or k not in mb]
+            if missing:
+                return f"microbatch {m} lacks {', '.join(missing)}"
+        return None
 
     def model_flops(self, microbatches: list[dict]) -> float:
         """Model FLOPs of one step over these microbatches, the lm_head counted where it runs

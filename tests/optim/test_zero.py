@@ -93,7 +93,7 @@ def _gather_under_forward(tp: int, cases: list[tuple]) -> list[int]:
         model, opt = make_zero(ctx, name, sp, overlap=overlap, backward_passes_per_step=accum)
         assert opt.overlap_param_gather(model)
         norms = train_zero(model, opt, ctx, STEPS, accum, clip)
-        in_flight.append(len(opt._gathers))
+        in_flight.append(len(opt.gathers.works))
         case = f"{name} overlap={overlap} accum={accum} clip={clip} sp={sp}"
         assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL, msg=case)
         opt.wait_params()
@@ -103,14 +103,14 @@ def _gather_under_forward(tp: int, cases: list[tuple]) -> list[int]:
         # one more step, then a forward that skips the tower: only the tower's buckets (and
         # those of parameters never read) stay in flight
         train_zero(model, opt, ctx, 1, 1, None, start=STEPS + 1)
-        assert opt._gathers
+        assert opt.gathers.works
         x, _, use = (local_rows(t, ctx) for t in batch(0, 0))
         model(x, torch.zeros_like(use))
         slots = opt.layout.slots
         unread = {
             slots[i].bucket for i, n in enumerate(opt.names) if n.startswith(("tower", "unused"))
         }
-        assert set(opt._gathers) <= unread, case
+        assert set(opt.gathers.works) <= unread, case
     return in_flight
 
 
@@ -129,6 +129,7 @@ def _overlap_launches_during_backward() -> tuple[int, int, int]:
     model, opt = make_zero(ctx, "adamw", overlap=True, backward_passes_per_step=2)
     ref = build()
     launched = []
+    opt.zero_grad()  # opens the step: only then do the hooks launch buckets
     for micro in range(2):
         x, y, use = batch(0, micro)
         F.mse_loss(ref(x, use), y).backward()
@@ -282,6 +283,7 @@ def test_mismatched_layout_fails_on_every_rank():
 def _too_many_passes() -> str | None:
     ctx = context()
     model, opt = make_zero(ctx, "adamw", overlap=True, backward_passes_per_step=1)
+    opt.zero_grad()  # open the step: the first pass launches buckets
     try:
         for micro in range(2):
             x, y, use = (local_rows(t, ctx) for t in batch(0, micro))
@@ -336,3 +338,33 @@ def test_bad_arguments():
         ZeroOptimizer(bare, "adamw", ctx, lr=1)
     opt = ZeroOptimizer(bare, torch.optim.SGD, ctx, lr=1)
     assert opt.names[:2] == ["0", "3"]  # positions in the list given; 1 and 2 are frozen
+
+
+def test_a_torch_optimizer_to_schedulers_and_hooks():
+    """ZeroOptimizer is built by torch.optim.Optimizer.__init__ (see optim/protocol.py): step
+    hooks run once around its whole step, state-dict hooks around its state_dict, and its
+    groups stay the wrapped optimizer's own, also after load_state_dict replaced them."""
+    ctx = parallax.ParallelContext.local()
+    model = build()
+    opt = ZeroOptimizer(groups(model), torch.optim.AdamW, ctx, lr=1e-2, bucket_numel=50)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "seen": True})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    x, y, use = batch(0, 0)
+    F.mse_loss(model(x, use), y).backward()
+    opt.step()
+    assert calls == ["pre", "post"]
+    saved = opt.state_dict()
+    assert saved["seen"] and opt.param_groups is opt.inner.param_groups
+    opt.load_state_dict(saved)
+    assert calls[-1] == "loaded" and opt.param_groups is opt.inner.param_groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    opt.zero_grad()
+    F.mse_loss(model(x, use), y).backward()
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.inner.param_groups] == [5e-3, 5e-3]
+    with pytest.raises(NotImplementedError, match="fixed at construction"):
+        opt.add_param_group({"params": [torch.zeros(1)]})

@@ -46,7 +46,7 @@ def _train(ctx, name: str, dtype, accum: int, side: bool):
         **kwargs,
     )
     if not side:
-        opt._stream = opt._copy_stream = opt.reducer.stream = None
+        opt._stream = opt.grads.copy_stream = opt.reducer.stream = None
     assert (opt._stream is not None) == side and opt._fold == name.endswith("-fused")
     opt.overlap_param_gather(model)
     norms = []

@@ -150,3 +150,26 @@ def _bad_schedule():
 def test_too_few_microbatches_fail_on_every_rank():
     messages = run_ranks(_bad_schedule, 2, timeout=60)
     assert all(m and "microbatch" in m for m in messages), messages
+
+
+def _wrong_count_on_one_rank(tp: int, pp: int, bad_rank: int) -> str | None:
+    """Rank ``bad_rank`` alone passes one microbatch too few; the others' count is right."""
+    ctx = context(tp=tp, pp=pp)
+    cfg = _cfg(tp=tp, pp=pp, dp=ctx.dp_size, global_batch_size=4, micro_batch_size=1)
+    trainer = Trainer(cfg, ctx)
+    data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
+    batch = _batches(trainer, ctx, cfg, data)()
+    try:
+        trainer.train_step(batch[1:] if ctx.rank == bad_rank else batch)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("tp,pp,bad_rank", [(1, 1, 1), (1, 2, 3)], ids=["dp2", "pp2dp2"])
+def test_a_wrong_microbatch_count_on_one_rank_fails_everywhere(tp, pp, bad_rank):
+    """Checked before the step's first collective and agreed on: every rank raises (a rank
+    left alone would wait in the dp all-reduce or the pipeline until the timeout)."""
+    world = 2 * tp * pp
+    for msg in run_ranks(_wrong_count_on_one_rank, world, tp, pp, bad_rank, timeout=60):
+        assert msg and f"rank {bad_rank}: got 1 microbatches, the schedule runs 2" in msg, msg
