@@ -1,0 +1,176 @@
+"""OpenVLA as a recipe: the first model family the one Trainer runs.
+
+Blocks are ``["vision", "llm.0", ..., "head"]`` (:meth:`parallax.models.OpenVLA.stage_blocks`);
+the first stage takes ``(pixel_values, input_ids)``, later ones the hidden states
+``(b, P + t, h)``. The loss is the next-token cross-entropy summed over the labelled tokens (the
+7 action tokens and EOS of each sample); with ``--logits labelled`` the last stage returns hidden
+states and the loss applies the final norm and lm_head to the labelled rows only. Metrics are
+OpenVLA's action-token accuracy and the L1 error of the decoded actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.models.config import PRESETS
+from parallax.models.objectives import (
+    action_metrics,
+    labelled_rows,
+    loss_token_count,
+    rows_action_metrics,
+    rows_loss,
+    vla_loss,
+)
+from parallax.models.stages import StageBlock
+from parallax.pipeline import TensorMeta
+from parallax.train.recipe import MetricSpec, Microbatch, ModelSpec, Recipe
+
+log = logging.getLogger(__name__)
+
+# Peak learning rates that train each preset well from scratch on the synthetic task; a 7B
+# model (preset or checkpoint) gets OpenVLA's full fine-tuning rate.
+DEFAULT_LR = {"tiny": 1e-3, "small": 3e-4}
+DEFAULT_LR_7B = 2e-5
+
+
+def with_fusion(config: OpenVLAConfig, fused: bool) -> OpenVLAConfig:
+    """``config`` with fused q/k/v and gate/up projections as asked, where the model allows
+    them (grouped-query attention keeps separate projections)."""
+    text = config.text
+    if fused and text.kv_heads != text.num_attention_heads:
+        log.info(
+            "fused projections need as many key/value heads as query heads (%d != %d): "
+            "keeping separate projections",
+            text.kv_heads,
+            text.num_attention_heads,
+        )
+        fused = False
+    return config.with_options(fused_projections=fused)
+
+
+class OpenVLARecipe(Recipe):
+    name = "openvla"
+    metric_sums = ("action_correct", "action_l1_sum", "action_tokens")
+    metrics = (
+        MetricSpec("action_accuracy", "action_correct", "action_tokens", "acc"),
+        MetricSpec("l1", "action_l1_sum", "action_tokens", "l1"),
+    )
+    freeze_aliases = {"vision": ("vision_backbone.*",)}
+
+    # -- model ---------------------------------------------------------------------------------
+    def presets(self) -> Sequence[str]:
+        return tuple(PRESETS)
+
+    def reads_checkpoint(self, config_json: Mapping[str, Any]) -> bool:
+        return config_json.get("model_type") in ("openvla", "prismatic")
+
+    def resolve(self, spec: str) -> ModelSpec:
+        if spec in PRESETS:
+            return ModelSpec(OpenVLAConfig.preset(spec))
+        path = Path(spec)
+        if path.is_dir() and (path / "config.json").is_file():
+            return ModelSpec(OpenVLAConfig.from_pretrained(path), path)
+        raise ValueError(
+            f"--model {spec!r} is neither an OpenVLA preset ({', '.join(sorted(PRESETS))}) nor "
+            "a checkpoint directory with a config.json"
+        )
+
+    def default_lr(self, spec: str) -> float:
+        return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
+
+    def configure(self, config: OpenVLAConfig, cfg) -> OpenVLAConfig:
+        return with_fusion(config, cfg.fused_projections)
+
+    def blocks(self, config: OpenVLAConfig) -> list[StageBlock]:
+        return OpenVLA.stage_blocks(config)
+
+    def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint) -> nn.Module:
+        kw = dict(blocks=blocks, activation_checkpointing=cfg.activation_checkpointing)
+        if checkpoint is not None:
+            chunk = OpenVLA.from_pretrained(
+                checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
+            )
+        else:
+            chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=cfg.seed, **kw)
+        chunk.return_hidden = cfg.logits == "labelled"  # the loss applies the head
+        return chunk
+
+    def export(self, chunk: OpenVLA, path: Path, statistics: Mapping | None) -> None:
+        if statistics:
+            chunk.config = dataclasses.replace(
+                chunk.config, norm_stats={**chunk.config.norm_stats, **statistics}
+            )
+        chunk.save_pretrained(path)
+
+    # -- data ----------------------------------------------------------------------------------
+    def dataset(self, spec: str, cfg) -> Any:
+        from parallax.data import load_dataset
+
+        return load_dataset(spec, seed=cfg.seed)
+
+    def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
+        from parallax.train.batches import BatchBuilder, text_tokenizer
+
+        return BatchBuilder(config, dataset.statistics, text_tokenizer(config, checkpoint))
+
+    def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        return mb["pixel_values"], mb["input_ids"]
+
+    def stage_metas(self, config: OpenVLAConfig, mb: Microbatch, dtype) -> list[TensorMeta]:
+        b, t = mb["input_ids"].shape
+        return [TensorMeta((b, config.num_patches + t, config.text.hidden_size), dtype, True)]
+
+    # -- objective -----------------------------------------------------------------------------
+    def loss_units(self, mb: Microbatch) -> int:
+        return int(loss_token_count(mb["labels"]))
+
+    def loss_target(self, config: OpenVLAConfig, mb: Microbatch, cfg) -> Any:
+        if cfg.logits != "labelled":
+            return mb["labels"]
+        return labelled_rows(mb["labels"], config.num_patches)  # found on the host
+
+    def loss(self, chunk: OpenVLA, output, target, ctx, cfg):
+        mc = chunk.config
+        vocab, tok = mc.text.vocab_size, chunk.action_tokenizer
+        if cfg.logits == "labelled":
+            rows, row_targets = target
+            hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
+            logits = chunk.head(hidden)  # (n, V/tp)
+            ce = rows_loss(logits, row_targets, ctx, vocab_size=vocab)
+            m = rows_action_metrics(
+                logits, row_targets, ctx, vocab_size=vocab, action_tokenizer=tok
+            )
+        else:
+            p = mc.num_patches
+            ce = vla_loss(output, target, ctx, num_patches=p, vocab_size=vocab, reduction="sum")
+            m = action_metrics(
+                output, target, ctx, num_patches=p, vocab_size=vocab, action_tokenizer=tok
+            )
+        return ce, torch.stack([m[k] for k in self.metric_sums])
+
+    # -- reporting -----------------------------------------------------------------------------
+    def flops(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch], cfg) -> float:
+        from parallax.train.flops import batch_flops
+        from parallax.train.groups import frozen_matcher
+
+        frozen = frozen_matcher(cfg, self)
+        return batch_flops(
+            config,
+            microbatches,
+            labelled_logits=cfg.logits == "labelled",
+            frozen_vision=frozen("vision_backbone.featurizer.patch_embed.proj.weight"),
+        )
+
+    def tokens(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch]) -> int:
+        return sum(
+            mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.num_patches
+            for mb in microbatches
+        )

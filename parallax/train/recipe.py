@@ -1,0 +1,184 @@
+"""Model families as recipes: everything the one Trainer needs to know about a model.
+
+The Trainer, the CLI, ``--dry-run``, checkpoints and the benchmarks own what every family shares
+(the layout, the pipeline schedule, ZeRO-1, parameter groups and freezing, the learning-rate
+schedule, checkpoints, metrics and the step loop). A :class:`Recipe` tells them the rest:
+
+- **model**: its presets and which checkpoints it reads (by their ``config.json``), the ordered
+  pipeline blocks with their costs, and how to build this rank's chunk for a block range
+  (layout-free init or a checkpoint, each rank reading only its slice);
+- **data**: the dataset a ``--data`` spec names, how raw samples become a microbatch (a dict of
+  host tensors), what the first stage takes and what later stages receive;
+- **objective**: ``"tokens"`` (a next-token VLM: a loss per microbatch on the last stage, summed
+  over supervised units and normalised by the units of the whole global batch, which the Trainer
+  counts) or ``"step"`` (the loss needs every microbatch of the step, e.g. a contrastive loss over
+  the dp group: the recipe runs the step's forwards and backwards itself, with pp = 1);
+- **reporting and export**: metric sums and what they mean, model FLOPs, tokens, the HF export.
+
+Recipes are found by name in :mod:`parallax.train.registry`; nothing else in ``parallax.train``
+names a family. Subclass :class:`Recipe` and override what differs: the defaults are those of a
+next-token model whose microbatches carry ``labels``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallax.context import ParallelContext
+from parallax.dims import ParallelDims
+from parallax.models.stages import StageBlock
+from parallax.pipeline import TensorMeta
+
+Microbatch = dict[str, Any]  # host tensors (and anything else the recipe puts there)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric reported per step: ``value = sums[numerator] / max(sums[denominator], 1)``
+    over the global batch, printed as ``label`` with ``fmt`` on the progress line."""
+
+    key: str  # the metrics.jsonl key
+    numerator: str
+    denominator: str
+    label: str
+    fmt: str = ".3f"
+
+
+@dataclass
+class ModelSpec:
+    """What ``--model`` resolved to: the family's config and the checkpoint to read, if any."""
+
+    config: Any
+    checkpoint: Path | None = None
+
+
+class Recipe:
+    """A model family; see the module docstring. Class attributes are the family's constants."""
+
+    name: str = ""
+    objective: str = "tokens"  # "tokens" or "step"
+    # names of the metric sums ``loss()`` returns, besides the loss sum itself, reduced over dp
+    metric_sums: tuple[str, ...] = ()
+    metrics: tuple[MetricSpec, ...] = ()
+    # ``--freeze-<alias>`` and ``--freeze <alias>`` stand for these globs of global names
+    freeze_aliases: Mapping[str, tuple[str, ...]] = {}
+    # the block that must open the first stage (pin_first) when a pipeline splits the model
+    pin_first: int = 1
+
+    # -- model ---------------------------------------------------------------------------------
+    def presets(self) -> Sequence[str]:
+        """Preset names ``--model`` accepts."""
+        return ()
+
+    def reads_checkpoint(self, config_json: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint with this ``config.json`` belongs to the family."""
+        return False
+
+    def resolve(self, spec: str) -> ModelSpec:
+        """A preset name or a checkpoint directory -> the config (and the checkpoint)."""
+        raise NotImplementedError
+
+    def default_lr(self, spec: str) -> float:
+        """The peak learning rate when ``--lr`` is not given."""
+        return 2e-5
+
+    def configure(self, config: Any, cfg) -> Any:
+        """The model config with the run's options applied (e.g. fused projections)."""
+        return config
+
+    def check_layout(self, config: Any, cfg, dims: ParallelDims) -> None:
+        """Raise ``ValueError`` for a layout the family cannot run (same verdict on every rank:
+        it sees only the config and the dims)."""
+
+    def blocks(self, config: Any) -> list[StageBlock]:
+        """The ordered pipeline blocks, each with its forward FLOPs per sample as cost."""
+        raise NotImplementedError
+
+    def build(
+        self,
+        config: Any,
+        blocks: range,
+        ctx: ParallelContext,
+        *,
+        cfg,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        checkpoint: Path | None,
+    ) -> nn.Module:
+        """This rank's chunk of ``blocks``: from the layout-free init of ``cfg.seed`` or from
+        ``checkpoint`` (reading only this rank's slices), with the run's options (activation
+        checkpointing, compile) applied. Parameter names must be global and layout-free."""
+        raise NotImplementedError
+
+    def export(self, chunk: nn.Module, path: Path, statistics: Mapping | None) -> None:
+        """Write the chunk's part of the HF checkpoint (collective over the whole world)."""
+        raise ValueError(f"--export-hf: the {self.name} recipe has no export")
+
+    # -- data ----------------------------------------------------------------------------------
+    def dataset(self, spec: str, cfg) -> Any:
+        """The dataset ``--data spec`` names (random access: ``len`` and ``[i]``)."""
+        raise NotImplementedError
+
+    def collator(
+        self, config: Any, dataset: Any, checkpoint: Path | None
+    ) -> Callable[[Sequence[Any]], Microbatch]:
+        """A function from a list of raw samples to one microbatch of host tensors."""
+        raise NotImplementedError
+
+    def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        """What the first stage's forward takes, in order."""
+        raise NotImplementedError
+
+    def stage_metas(self, config: Any, mb: Microbatch, dtype: torch.dtype) -> list[TensorMeta]:
+        """What every later stage receives for this microbatch (read from host shapes, the same
+        on every rank, so the pipeline needs no metadata round trip)."""
+        raise NotImplementedError
+
+    # -- objective "tokens" --------------------------------------------------------------------
+    def loss_units(self, mb: Microbatch) -> int:
+        """How many supervised units (tokens) this microbatch's loss sums over (host)."""
+        raise NotImplementedError
+
+    def loss_target(self, config: Any, mb: Microbatch, cfg) -> Any:
+        """What the last stage's loss needs besides the model output (host tensors)."""
+        raise NotImplementedError
+
+    def loss(
+        self, chunk: nn.Module, output: Any, target: Any, ctx: ParallelContext, cfg
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of unit losses, metric sums)`` of one microbatch on the last stage; the sums
+        are a float32 vector in the order of ``metric_sums``."""
+        raise NotImplementedError
+
+    # -- objective "step" ----------------------------------------------------------------------
+    def forward_backward(
+        self, chunks: Sequence[nn.Module], microbatches: Sequence[Microbatch], ctx, cfg
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every forward and backward of the step (pp = 1) and return ``(loss, metric sums)``:
+        the global batch's loss (the same on every rank) and sums over the global batch. The
+        gradients left in ``.grad`` are this rank's share: their mean over dp (what ZeRO-1
+        takes) must be the gradient of that loss."""
+        raise NotImplementedError
+
+    # -- reporting -----------------------------------------------------------------------------
+    def flops(self, config: Any, microbatches: Sequence[Microbatch], cfg) -> float:
+        """Model FLOPs of these microbatches' training step (formula in the family's docs)."""
+        return 0.0
+
+    def tokens(self, config: Any, microbatches: Sequence[Microbatch]) -> int:
+        """Tokens these microbatches process (for tokens/s): image and text tokens."""
+        return 0
+
+
+def metric_values(recipe: Recipe, sums: Sequence[float]) -> dict[str, float]:
+    """The recipe's metrics from the step's sums (``sums[0]`` is the loss sum)."""
+    by_name = dict(zip(recipe.metric_sums, sums[1:]))
+    return {
+        m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in recipe.metrics
+    }
