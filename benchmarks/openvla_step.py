@@ -73,8 +73,9 @@ from benchmarks.openvla_runs import (
 from benchmarks.openvla_table import COLUMNS, ratio_notes, summarise
 from parallax import ParallelContext
 from parallax.models import OpenVLAConfig
+from parallax.models.openvla_flops import openvla_flops_per_sample
 from parallax.train.config import TrainConfig
-from parallax.train.flops import PEAK_TFLOPS, openvla_flops_per_sample
+from parallax.train.flops import PEAK_TFLOPS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

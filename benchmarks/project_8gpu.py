@@ -23,8 +23,8 @@ import argparse
 
 from benchmarks.common import PEAK_BF16_TFLOPS, append_results, print_table
 from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.models.openvla_flops import openvla_flops_per_sample
 from parallax.pipeline import one_f_one_b, simulate, split
-from parallax.train.flops import openvla_flops_per_sample
 
 SEQ = 297  # BOS + 256 patches + 40 text tokens
 

@@ -64,6 +64,7 @@ class OpenVLARecipe(Recipe):
         MetricSpec("l1", "action_l1_sum", "action_tokens", "l1"),
     )
     freeze_aliases = {"vision": ("vision_backbone.*",)}
+    input_keys = ("pixel_values", "input_ids", "labels")
 
     # -- model ---------------------------------------------------------------------------------
     def presets(self) -> Sequence[str]:
@@ -99,7 +100,8 @@ class OpenVLARecipe(Recipe):
                 checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
             )
         else:
-            chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=cfg.seed, **kw)
+            seed = None if torch.device(device).type == "meta" else cfg.seed  # shapes only
+            chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
         chunk.return_hidden = cfg.logits == "labelled"  # the loss applies the head
         return chunk
 
@@ -117,7 +119,7 @@ class OpenVLARecipe(Recipe):
         return load_dataset(spec, seed=cfg.seed)
 
     def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
-        from parallax.train.batches import BatchBuilder, text_tokenizer
+        from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
 
         return BatchBuilder(config, dataset.statistics, text_tokenizer(config, checkpoint))
 
@@ -158,7 +160,7 @@ class OpenVLARecipe(Recipe):
 
     # -- reporting -----------------------------------------------------------------------------
     def flops(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch], cfg) -> float:
-        from parallax.train.flops import batch_flops
+        from parallax.models.openvla_flops import batch_flops
         from parallax.train.groups import frozen_matcher
 
         frozen = frozen_matcher(cfg, self)

@@ -12,7 +12,6 @@ the last checkpoint. :mod:`parallax.train.failures` says who says what.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import logging
 import os
@@ -27,14 +26,13 @@ import torch.distributed as dist
 from parallax import comm
 from parallax.checkpoint import CheckpointError
 from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
-from parallax.data import BatchLoader, DatasetError, load_dataset
+from parallax.data import BatchLoader, DatasetError
 from parallax.dims import ParallelDims
-from parallax.train import state
-from parallax.train.batches import BatchBuilder, text_tokenizer
+from parallax.train import registry, state
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
-from parallax.train.trainer import Trainer, resolve_model_config
+from parallax.train.trainer import Trainer
 
 log = logging.getLogger("parallax.train")
 T = TypeVar("T")
@@ -74,8 +72,9 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     """
     out = Path(cfg.out)
     agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
-    model_config, checkpoint_dir = agree(ctx, "--model", lambda: resolve_model_config(cfg.model))
-    data = agree(ctx, "--data", lambda: load_dataset(cfg.data, seed=cfg.seed))
+    recipe, spec = agree(ctx, "--model", lambda: registry.resolve(cfg.model))
+    model_config, checkpoint_dir = spec.config, spec.checkpoint
+    data = agree(ctx, "--data", lambda: recipe.dataset(cfg.data, cfg))
     loader = agree(
         ctx,
         "batch sizes",
@@ -90,14 +89,14 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     )
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
-        ctx, "building the model", lambda: Trainer(cfg, ctx, model_config, checkpoint_dir)
+        ctx,
+        "building the model",
+        lambda: Trainer(cfg, ctx, model_config, checkpoint_dir, recipe=recipe),
     )
     builder = agree(
         ctx,
         "data and model",
-        lambda: BatchBuilder(
-            model_config, data.statistics, text_tokenizer(model_config, checkpoint_dir)
-        ),
+        lambda: recipe.collator(trainer.model_config, data, checkpoint_dir),
     )
     start = 0
     if ckpt is not None:
@@ -130,8 +129,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     try:
         for step in range(start + 1, cfg.steps + 1):
             microbatches = [builder(samples) for samples in loader.next_batch()]
-            tokens = sum(mb["input_ids"].numel() for mb in microbatches) * ctx.dp_size
-            tokens += cfg.global_batch_size * model_config.num_patches
+            tokens = trainer.tokens(microbatches) * ctx.dp_size
             flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
             monitor.record(step, trainer.train_step(microbatches), tokens, flops)
             stopping = stop_after is not None and step - start >= stop_after
@@ -148,7 +146,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     finally:
         monitor.close()
     if cfg.export_hf:
-        export_hf(trainer, out / "hf", data.statistics)
+        export_hf(trainer, out / "hf", getattr(data, "statistics", None))
     return monitor.last
 
 
@@ -173,18 +171,13 @@ def _non_finite_message(err: NonFiniteError, saved: int | None, out: Path) -> st
 
 
 def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:
-    """Write the trained weights in the Hugging Face OpenVLA layout (collective), with the
-    training data's action statistics added to ``norm_stats`` (what ``predict_action`` uses to
-    un-normalise actions)."""
+    """Write the trained weights in the family's Hugging Face layout (collective), with the
+    training data's statistics where the family keeps them (OpenVLA's ``norm_stats``, which
+    ``predict_action`` un-normalises actions with)."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
-    chunk = trainer.chunks[0]
     trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
-    if statistics:
-        chunk.config = dataclasses.replace(
-            chunk.config, norm_stats={**chunk.config.norm_stats, **statistics}
-        )
-    chunk.save_pretrained(path)
+    trainer.recipe.export(trainer.chunks[0], path, statistics)
     if trainer.ctx.rank == 0:
         log.info("exported the Hugging Face checkpoint to %s", path)
 

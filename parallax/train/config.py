@@ -11,19 +11,24 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from parallax.train.values import convert, field_kinds, out_problems, read_toml, show
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-# Peak learning rates that train each preset well from scratch on the synthetic task; a 7B
-# model (preset or checkpoint) gets OpenVLA's full fine-tuning rate.
-DEFAULT_LR = {"tiny": 1e-3, "small": 3e-4}
-DEFAULT_LR_7B = 2e-5
 
 
 def default_lr(model: str) -> float:
-    return DEFAULT_LR.get(model, DEFAULT_LR_7B)
+    """The peak learning rate of ``--model`` when ``--lr`` is not given (its recipe's)."""
+    from parallax.train import registry
+
+    try:
+        recipe = registry.find(model)
+    except ValueError:
+        return 2e-5  # an unknown model fails later, with its own message
+    family, sep, rest = model.partition(":")
+    return recipe.default_lr(rest if sep and family == recipe.name and rest else model)
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -64,6 +69,8 @@ class TrainConfig:
     precision: str = "fp32"
     activation_checkpointing: bool = False
     freeze_vision: bool = False
+    freeze: str | None = None  # globs of global parameter names (parallax.train.groups)
+    lr_groups: Any = None  # "glob=lr,...", a TOML file, or a [lr_groups] table
     save_interval: int = 100
     keep_last: int = 2
     log_interval: int = 10
@@ -177,6 +184,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--freeze-vision", action="store_true", default=None, help="freeze both vision towers"
     )
+    g.add_argument(
+        "--freeze",
+        help="GLOB,...: freeze the parameters whose global names match (or an alias such as "
+        "'vision'); frozen ones get no gradients and no optimizer state",
+    )
+    g.add_argument(
+        "--lr-groups",
+        help="GLOB=LR,... or a TOML file of glob = lr: peak learning rates by parameter name "
+        "(first match wins; the rest get --lr)",
+    )
     g.add_argument("--precision", metavar=_choices(PRECISIONS), help=f"default {d.precision}")
     g.add_argument(
         "--activation-checkpointing",
@@ -198,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument(
         "--lr",
-        help=f"peak learning rate (default {DEFAULT_LR} by model, else {DEFAULT_LR_7B})",
+        help="peak learning rate (default: the model's, e.g. tiny 1e-3, 7B 2e-5)",
     )
     g.add_argument("--min-lr", help=f"final lr of the cosine schedule (default {d.min_lr})")
     g.add_argument("--warmup-steps", help=f"linear warm-up steps (default {d.warmup_steps})")
@@ -319,3 +336,24 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             setattr(cfg, key, _flag_value(key, value))
     cfg.check()
     return cfg
+
+
+def load_toml_table(path: Path, what: str) -> dict[str, Any]:
+    """A TOML file given to ``what`` as a table: its ``[lr_groups]``-style table named after
+    the flag if present, else the whole file."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{what} {path}: {err}") from err
+    key = what.lstrip("-").replace("-", "_")
+    table = data.get(key, data)
+    if not isinstance(table, dict):
+        raise ValueError(f"{what} {path}: expected a table of glob = value")
+    return table

@@ -119,16 +119,16 @@ def parse_lr_groups(value) -> list[tuple[str, float]]:
         try:
             rate = float(lr)
         except (TypeError, ValueError):
-            raise ValueError(f"--lr-groups: the learning rate of {glob!r} is not a number: {lr!r}")
+            raise ValueError(
+                f"--lr-groups: the learning rate of {glob!r} is not a number: {lr!r}"
+            ) from None
         if rate < 0 or isinstance(lr, bool):
             raise ValueError(f"--lr-groups: the learning rate of {glob!r} must be >= 0, got {lr!r}")
         out.append((str(glob), rate))
     return out
 
 
-def param_groups(
-    named: Sequence[tuple[str, nn.Parameter]], cfg
-) -> list[dict]:
+def param_groups(named: Sequence[tuple[str, nn.Parameter]], cfg) -> list[dict]:
     """ZeRO-1 parameter groups of the trainable ``named`` parameters: one per (lr group, decay),
     in a fixed order (so every rank of every layout builds the same groups, empty ones
     included: checkpoints index groups by position). Weight decay applies to matrices only."""

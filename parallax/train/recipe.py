@@ -68,6 +68,8 @@ class Recipe:
     metrics: tuple[MetricSpec, ...] = ()
     # ``--freeze-<alias>`` and ``--freeze <alias>`` stand for these globs of global names
     freeze_aliases: Mapping[str, tuple[str, ...]] = {}
+    # keys every microbatch dict must hold (checked on every rank before a step)
+    input_keys: tuple[str, ...] = ()
     # the block that must open the first stage (pin_first) when a pipeline splits the model
     pin_first: int = 1
 
@@ -113,7 +115,8 @@ class Recipe:
     ) -> nn.Module:
         """This rank's chunk of ``blocks``: from the layout-free init of ``cfg.seed`` or from
         ``checkpoint`` (reading only this rank's slices), with the run's options (activation
-        checkpointing, compile) applied. Parameter names must be global and layout-free."""
+        checkpointing) applied; on the ``meta`` device, shapes only (no init, no reads).
+        Parameter names must be global and layout-free."""
         raise NotImplementedError
 
     def export(self, chunk: nn.Module, path: Path, statistics: Mapping | None) -> None:
@@ -166,6 +169,13 @@ class Recipe:
         takes) must be the gradient of that loss."""
         raise NotImplementedError
 
+    def evaluate_step(
+        self, chunks: Sequence[nn.Module], microbatches: Sequence[Microbatch], ctx, cfg
+    ) -> torch.Tensor:
+        """``[loss, *metric sums]`` of an evaluation batch, forward only, for a ``"step"``
+        recipe (the Trainer runs the pipeline forward for ``"tokens"`` recipes)."""
+        raise NotImplementedError
+
     # -- reporting -----------------------------------------------------------------------------
     def flops(self, config: Any, microbatches: Sequence[Microbatch], cfg) -> float:
         """Model FLOPs of these microbatches' training step (formula in the family's docs)."""
@@ -179,6 +189,4 @@ class Recipe:
 def metric_values(recipe: Recipe, sums: Sequence[float]) -> dict[str, float]:
     """The recipe's metrics from the step's sums (``sums[0]`` is the loss sum)."""
     by_name = dict(zip(recipe.metric_sums, sums[1:]))
-    return {
-        m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in recipe.metrics
-    }
+    return {m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in recipe.metrics}

@@ -4,11 +4,10 @@ the parameter counts they use against the modules the model actually builds."""
 import pytest
 
 from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.models.openvla_flops import openvla_components, openvla_flops_per_sample
 from parallax.train.flops import (
     mfu,
     model_tflops_per_gpu,
-    openvla_components,
-    openvla_flops_per_sample,
 )
 
 TEXT = 10  # input ids per sample (BOS included): sequence = 16 patches + 10 = 26

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from parallax.data import BatchLoader, SyntheticTask
 from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.batches import BatchBuilder, text_tokenizer
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.models.helpers import ref_openvla

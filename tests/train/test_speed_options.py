@@ -12,10 +12,10 @@ from parallax.checkpoint import Checkpoint
 from parallax.data import BatchLoader, SyntheticTask
 from parallax.models import OpenVLA, OpenVLAConfig
 from parallax.pipeline import executor, p2p
+from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import state
-from parallax.train.batches import BatchBuilder, text_tokenizer
 from parallax.train.config import parse_args
 from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _cfg, _run, separate

@@ -1,0 +1,1 @@
+"""Model families as recipes the one Trainer runs (see :mod:`parallax.train.recipe`)."""
