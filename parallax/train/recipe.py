@@ -160,6 +160,11 @@ class Recipe:
         raise NotImplementedError
 
     # -- objective "step" ----------------------------------------------------------------------
+    def backward_passes(self, num_microbatches: int) -> int:
+        """Backward passes one step runs per parameter (ZeRO-1 reduces a bucket after the last
+        one): one per microbatch for a pipeline, what ``forward_backward`` runs otherwise."""
+        return num_microbatches
+
     def forward_backward(
         self, chunks: Sequence[nn.Module], microbatches: Sequence[Microbatch], ctx, cfg
     ) -> tuple[torch.Tensor, torch.Tensor]:

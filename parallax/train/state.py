@@ -105,6 +105,7 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
     meta = {
         "step": step,
         "config": cfg.to_dict(),
+        "family": trainer.recipe.name,
         "model_config": trainer.model_config.to_dict(),
         "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size},
         "data": loader.state_dict(),
@@ -179,6 +180,11 @@ def check_steps_left(ckpt: Checkpoint, steps: int) -> None:
 
 def check_resumable(ckpt: Checkpoint, trainer) -> None:
     """Every tensor this rank will read must be there, before any state is touched."""
+    family = ckpt.meta.get("family", "openvla")  # checkpoints before recipes: OpenVLA only
+    if family != trainer.recipe.name:
+        raise CheckpointError(
+            f"{ckpt.path} was written by a {family} run; this run trains {trainer.recipe.name}"
+        )
     names = [n for chunk in trainer.chunks for n, _ in chunk.named_parameters()]
     meta = ckpt.meta.get("optimizer")
     if not meta or meta.get("format") != OPTIM_FORMAT:

@@ -200,7 +200,7 @@ class Trainer:
             torch.optim.AdamW,
             self.ctx,
             overlap=self.cfg.overlap_grad_reduce,
-            backward_passes_per_step=self.num_microbatches,
+            backward_passes_per_step=self.recipe.backward_passes(self.num_microbatches),
             param_order=[p for _, p in named],
             # a CUDA graph's gradient outputs live in its memory pool, which the next replay
             # on the compute stream may overwrite: copy them out on that stream

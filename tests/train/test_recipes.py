@@ -1,0 +1,165 @@
+"""The recipe protocol: OpenVLA through it as before, a second, different family through the same
+Trainer, and freezing and learning-rate groups named once for every recipe."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from parallax import ParallelContext
+from parallax.tensor import full_tensor
+from parallax.testing import context, run_ranks
+from parallax.train import registry
+from parallax.train.config import TrainConfig
+from parallax.train.groups import param_groups, parse_lr_groups
+from parallax.train.trainer import Trainer
+from tests.train.test_trainer import _parallel, separate
+from tests.train.toy_recipe import Pairs, ToyRecipe, reference_loss
+
+GOLDEN = Path(__file__).parent / "data" / "openvla_tp2pp2dp2_before_recipes.json"
+
+
+def test_openvla_through_the_recipe_equals_the_trainer_before_recipes():
+    """tests/train/data/...json was written by the Trainer as it was before recipes (commit
+    7886c63, same config as test_trainer's tp2 pp2 dp2 1f1b case): 3 steps of loss, grad norm
+    and metric sums, and per tensor the sum, the sum of |x| and the norm of the weights. The
+    arithmetic is the same by construction, so the tolerance only covers another CPU's kernels
+    (float32 summation order inside a matmul)."""
+    golden = json.loads(GOLDEN.read_text())
+    results = run_ranks(_parallel, 8, 2, 2, 2, schedule="1f1b")
+    assert_close(
+        torch.tensor(results[0][0]), torch.tensor(golden["history"]), rtol=1e-5, atol=1e-5
+    )
+    seen = {}
+    for _, w in results:
+        seen.update(w)
+    assert sorted(seen) == sorted(golden["weights"])
+    for name, (s, a, n) in golden["weights"].items():
+        t = seen[name].double()
+        got = torch.tensor([float(t.sum()), float(t.abs().sum()), float(t.norm())])
+        scale = max(a / t.numel(), 1e-3) * t.numel()
+        assert_close(got, torch.tensor([s, a, n]), rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+# -- a second family: two towers, a loss over the whole step and a dp all-gather -------------
+
+
+def _toy_cfg(**kw) -> TrainConfig:
+    base = dict(
+        model="toy", steps=3, global_batch_size=16, micro_batch_size=4, warmup_steps=1, lr=3e-2
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def _toy_run(tp: int, dp: int) -> tuple[list, dict]:
+    ctx = ParallelContext.local() if tp * dp == 1 else context(tp=tp, dp=dp)
+    recipe = ToyRecipe()
+    cfg = _toy_cfg(tp=tp, dp=dp)
+    trainer = Trainer(cfg, ctx, recipe=recipe)
+    data, collate = Pairs(), recipe.collator(None, None, None)
+    per_rank = cfg.global_batch_size // dp
+    history = []
+    for step in range(cfg.steps):
+        start = step * cfg.global_batch_size + ctx.dp_rank * per_rank
+        rows = list(range(start, start + per_rank))
+        mbs = [
+            collate([data[i] for i in rows[j : j + cfg.micro_batch_size]])
+            for j in range(0, per_rank, cfg.micro_batch_size)
+        ]
+        out = trainer.train_step(mbs)
+        history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
+    weights = {n: full_tensor(p, ctx.tp_group) for n, p in trainer.named_parameters()}
+    return history, weights
+
+
+@pytest.fixture(scope="module")
+def toy_reference():
+    return _toy_run(1, 1)
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 1), (2, 2)], ids=["dp2", "tp2", "tp2dp2"])
+def test_a_step_level_recipe_matches_one_process(toy_reference, tp, dp):
+    ref_history, ref_weights = toy_reference
+    for history, weights in run_ranks(_toy_run, tp * dp, tp, dp):
+        assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-6)
+        for name, value in ref_weights.items():
+            assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert ref_history[-1][0] < ref_history[0][0]
+
+
+def test_the_step_level_loss_is_the_global_batch_loss_written_out():
+    """The recipe's first loss (spread over microbatches) equals the formula on the batch."""
+    recipe = ToyRecipe()
+    cfg = _toy_cfg(steps=1)
+    trainer = Trainer(cfg, ParallelContext.local(), recipe=recipe)
+    data = Pairs()
+    x, y = data.x[:16], data.y[:16]
+    want = reference_loss(trainer.chunks[0], x, y).item()
+    collate = recipe.collator(None, None, None)
+    mbs = [collate([data[i] for i in range(j, j + 4)]) for j in range(0, 16, 4)]
+    assert trainer.train_step(mbs).loss.item() == pytest.approx(want, rel=1e-6)
+
+
+def _toy_pp2() -> str | None:
+    try:
+        Trainer(_toy_cfg(pp=2, global_batch_size=8), context(pp=2), recipe=ToyRecipe())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_recipe_refuses_a_layout_on_every_rank():
+    messages = run_ranks(_toy_pp2, 2, timeout=60)
+    assert all(m and "pp = 1" in m for m in messages), messages
+
+
+def test_registry_finds_families_by_preset_checkpoint_and_prefix(tmp_path):
+    assert registry.find("tiny").name == "openvla"
+    assert registry.find("openvla:tiny").name == "openvla"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "openvla"}))
+    assert registry.find(str(tmp_path)).name == "openvla"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        registry.find(str(tmp_path))
+    with pytest.raises(ValueError, match="neither a preset"):
+        registry.find("no-such-model")
+    registry.register("toy", ToyRecipe())
+    try:
+        assert registry.find("toy").name == "toy"
+    finally:
+        registry.FAMILIES.pop("toy")
+        registry._LOADED.pop("toy")
+
+
+# -- freezing and learning-rate groups --------------------------------------------------------
+
+
+def test_lr_groups_parse_from_every_form(tmp_path):
+    want = [("vision_backbone.*", 2e-6), ("*", 2e-5)]
+    assert parse_lr_groups("vision_backbone.*=2e-6, *=2e-5") == want
+    assert parse_lr_groups({"vision_backbone.*": 2e-6, "*": 2e-5}) == want
+    f = tmp_path / "groups.toml"
+    f.write_text('[lr_groups]\n"vision_backbone.*" = 2e-6\n"*" = 2e-5\n')
+    assert parse_lr_groups(str(f)) == want
+    for bad in ("vision=fast", "=1e-3", "vision"):
+        with pytest.raises(ValueError, match="--lr-groups"):
+            parse_lr_groups(bad)
+
+
+def test_groups_split_by_lr_and_decay_and_a_fused_weight_cannot_be_half_frozen():
+    w, b = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    named = [("vision_backbone.x.weight", w), ("vision_backbone.x.bias", b), ("lm.weight", w)]
+    cfg = TrainConfig(lr=1e-3, lr_groups="vision_backbone.*=1e-5")
+    groups = param_groups(named, cfg)
+    assert [g["lr"] for g in groups] == [1e-5, 1e-5, 1e-3, 1e-3]
+    assert [[n for n, _ in g["params"]] for g in groups] == [
+        ["vision_backbone.x.weight"],
+        ["vision_backbone.x.bias"],
+        ["lm.weight"],
+        [],
+    ]
+    fused = [("language_model.model.layers.0.self_attn.qkv_proj.weight", w)]
+    with pytest.raises(ValueError, match="--no-fused-projections"):
+        param_groups(fused, TrainConfig(lr=1e-3, lr_groups="*q_proj*=1e-5"))
