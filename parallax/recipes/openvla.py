@@ -171,6 +171,13 @@ class OpenVLARecipe(Recipe):
             frozen_vision=frozen("vision_backbone.featurizer.patch_embed.proj.weight"),
         )
 
+    def activation_bytes(self, config, block_names, micro_batch_size, tp) -> float:
+        """Megatron's ``34 s b h`` bytes per decoder layer at 16-bit (the towers not counted),
+        for the patches and a typical prompt and action (48 tokens)."""
+        layers = sum(1 for n in block_names if n.startswith("llm."))
+        seq = config.num_patches + 48
+        return 34.0 * seq * micro_batch_size * config.text.hidden_size * layers / tp
+
     def tokens(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch]) -> int:
         return sum(
             mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.num_patches

@@ -124,6 +124,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
         device=ctx.device,
         log_interval=cfg.log_interval,
         total_steps=cfg.steps,
+        recipe=recipe,
     )
     saved = start if ckpt is not None else None
     try:

@@ -151,6 +151,7 @@ class TrainConfig:
 
 # every flag's type, from the annotations above (``extra`` is not a flag)
 FLAG_KINDS = field_kinds(TrainConfig)
+TABLE_FIELDS = ("lr_groups",)  # also a TOML table in --config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -314,11 +315,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_toml(path: str) -> dict[str, Any]:
     """The flag values of a TOML file (keys as flags, ``-`` or ``_``), each type-checked."""
-    return read_toml(path, {k: v for k, v in FLAG_KINDS.items() if k != "config"}, CHOICES)
+    kinds = {k: v for k, v in FLAG_KINDS.items() if k != "config"}
+    return read_toml(path, kinds, CHOICES, tables=TABLE_FIELDS)
 
 
 def _flag_value(key: str, value: Any) -> Any:
     """A command-line value (text, or a switch's bool: always valid) as its field's type."""
+    if key in TABLE_FIELDS:
+        return value  # text; its own parser checks it (parallax.train.groups)
     label = f"--{key.replace('_', '-')} {value}"
     return convert(label, value, FLAG_KINDS[key], CHOICES.get(key), text=True)
 

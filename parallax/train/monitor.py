@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
+from parallax.train.recipe import Recipe, metric_values
 from parallax.train.trainer import StepOutput
 
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator
+# metrics.jsonl keys of every family; the recipe's own metrics come right after "loss"
 METRIC_FIELDS = (
     "step",
     "loss",
-    "action_accuracy",
-    "l1",
     "lr",
     "grad_norm",
     "tokens_per_s",
@@ -55,13 +55,13 @@ BAR_WIDTH = 20
 ETA_WIDTH = 8  # rich's "h:mm:ss" up to 9 h, "mm:ss" below one
 
 
-def fields(row: dict[str, Any]) -> list[str]:
-    """The metrics of a step as short texts, most useful first."""
+def fields(row: dict[str, Any], recipe: Recipe | None = None) -> list[str]:
+    """The metrics of a step as short texts, most useful first (the recipe's after the loss)."""
     mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    own = [f"{m.label} {row[m.key]:{m.fmt}}" for m in (recipe.metrics if recipe else ())]
     return [
         f"loss {row['loss']:.4f}",
-        f"acc {row['action_accuracy']:.3f}",
-        f"l1 {row['l1']:.3f}",
+        *own,
         f"{row['tokens_per_s']:,.0f} tok/s",
         f"mfu {mfu}",
         f"lr {row['lr']:.2e}",
@@ -115,9 +115,12 @@ class Monitor:
         log_interval: int,
         total_steps: int,
         console=None,
+        recipe: Recipe | None = None,
     ) -> None:
-        """``console``: where rank 0 displays (a ``rich.console.Console``; default: stdout)."""
+        """``console``: where rank 0 displays (a ``rich.console.Console``; default: stdout);
+        ``recipe``: the model family, whose metrics join the row."""
         self.active = rank == 0
+        self.recipe = recipe
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
         self.path = out / "metrics.jsonl"
@@ -171,15 +174,13 @@ class Monitor:
         self, step: int, out: StepOutput, tokens: float, flops: float, seconds: float
     ) -> None:
         m = out.metrics.tolist()  # the one host sync, a step late
-        counts = max(m[3], 1.0)
         mfu = None  # measured against a GPU's peak; null on a CPU
         if self.device.type == "cuda":
             mfu = flops / seconds / (self.world * PEAK_TFLOPS * 1e12)
         row = {
             "step": step,
             "loss": float(out.loss),
-            "action_accuracy": m[1] / counts,
-            "l1": m[2] / counts,
+            **(metric_values(self.recipe, m) if self.recipe else {}),
             "lr": out.lr,
             "grad_norm": float(out.grad_norm),
             "tokens_per_s": tokens / seconds,
@@ -199,8 +200,10 @@ class Monitor:
         if self._progress is not None:
             steps = 2 * len(str(self.total_steps)) + 1
             room = width - (BAR_WIDTH + steps + ETA_WIDTH + 3)  # 3: spaces between columns
-            self._progress.update(self._task, completed=step, description=fit(fields(row), room))
+            self._progress.update(
+                self._task, completed=step, description=fit(fields(row, self.recipe), room)
+            )
         if step % self.log_interval == 0 or step == self.total_steps or step == 1:
             head = f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"
-            line = fit([head, *fields(row)], width)
+            line = fit([head, *fields(row, self.recipe)], width)
             self._console.print(line, highlight=False, soft_wrap=True)

@@ -15,11 +15,11 @@ import torch
 
 from parallax.context import ParallelContext
 from parallax.dims import ParallelDims
-from parallax.models import OpenVLA
 from parallax.pipeline import format_schedule, simulate, split
 from parallax.pipeline.simulate import peak_activations
+from parallax.train import groups, registry
 from parallax.train.config import TrainConfig
-from parallax.train.trainer import make_schedule, num_microbatches, resolve_model_config
+from parallax.train.trainer import _strip_family, make_schedule, num_microbatches
 
 GIB = 2**30
 
@@ -37,37 +37,45 @@ def _dims(cfg: TrainConfig) -> ParallelDims:
 
 def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     """Blocks, parameters and memory of one (dp 0, tp 0) rank of pipeline rank ``pp_rank``."""
-    config, _ = resolve_model_config(cfg.model)
-    blocks = OpenVLA.stage_blocks(config)
-    ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=1)
+    recipe, spec = registry.resolve(cfg.model)
+    config = recipe.configure(spec.config, cfg)
+    if cfg.lr is None:
+        cfg.lr = recipe.default_lr(_strip_family(cfg.model, recipe))
+    recipe.check_layout(config, cfg, dims)
+    blocks = recipe.blocks(config)
+    ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=recipe.pin_first)
     m = num_microbatches(cfg, dims.dp)
     schedule = make_schedule(cfg.schedule, dims.pp, m, cfg.chunks)
     ctx = ParallelContext(dims=dims, rank=dims.rank(pp_rank, 0, 0), device=torch.device("meta"))
     mine = [r for s, r in enumerate(ranges) if schedule.rank_of(s) == pp_rank]
     params = trainable = 0
-    layers = 0
+    by_group = [0] * len(groups.group_labels(cfg))
     for r in mine:
-        chunk = OpenVLA(config, ctx, blocks=r, device="meta", freeze_vision=cfg.freeze_vision)
+        chunk = recipe.build(
+            config, r, ctx, cfg=cfg, dtype=torch.float32, device="meta", checkpoint=None
+        )
+        groups.apply_freeze([chunk], cfg, recipe)
         params += sum(p.numel() for p in chunk.parameters())
-        trainable += sum(p.numel() for p in chunk.parameters() if p.requires_grad)
-        layers += sum(1 for i in r if blocks[i].name.startswith("llm."))
+        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        trainable += sum(p.numel() for _, p in named)
+        for i, g in enumerate(groups.param_groups(named, cfg)):
+            by_group[i] += sum(p.numel() for _, p in g["params"])
+    names = [blocks[i].name for r in mine for i in r]
     wbytes = 2 if cfg.precision == "bf16" else 4
     # ZeroOptimizer with AdamW: fp32 master and moments over dp (fp32 weights are their own
     # masters), and an fp32 gradient slice only where overlap may reduce during backward
     per = 12 + (4 if dims.dp > 1 and cfg.overlap_grad_reduce else 0) if wbytes == 2 else 8
     optim = trainable * per / dims.dp
-    seq = config.num_patches + 48  # patches + a typical prompt and action
-    h = config.text.hidden_size
     in_flight = peak_activations(schedule)[pp_rank]
-    act = (
-        0.0
-        if cfg.activation_checkpointing
-        else 34.0 * seq * cfg.micro_batch_size * h * (layers / dims.tp) * in_flight * (wbytes / 2)
-    )
+    act = 0.0
+    if not cfg.activation_checkpointing:
+        per = recipe.activation_bytes(config, names, cfg.micro_batch_size, dims.tp)
+        act = per * in_flight * (wbytes / 2)
     return {
-        "blocks": [blocks[i].name for r in mine for i in r],
+        "blocks": names,
         "params": params,
         "trainable": trainable,
+        "groups": by_group,
         "weights_gib": params * wbytes / GIB,
         "grads_gib": trainable * wbytes / GIB,
         "optimizer_gib": optim / GIB,
@@ -97,6 +105,28 @@ def launch_note(cfg: TrainConfig, dims: ParallelDims) -> str | None:
         f"not under torchrun: planning for the {dims.world_size} processes of --tp {dims.tp} "
         f"--pp {dims.pp} --dp {dims.dp}"
     )
+
+
+def _groups_table(cfg: TrainConfig, plans: list[dict]):
+    """Trainable parameters per optimizer group (peak lr) and pipeline rank, and what the
+    freeze flags leave untrained."""
+    from rich.table import Table
+
+    rates = [lr for _, lr in groups.parse_lr_groups(cfg.lr_groups)] + [cfg.lr]
+    table = Table(title="optimizer groups (trainable parameters per rank of each pp rank)")
+    table.add_column("group (first matching glob)")
+    table.add_column("peak lr")
+    for p in range(len(plans)):
+        table.add_column(f"pp {p}")
+    for i, label in enumerate(groups.group_labels(cfg)):
+        table.add_row(label, f"{rates[i // 2]:g}", *(f"{pl['groups'][i]:,}" for pl in plans))
+    frozen = [pl["params"] - pl["trainable"] for pl in plans]
+    table.add_row(
+        f"frozen ({', '.join(groups.freeze_globs(cfg, registry.find(cfg.model))) or '-'})",
+        "-",
+        *(f"{f:,}" for f in frozen),
+    )
+    return table
 
 
 def print_plan(cfg: TrainConfig, file=None) -> None:
@@ -150,6 +180,7 @@ def print_plan(cfg: TrainConfig, file=None) -> None:
             _size(total),
         )
     console.print(table)
+    console.print(_groups_table(cfg, plans))
     sim = simulate(schedule, 1.0, 2.0)
     console.print(format_schedule(schedule), highlight=False)
     console.print(

@@ -186,6 +186,13 @@ class Recipe:
         """Model FLOPs of these microbatches' training step (formula in the family's docs)."""
         return 0.0
 
+    def activation_bytes(
+        self, config: Any, block_names: Sequence[str], micro_batch_size: int, tp: int
+    ) -> float:
+        """Estimated activation bytes at 16-bit that one microbatch in flight keeps on a rank
+        holding ``block_names`` (for ``--dry-run``; 0 when the family gives no estimate)."""
+        return 0.0
+
     def tokens(self, config: Any, microbatches: Sequence[Microbatch]) -> int:
         """Tokens these microbatches process (for tokens/s): image and text tokens."""
         return 0

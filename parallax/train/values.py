@@ -100,8 +100,14 @@ def convert(
     return out
 
 
-def read_toml(path: str, kinds: Mapping[str, Kind], choices: Mapping[str, Sequence[str]]) -> dict:
-    """``{field: value}`` of a TOML file of flag values; names the file in every error."""
+def read_toml(
+    path: str,
+    kinds: Mapping[str, Kind],
+    choices: Mapping[str, Sequence[str]],
+    tables: Sequence[str] = (),
+) -> dict:
+    """``{field: value}`` of a TOML file of flag values; names the file in every error.
+    ``tables`` are fields that also take a TOML table or array (their own parser checks it)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -118,10 +124,20 @@ def read_toml(path: str, kinds: Mapping[str, Kind], choices: Mapping[str, Sequen
     except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"--config {path}: not a valid TOML file: {err}") from None
     values = {k.replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(values) - set(kinds))
+    tabled: dict[str, Any] = {}
+    known = set(kinds) | set(tables)
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"--config {path}: unknown keys {unknown}; known keys: {sorted(kinds)}")
-    return {
+        raise ValueError(f"--config {path}: unknown keys {unknown}; known keys: {sorted(known)}")
+    for key in tables:
+        value = values.pop(key, None)
+        if value is not None and not isinstance(value, str | dict | list):
+            raise ValueError(
+                f"--config {path}: {key} = {show(value)}: expected a string or a table"
+            )
+        if value is not None:
+            tabled[key] = value
+    return tabled | {
         key: convert(
             f"--config {path}: {key} = {show(value)}",
             value,

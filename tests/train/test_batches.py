@@ -9,7 +9,7 @@ import torch
 from parallax.data.stats import compute_statistics
 from parallax.models import OpenVLA, OpenVLAConfig
 from parallax.models.tokenizer import IGNORE_INDEX, TinyTokenizer
-from parallax.train.batches import BatchBuilder
+from parallax.recipes.openvla_batches import BatchBuilder
 
 
 def _samples(dim: int, n: int = 3) -> tuple[list[dict], dict]:

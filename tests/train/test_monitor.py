@@ -7,6 +7,7 @@ import re
 import torch
 from rich.console import Console
 
+from parallax.train import registry
 from parallax.train.monitor import Monitor
 from parallax.train.trainer import StepOutput
 
@@ -25,6 +26,7 @@ def _run(tmp_path, console, steps=12, total=5000):
         log_interval=5,
         total_steps=total,
         console=console,
+        recipe=registry.recipe("openvla"),
     )
     rows = []
     for step in range(1, steps + 1):

@@ -29,9 +29,7 @@ def test_openvla_through_the_recipe_equals_the_trainer_before_recipes():
     (float32 summation order inside a matmul)."""
     golden = json.loads(GOLDEN.read_text())
     results = run_ranks(_parallel, 8, 2, 2, 2, schedule="1f1b")
-    assert_close(
-        torch.tensor(results[0][0]), torch.tensor(golden["history"]), rtol=1e-5, atol=1e-5
-    )
+    assert_close(torch.tensor(results[0][0]), torch.tensor(golden["history"]), rtol=1e-5, atol=1e-5)
     seen = {}
     for _, w in results:
         seen.update(w)
