@@ -118,6 +118,15 @@ class OpenVLARecipe(Recipe):
 
         return load_dataset(spec, seed=cfg.seed)
 
+    def eval_dataset(self, spec: str | None, cfg) -> Any:
+        """``--eval-data``, or for the synthetic task the episodes of another seed (scenes the
+        run never trains on)."""
+        if spec is None and cfg.data == "synthetic":
+            from parallax.data import SyntheticTask
+
+            return SyntheticTask(seed=cfg.seed + 1)
+        return super().eval_dataset(spec, cfg)
+
     def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
         from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
 

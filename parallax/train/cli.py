@@ -30,6 +30,7 @@ from parallax.data import BatchLoader, DatasetError
 from parallax.dims import ParallelDims
 from parallax.train import registry, state
 from parallax.train.config import TrainConfig, parse_args
+from parallax.train.evaluate import Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
 from parallax.train.trainer import Trainer
@@ -98,6 +99,15 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
         "data and model",
         lambda: recipe.collator(trainer.model_config, data, checkpoint_dir),
     )
+    evaluator = None
+    if cfg.eval_interval:
+        evaluator = agree(
+            ctx,
+            "--eval-data",
+            lambda: Evaluator(
+                trainer, recipe.eval_dataset(cfg.eval_data, cfg), builder, Path(cfg.out)
+            ),
+        )
     start = 0
     if ckpt is not None:
         agree(ctx, f"checkpoint {ckpt.path}", lambda: state.check_resumable(ckpt, trainer))
@@ -111,10 +121,11 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
         if cfg.overwrite:
             state.clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
-        if start:
-            truncate_metrics(out / "metrics.jsonl", start)
-        elif (out / "metrics.jsonl").exists():
-            (out / "metrics.jsonl").unlink()
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            if start:
+                truncate_metrics(out / name, start)
+            elif (out / name).exists():
+                (out / name).unlink()
     comm.barrier(ctx.world_group)
 
     monitor = Monitor(
@@ -134,6 +145,8 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
             monitor.record(step, trainer.train_step(microbatches), tokens, flops)
             stopping = stop_after is not None and step - start >= stop_after
+            if evaluator is not None:
+                evaluator.maybe_run(step, last=step == cfg.steps)
             periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
             if periodic or stopping:
                 monitor.flush()  # every step since the last checkpoint is finite

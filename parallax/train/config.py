@@ -74,6 +74,9 @@ class TrainConfig:
     save_interval: int = 100
     keep_last: int = 2
     log_interval: int = 10
+    eval_interval: int = 0  # 0: no evaluation
+    eval_batches: int = 2
+    eval_data: str | None = None
     timeout: float = 300.0
     overlap_grad_reduce: bool = True
     logits: str = "labelled"
@@ -114,11 +117,14 @@ class TrainConfig:
             "pp",
             "log_interval",
             "keep_last",
+            "eval_batches",
         ):
             if getattr(self, name) < 1:
                 problems.append(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.eval_interval < 0:
+            problems.append(f"--eval-interval must be >= 0 (0: never), got {self.eval_interval}")
         if self.save_interval < 0:
             problems.append(
                 f"--save-interval must be >= 0 (0: no checkpoints), got {self.save_interval}"

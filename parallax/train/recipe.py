@@ -128,6 +128,13 @@ class Recipe:
         """The dataset ``--data spec`` names (random access: ``len`` and ``[i]``)."""
         raise NotImplementedError
 
+    def eval_dataset(self, spec: str | None, cfg) -> Any:
+        """The held-out split for ``--eval-interval``: ``--eval-data spec``, or with ``None`` the
+        family's own held-out part of ``cfg.data`` (a ``ValueError`` when it has none)."""
+        if spec is None:
+            raise ValueError("--eval-interval: give the held-out data with --eval-data")
+        return self.dataset(spec, cfg)
+
     def collator(
         self, config: Any, dataset: Any, checkpoint: Path | None
     ) -> Callable[[Sequence[Any]], Microbatch]:

@@ -9,13 +9,14 @@ import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
+from parallax.data import SyntheticTask
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import registry
 from parallax.train.config import TrainConfig
 from parallax.train.groups import param_groups, parse_lr_groups
 from parallax.train.trainer import Trainer
-from tests.train.test_trainer import _parallel, separate
+from tests.train.test_trainer import STEPS, _batches, _cfg, _parallel, separate
 from tests.train.toy_recipe import Pairs, ToyRecipe, reference_loss
 
 GOLDEN = Path(__file__).parent / "data" / "openvla_tp2pp2dp2_before_recipes.json"
@@ -161,3 +162,84 @@ def test_groups_split_by_lr_and_decay_and_a_fused_weight_cannot_be_half_frozen()
     fused = [("language_model.model.layers.0.self_attn.qkv_proj.weight", w)]
     with pytest.raises(ValueError, match="--no-fused-projections"):
         param_groups(fused, TrainConfig(lr=1e-3, lr_groups="*q_proj*=1e-5"))
+
+
+FREEZE = dict(
+    freeze="vision,language_model.model.layers.1.*",
+    lr_groups="projector.*=1e-2,language_model.lm_head.*=1e-3",
+)
+
+
+def _frozen_run(tp: int, pp: int, dp: int):
+    """Three steps with freezing and lr groups; per rank: the history, the logical weights, the
+    frozen names and what the optimizer holds for them."""
+    ctx = ParallelContext.local() if tp * pp * dp == 1 else context(tp=tp, pp=pp, dp=dp)
+    cfg = _cfg(tp=tp, pp=pp, dp=dp, **FREEZE)
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, ctx)
+    frozen = [n for n, p in trainer.named_parameters() if not p.requires_grad]
+    before = {n: full_tensor(p, ctx.tp_group).clone() for n, p in trainer.named_parameters()}
+    data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
+    next_batch = _batches(trainer, ctx, cfg, data)
+    history = []
+    for _ in range(STEPS):
+        out = trainer.train_step(next_batch())
+        history.append([out.loss.item(), out.grad_norm.item()])
+    opt = trainer.optimizer
+    held = {  # what ZeRO-1 keeps for frozen parameters: must be nothing
+        "named": [n for n in opt.names if n in frozen],
+        "grads": [n for n, p in trainer.named_parameters() if n in frozen and p.grad is not None],
+        "buffer_numel": sum(b.numel() for b in opt.flat.grad_buffers),
+        "trainable_numel": sum(p.numel() for p in opt.params),
+        "lrs": sorted({g["initial_lr"] for g in opt.param_groups if g["params"]}),
+    }
+    after = {n: full_tensor(p, ctx.tp_group) for n, p in trainer.named_parameters()}
+    unchanged = all(torch.equal(before[n], after[n]) for n in frozen)
+    weights = {}
+    for name, value in after.items():
+        weights.update(separate(name, value))
+    return history, weights, frozen, held, unchanged
+
+
+def test_freeze_and_lr_groups_at_tp2_pp2_dp2_match_one_process():
+    ref_history, ref_weights, ref_frozen, ref_held, ref_unchanged = _frozen_run(1, 1, 1)
+    assert ref_unchanged and ref_held["named"] == ref_held["grads"] == []
+    assert any(n.startswith("vision_backbone.") for n in ref_frozen)
+    assert any(".layers.1." in n for n in ref_frozen)
+    assert ref_held["lrs"] == [1e-3, 3e-3, 1e-2]  # lm_head, the rest (--lr), the projector
+    seen, frozen = {}, set()
+    for history, weights, names, held, unchanged in run_ranks(_frozen_run, 8, 2, 2, 2):
+        assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
+        assert unchanged, "a frozen tensor changed"
+        assert held["named"] == [] and held["grads"] == []
+        assert held["buffer_numel"] >= held["trainable_numel"] > 0  # no room for the frozen
+        seen.update(weights)
+        frozen.update(names)
+    assert frozen == set(ref_frozen)
+    for name, value in ref_weights.items():
+        assert_close(seen[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _eval_run(tp: int, pp: int, dp: int, chunks: int = 1) -> list[float]:
+    """The held-out loss and metric sums of one step-0 model, forward only, via the Evaluator."""
+    from parallax.train.evaluate import Evaluator
+
+    ctx = ParallelContext.local() if tp * pp * dp == 1 else context(tp=tp, pp=pp, dp=dp)
+    kw = dict(schedule="interleaved", chunks=chunks) if chunks > 1 else {}
+    cfg = _cfg(tp=tp, pp=pp, dp=dp, eval_interval=1, eval_batches=2, **kw)
+    trainer = Trainer(cfg, ctx)
+    data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed + 1)
+    collate = registry.recipe("openvla").collator(trainer.model_config, data, None)
+    evaluator = Evaluator(trainer, data, collate, Path(cfg.out))
+    evaluator.path = Path("/dev/null")
+    row = evaluator.run(0)
+    return [row["eval_loss"], row["eval_action_accuracy"], row["eval_l1"]]
+
+
+def test_evaluation_is_forward_only_and_the_same_at_every_layout():
+    ref = _eval_run(1, 1, 1)
+    for got in run_ranks(_eval_run, 8, 2, 2, 2):
+        assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for got in run_ranks(_eval_run, 2, 1, 2, 1, 2):  # two chunks per pipeline rank
+        assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert ref[0] > 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from parallax.recipes.openvla import OpenVLARecipe
 from parallax.testing import run_ranks
 
 _DATASETS: dict = {}  # per worker process
@@ -32,40 +33,47 @@ RUN = [
 ]
 
 
-def _train(out: str, *args: str, poison_step: int | None = None):
-    """``run`` on this rank: ``None`` when it finished, else the UserError's message. With
-    ``poison_step``, dp rank 0's pixels of that step (counted from this invocation's first)
-    hold an inf, which makes the loss and the gradients NaN on every rank."""
-    import torch.distributed as dist
+class _Poisoned(OpenVLARecipe):
+    """OpenVLA with the synthetic dataset built once per worker and, from ``poison_step`` on
+    (counted from this invocation's first microbatch), an inf in dp rank 0's pixels, which
+    makes the loss and the gradients NaN on every rank."""
 
-    from parallax.testing import context
-    from parallax.train import cli
-    from parallax.train.config import parse_args
+    name = "poisoned"
+    poison_step: int | None = None
 
-    real, real_load = cli.BatchBuilder, cli.load_dataset
+    def dataset(self, spec, cfg):
+        if (spec, cfg.seed) not in _DATASETS:
+            _DATASETS[spec, cfg.seed] = super().dataset(spec, cfg)
+        return _DATASETS[spec, cfg.seed]
 
-    def load_once(name, seed):
-        if (name, seed) not in _DATASETS:
-            _DATASETS[name, seed] = real_load(name, seed=seed)
-        return _DATASETS[name, seed]
+    def collator(self, config, dataset, checkpoint):
+        import torch.distributed as dist
 
-    class Poisoned(real):
-        calls = 0
+        build, calls = super().collator(config, dataset, checkpoint), [0]
 
-        def __call__(self, samples):
-            mb = super().__call__(samples)
-            Poisoned.calls += 1
-            if Poisoned.calls == poison_step and dist.get_rank() == 0:
+        def poisoned(samples):
+            mb = build(samples)
+            calls[0] += 1
+            if calls[0] == self.poison_step and dist.get_rank() == 0:
                 mb["pixel_values"][0, 0, 0, 0] = float("inf")
             return mb
 
-    cli.BatchBuilder, cli.load_dataset = Poisoned, load_once
+        return poisoned
+
+
+def _train(out: str, *args: str, poison_step: int | None = None):
+    """``run`` on this rank: ``None`` when it finished, else the UserError's message."""
+    from parallax.testing import context
+    from parallax.train import cli, registry
+    from parallax.train.config import parse_args
+
+    recipe = _Poisoned()
+    recipe.poison_step = poison_step
+    registry.register("poisoned", recipe)
     try:
-        cli.run(parse_args(["--out", out, *RUN, *args]), context(dp=2))
+        cli.run(parse_args(["--out", out, "--model", "poisoned:tiny", *RUN, *args]), context(dp=2))
     except cli.UserError as err:
         return str(err)
-    finally:
-        cli.BatchBuilder, cli.load_dataset = real, real_load
     return None
 
 

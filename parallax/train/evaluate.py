@@ -1,0 +1,73 @@
+"""Evaluation while training: every ``--eval-interval`` steps, the loss and the recipe's metrics
+on a held-out split, forward only, written to ``eval.jsonl`` and printed.
+
+The split is the recipe's (``Recipe.eval_dataset``: for the synthetic tasks, episodes of another
+seed; for a dataset directory, ``--eval-data DIR``). Each evaluation reads the same first
+``--eval-batches`` global batches of it in a fixed order, so the numbers are comparable from one
+evaluation to the next and the same at every layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from parallax import comm
+from parallax.data import BatchLoader
+from parallax.train.recipe import metric_values
+
+log = logging.getLogger("parallax.train")
+
+
+class Evaluator:
+    """Runs the evaluation of one run (collective: every rank calls :meth:`maybe_run`)."""
+
+    def __init__(self, trainer, dataset, collate, out: Path) -> None:
+        self.trainer, self.dataset, self.collate = trainer, dataset, collate
+        self.path = out / "eval.jsonl"
+        cfg, ctx = trainer.cfg, trainer.ctx
+        self.every, self.batches = cfg.eval_interval, cfg.eval_batches
+        BatchLoader(  # the batch sizes and the split's size, checked before the first step
+            dataset,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=cfg.seed,
+        )
+
+    def maybe_run(self, step: int, last: bool = False) -> dict[str, float] | None:
+        if not self.every or (step % self.every and not last):
+            return None
+        return self.run(step)
+
+    def run(self, step: int) -> dict[str, float]:
+        trainer, cfg, ctx = self.trainer, self.trainer.cfg, self.trainer.ctx
+        loader = BatchLoader(
+            self.dataset,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=cfg.seed,
+        )
+        sums, units = None, 0
+        for _ in range(min(self.batches, loader.steps_per_epoch)):
+            mbs = [self.collate(samples) for samples in loader.next_batch()]
+            got = trainer.eval_step(mbs)
+            sums = got if sums is None else sums + got
+            units += sum(int(trainer.recipe.loss_units(mb)) for mb in mbs)
+        total = torch.tensor(float(units), device=ctx.device)
+        comm.all_reduce(total, ctx.dp_group)
+        values = sums.tolist()
+        row = {"step": step, "eval_loss": values[0] / max(float(total), 1.0)}
+        row.update({f"eval_{k}": v for k, v in metric_values(trainer.recipe, values).items()})
+        if ctx.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            text = "  ".join(f"{k} {v:.4f}" for k, v in row.items() if k != "step")
+            log.info("eval at step %d: %s", step, text)
+        return row
