@@ -1,7 +1,8 @@
 """Training entry point: ``torchrun --nproc-per-node N -m parallax.train --tp T --pp P``.
 
 :func:`main` is the command; :class:`~parallax.train.trainer.Trainer` is the composition (one
-OpenVLA split over pp, sharded over tp, ZeRO-1 over dp) for scripts that drive steps themselves.
+model of any registered family split over pp, sharded over tp, ZeRO-1 over dp) for scripts
+that drive steps themselves.
 """
 
 from parallax.train.cli import main, run

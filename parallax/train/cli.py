@@ -186,8 +186,7 @@ def _non_finite_message(err: NonFiniteError, saved: int | None, out: Path) -> st
 
 def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:
     """Write the trained weights in the family's Hugging Face layout (collective), with the
-    training data's statistics where the family keeps them (OpenVLA's ``norm_stats``, which
-    ``predict_action`` un-normalises actions with)."""
+    training data's statistics where the family keeps them (``Recipe.export``)."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather

@@ -7,7 +7,6 @@ layout, so the same command trains the same model at every ``dp x tp x pp``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -160,165 +159,6 @@ FLAG_KINDS = field_kinds(TrainConfig)
 TABLE_FIELDS = ("lr_groups",)  # also a TOML table in --config
 
 
-class _Parser(argparse.ArgumentParser):
-    """Raises its errors instead of printing them, so the CLI decides which rank says them."""
-
-    def error(self, message: str):
-        raise ValueError(f"{message} (--help lists the flags)")
-
-
-def _choices(options: tuple[str, ...]) -> str:
-    return "{" + ",".join(options) + "}"
-
-
-def _parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
-    p = _Parser(
-        prog="parallax.train",
-        description="Train OpenVLA (tiny by default, on a built-in synthetic robot task) in any "
-        "dp x tp x pp layout. Launch with torchrun; flags override --config (TOML).",
-    )
-    p.add_argument("--config", help="TOML file of flag values (keys as flags, '-' -> '_')")
-    g = p.add_argument_group("layout")
-    g.add_argument("--tp", help=f"tensor-parallel size (default {d.tp})")
-    g.add_argument("--pp", help=f"pipeline stages (default {d.pp})")
-    g.add_argument("--dp", help="data-parallel size (default: world / (tp*pp))")
-    g = p.add_argument_group("model and data")
-    g.add_argument(
-        "--model", help=f"tiny, openvla-7b, or an OpenVLA checkpoint dir (default {d.model})"
-    )
-    g.add_argument("--data", help=f"synthetic or a dataset dir (default {d.data})")
-    g.add_argument(
-        "--freeze-vision", action="store_true", default=None, help="freeze both vision towers"
-    )
-    g.add_argument(
-        "--freeze",
-        help="GLOB,...: freeze the parameters whose global names match (or an alias such as "
-        "'vision'); frozen ones get no gradients and no optimizer state",
-    )
-    g.add_argument(
-        "--lr-groups",
-        help="GLOB=LR,... or a TOML file of glob = lr: peak learning rates by parameter name "
-        "(first match wins; the rest get --lr)",
-    )
-    g.add_argument("--precision", metavar=_choices(PRECISIONS), help=f"default {d.precision}")
-    g.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        default=None,
-        help="recompute each block's activations in the backward pass",
-    )
-    g = p.add_argument_group("schedule")
-    g.add_argument("--steps", help=f"optimizer steps (default {d.steps})")
-    g.add_argument("--global-batch-size", help=f"samples per step (default {d.global_batch_size})")
-    g.add_argument(
-        "--micro-batch-size",
-        help=f"samples per microbatch (default {d.micro_batch_size})",
-    )
-    g.add_argument(
-        "--schedule", metavar=_choices(SCHEDULES), help=f"pipeline schedule (default {d.schedule})"
-    )
-    g.add_argument("--chunks", help="model chunks per pipeline rank (interleaved)")
-    g = p.add_argument_group("optimisation")
-    g.add_argument(
-        "--lr",
-        help="peak learning rate (default: the model's, e.g. tiny 1e-3, 7B 2e-5)",
-    )
-    g.add_argument("--min-lr", help=f"final lr of the cosine schedule (default {d.min_lr})")
-    g.add_argument("--warmup-steps", help=f"linear warm-up steps (default {d.warmup_steps})")
-    g.add_argument("--lr-schedule", metavar=_choices(LR_SCHEDULES), help=f"default {d.lr_schedule}")
-    g.add_argument(
-        "--weight-decay",
-        help=f"AdamW weight decay on matrices (default {d.weight_decay})",
-    )
-    g.add_argument("--grad-clip", help=f"global grad-norm clip, 0 = off (default {d.grad_clip})")
-    g.add_argument(
-        "--no-overlap",
-        dest="overlap_grad_reduce",
-        action="store_false",
-        default=None,
-        help="reduce gradients after the backward instead of during it",
-    )
-    g = p.add_argument_group("speed (same results either way)")
-    g.add_argument(
-        "--logits",
-        metavar=_choices(LOGITS),
-        help="where the last stage applies the final norm and lm_head: at the labelled "
-        f"positions only, inside the loss, or at every position (default {d.logits})",
-    )
-    g.add_argument(
-        "--fused-projections",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="q/k/v and gate/up as one weight each: fewer, larger matmuls; checkpoints keep "
-        f"the separate tensors (default {'on' if d.fused_projections else 'off'})",
-    )
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        default=None,
-        help="torch.compile each ViT block and decoder layer (the first steps compile)",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        default=None,
-        help="with --compile on GPUs: replay each compiled block as a CUDA graph "
-        "(torch.compile's reduce-overhead mode; fewer kernel launches on the host)",
-    )
-    g.add_argument(
-        "--pipeline-syncs",
-        action="store_true",
-        default=None,
-        help="agree on the pipeline program every step and size received activations from "
-        "their metadata (host syncs); default: agree once, sizes from the batch",
-    )
-    g.add_argument(
-        "--overlap-param-gather",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="at dp > 1, let the ZeRO all-gather of updated weights run under the next "
-        "forward, each block waiting for its own weights "
-        f"(default {'on' if d.overlap_param_gather else 'off'})",
-    )
-    g = p.add_argument_group("run")
-    g.add_argument("--seed", help=f"seed of weights and data (default {d.seed})")
-    g.add_argument("--out", help=f"output dir: metrics.jsonl, checkpoints/ (default {d.out})")
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        default=None,
-        help="continue from the latest checkpoint in --out (any layout)",
-    )
-    g.add_argument(
-        "--overwrite",
-        action="store_true",
-        default=None,
-        help="delete the checkpoints and metrics of another run in --out first (a fresh run "
-        "refuses such a folder without --resume or --overwrite)",
-    )
-    g.add_argument(
-        "--save-interval",
-        help=f"checkpoint every N steps and at the end; 0: never (default {d.save_interval})",
-    )
-    g.add_argument("--keep-last", help=f"checkpoints to keep (default {d.keep_last})")
-    g.add_argument("--log-interval", help=f"print every N steps (default {d.log_interval})")
-    g.add_argument("--timeout", help=f"collective timeout in seconds (default {d.timeout:g})")
-    g.add_argument(
-        "--export-hf",
-        action="store_true",
-        default=None,
-        help="also write the final weights in the Hugging Face OpenVLA layout",
-    )
-    g.add_argument(
-        "--dry-run",
-        action="store_true",
-        default=None,
-        help="print the plan (layout, stages, memory, schedule) and exit",
-    )
-    return p
-
-
 def load_toml(path: str) -> dict[str, Any]:
     """The flag values of a TOML file (keys as flags, ``-`` or ``_``), each type-checked."""
     kinds = {k: v for k, v in FLAG_KINDS.items() if k != "config"}
@@ -333,9 +173,15 @@ def _flag_value(key: str, value: Any) -> Any:
     return convert(label, value, FLAG_KINDS[key], CHOICES.get(key), text=True)
 
 
+def _flags_parser():
+    from parallax.train.flags import parser
+
+    return parser()
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Defaults, then the TOML file, then the flags given on the command line."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = _flags_parser().parse_args(sys.argv[1:] if argv is None else argv)
     cfg = TrainConfig()
     if args.config:
         for key, value in load_toml(args.config).items():

@@ -2,7 +2,7 @@
 
 MFU = model FLOPs per step / (step time x GPUs x 989 TFLOP/s, the dense bf16 peak of an
 H100/H200 SXM). The model FLOPs come from the family's recipe (``Recipe.flops``); each family
-states its formula (:mod:`parallax.models.openvla_flops`, :mod:`parallax.models.llava_flops`).
+states its formula (the ``*_flops`` modules of :mod:`parallax.models`).
 """
 
 from __future__ import annotations

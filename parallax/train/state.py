@@ -36,6 +36,7 @@ from parallax.checkpoint import (
 from parallax.optim.state import FORMAT as OPTIM_FORMAT
 from parallax.optim.state import state_kinds
 from parallax.tensor import logical_shape
+from parallax.train import registry
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def check_steps_left(ckpt: Checkpoint, steps: int) -> None:
 
 def check_resumable(ckpt: Checkpoint, trainer) -> None:
     """Every tensor this rank will read must be there, before any state is touched."""
-    family = ckpt.meta.get("family", "openvla")  # checkpoints before recipes: OpenVLA only
+    family = ckpt.meta.get("family", registry.FIRST)  # before recipes: the first family
     if family != trainer.recipe.name:
         raise CheckpointError(
             f"{ckpt.path} was written by a {family} run; this run trains {trainer.recipe.name}"

@@ -16,7 +16,6 @@ them without a device synchronisation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,58 +26,14 @@ from torch.profiler import record_function
 from parallax import comm
 from parallax.context import ParallelContext
 from parallax.optim import ZeroOptimizer
-from parallax.pipeline import (
-    PipelineStage,
-    Schedule,
-    TensorMeta,
-    Timeline,
-    gpipe,
-    interleaved_1f1b,
-    lower,
-    one_f_one_b,
-    run_schedule,
-    split,
-)
+from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
 from parallax.train import groups, registry
 from parallax.train.config import TrainConfig
+from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
+
+__all__ = ["StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
 from parallax.train.recipe import Microbatch, Recipe
-
-
-def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Schedule:
-    """The schedule named by ``--schedule``; raises ``ValueError`` saying what would work."""
-    if name == "gpipe":
-        return gpipe(pp, num_microbatches)
-    if name == "1f1b":
-        return one_f_one_b(pp, num_microbatches)
-    if name == "interleaved":
-        return interleaved_1f1b(pp, num_microbatches, chunks)
-    raise ValueError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved")
-
-
-def num_microbatches(cfg: TrainConfig, dp: int) -> int:
-    """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""
-    from parallax.data import check_batch_sizes
-
-    check_batch_sizes(cfg.global_batch_size, cfg.micro_batch_size, dp)
-    return cfg.global_batch_size // (cfg.micro_batch_size * dp)
-
-
-def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up to the peak, then constant or cosine down to ``min_lr / lr`` of it at
-    ``steps`` (a factor on every group's own peak learning rate)."""
-
-    def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        span = max(1, cfg.steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 @dataclass
