@@ -58,9 +58,13 @@ class _Shard:
 
 
 class TarShards:
-    """A pair source over tar shards: a directory of ``*.tar`` files or a list of paths."""
+    """A pair source over tar shards: a directory of ``*.tar`` files or a list of paths.
 
-    def __init__(self, shards: str | Path | list, max_open: int = 8) -> None:
+    The member indices of the ``max_indexed`` shards used last stay in memory (a few hundred
+    bytes per sample), so a pass over millions of pairs holds only a few windows' worth.
+    """
+
+    def __init__(self, shards: str | Path | list, max_open: int = 8, max_indexed: int = 64) -> None:
         if isinstance(shards, (str, Path)):
             root = Path(shards)
             paths = sorted(root.glob("*.tar")) if root.is_dir() else [root] * root.is_file()
@@ -73,7 +77,8 @@ class TarShards:
             what = f"missing shards: {missing[:4]}" if paths else f"no tar shards found at {shards}"
             raise DatasetError(what)
         self.paths = paths
-        self._index: dict[int, _Shard] = {}
+        self._index: OrderedDict[int, _Shard] = OrderedDict()
+        self.max_indexed = max_indexed
         self._files: OrderedDict = OrderedDict()
         self.max_open = max_open
 
@@ -81,9 +86,11 @@ class TarShards:
         return len(self.paths)
 
     def shard(self, i: int) -> _Shard:
-        if i not in self._index:
-            self._index[i] = _Shard(self.paths[i])
-        return self._index[i]
+        shard = self._index.pop(i, None) or _Shard(self.paths[i])
+        self._index[i] = shard  # most recently used last
+        while len(self._index) > self.max_indexed:
+            self._index.popitem(last=False)
+        return shard
 
     def shard_length(self, shard: int) -> int:
         return len(self.shard(shard).samples)
