@@ -9,6 +9,8 @@ Other projects' robot datasets (RLDS / Open X-Embodiment, LIBERO HDF5, LeRobot) 
 place by the readers of :mod:`parallax.data.mixture` (optional extras: ``pip install
 'parallax[data]'``) and streamed, mixed and augmented by :class:`StreamLoader`; their samples
 also carry ``"dataset"`` (the name their statistics are keyed by), ``"episode"`` and ``"step"``.
+preprocesses them. Image-text pairs for the dual encoders (folders, WebDataset tar shards, a
+synthetic task) are ``{"image", "caption", "key"}`` samples read through :class:`PairLoader`.
 """
 
 from parallax.data.augment import AugmentConfig
@@ -23,6 +25,8 @@ from parallax.data.length_grouped import (
 from parallax.data.llava_format import LlavaConversationDataset, conversation_turns
 from parallax.data.loader import BatchLoader, Dataset, check_batch_sizes, load_dataset
 from parallax.data.mixture import Mixture, load_mixture, open_source, parse_data_spec
+from parallax.data.pair_loader import PairLoader
+from parallax.data.pairs import PairFolder, PairSample, PairSource, write_pair_folder
 from parallax.data.stats import (
     DatasetError,
     compute_statistics,
@@ -31,6 +35,8 @@ from parallax.data.stats import (
 )
 from parallax.data.stream import StreamLoader
 from parallax.data.synthetic import SyntheticConfig, SyntheticTask
+from parallax.data.synthetic_pairs import SyntheticPairs
+from parallax.data.tar_shards import TarShards, write_tar_shards
 from parallax.data.vqa_synthetic import SyntheticVQA, VQAConfig
 
 __all__ = [
@@ -44,12 +50,18 @@ __all__ = [
     "LlavaConversationDataset",
     "KeyConfig",
     "Mixture",
+    "PairFolder",
+    "PairLoader",
+    "PairSample",
+    "PairSource",
     "Sample",
     "StreamLoader",
     "SyntheticConfig",
+    "SyntheticPairs",
     "SyntheticTask",
     "SyntheticVQA",
     "VQAConfig",
+    "TarShards",
     "check_batch_sizes",
     "collate",
     "compute_statistics",
@@ -64,4 +76,6 @@ __all__ = [
     "parse_data_spec",
     "write_dataset",
     "write_statistics",
+    "write_pair_folder",
+    "write_tar_shards",
 ]

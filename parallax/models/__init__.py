@@ -1,4 +1,5 @@
-"""Models built from parallax tensor layers: a generic ViT, Llama blocks, OpenVLA and LLaVA-NeXT."""
+"""Models built from parallax tensor layers: a generic ViT, Llama blocks, OpenVLA, LLaVA-NeXT and
+the SigLIP / CLIP dual encoders."""
 
 from parallax.models.action_tokenizer import (
     ActionTokenizer,
@@ -22,6 +23,8 @@ from parallax.models.objectives import (
 from parallax.models.openvla import OpenVLA, openvla_init_fn
 from parallax.models.predict import generate, predict_action
 from parallax.models.preprocess import pixel_values, preprocess_image
+from parallax.models.siglip import Siglip, SiglipOutput, siglip_init_fn
+from parallax.models.siglip_config import SiglipConfig, TextConfig
 from parallax.models.stages import StageBlock, partition
 from parallax.models.tokenizer import (
     HFTokenizer,
@@ -45,7 +48,11 @@ __all__ = [
     "LlavaTinyTokenizer",
     "OpenVLA",
     "OpenVLAConfig",
+    "Siglip",
+    "SiglipConfig",
+    "SiglipOutput",
     "StageBlock",
+    "TextConfig",
     "TinyTokenizer",
     "ViTConfig",
     "VisionTransformer",
@@ -63,6 +70,7 @@ __all__ = [
     "predict_action",
     "preprocess_image",
     "prompt_ids",
+    "siglip_init_fn",
     "training_example",
     "tp_argmax",
     "unnormalize_actions",

@@ -75,7 +75,7 @@ class SafetensorsWriter:
                 f"{self.path.name}: expected {want_name} {shape} {dtype}, got {name} "
                 f"{tuple(tensor.shape)} {tensor.dtype}"
             )
-        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # 0-d too
         self.file.write(memoryview(data.numpy()))
         self.next += 1
 

@@ -33,7 +33,8 @@ class ViTConfig:
     embedding covers the patches only and the prefix tokens (class, registers) are prepended
     after it (timm's DINOv2); otherwise it covers prefix and patches. ``pool`` only describes
     the head that the checkpoint carries ("token", "map" for SigLIP's attention pool, "none");
-    the feature extractor never runs it.
+    the feature extractor never runs it. ``patch_bias`` and ``causal`` serve the dual encoders
+    (:mod:`parallax.models.siglip`): CLIP's bias-free patch conv and its causal text blocks.
     """
 
     image_size: int = 224
@@ -54,7 +55,8 @@ class ViTConfig:
     keep_prefix: bool = False
     feature_layer: int = -1
     pool: str = "token"
-    patch_bias: bool = True  # CLIP's patch convolution has none
+    patch_bias: bool = True  # CLIP's patch conv has none
+    causal: bool = False  # causal self-attention (CLIP's text tower reuses these blocks)
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -128,6 +130,7 @@ class ViTAttention(nn.Module):
     def __init__(self, cfg: ViTConfig, ctx, device=None, dtype=None) -> None:
         super().__init__()
         self.heads = heads_per_rank(cfg.num_heads, resolve_tp(ctx)[2], "ViT attention")
+        self.causal = cfg.causal
         self.head_dim = cfg.width // cfg.num_heads
         kw = dict(ctx=ctx, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(cfg.width, 3 * cfg.width, cfg.qkv_bias, partitions=3, **kw)
@@ -137,7 +140,7 @@ class ViTAttention(nn.Module):
         b, n, _ = x.shape
         qkv = self.qkv(x).view(b, n, 3, -1, self.head_dim)  # (b, n, 3, nh/tp, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh/tp, n, hd)
-        o = F.scaled_dot_product_attention(q, k, v)  # (b, nh/tp, n, hd)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (b, nh/tp, n, hd)
         return self.proj(o.transpose(1, 2).reshape(b, n, -1))  # (b, n, w)
 
 
