@@ -9,7 +9,7 @@ Other projects' robot datasets (RLDS / Open X-Embodiment, LIBERO HDF5, LeRobot) 
 place by the readers of :mod:`parallax.data.mixture` (optional extras: ``pip install
 'parallax[data]'``) and streamed, mixed and augmented by :class:`StreamLoader`; their samples
 also carry ``"dataset"`` (the name their statistics are keyed by), ``"episode"`` and ``"step"``.
-preprocesses them. Image-text pairs for the dual encoders (folders, WebDataset tar shards, a
+Image-text pairs for the dual encoders (folders, WebDataset tar shards, a
 synthetic task) are ``{"image", "caption", "key"}`` samples read through :class:`PairLoader`.
 """
 
