@@ -218,3 +218,17 @@ def test_smoke_run_on_two_ranks():
     }
     for key, r in got.items():
         assert r["status"] == "ok" and r["loss 1 rel diff"] <= 1e-4, key
+
+
+def test_a_missing_api_skips_the_row(monkeypatch, capsys):
+    import benchmarks.openvla_runs as runs
+    from benchmarks.native import MissingAPI
+
+    def build(*_):
+        raise MissingAPI("torch 2.3 has no FSDP2 fully_shard")
+
+    monkeypatch.setattr(runs, "build_single", build)
+    argv = ["--smoke", "--layouts", "1gpu", "--steps", "1", "--warmup", "0"]
+    rows = main([*argv, "--frameworks", "torch-single", "--native-variants", "eager"])
+    assert rows[0]["status"] == "skipped: torch 2.3 has no FSDP2 fully_shard"
+    assert "1gpu torch-single eager: skipped: torch 2.3 has no FSDP2" in capsys.readouterr().out
