@@ -8,16 +8,32 @@ PyTorch tools that cover it: ``torch-single`` (1gpu), ``torch-ddp-zero`` and ``t
 (dp), ``torch-dtensor-tp`` (tp), ``torch-pipelining`` (pp, 1F1B), all on the same model code
 and the same global batch (gradient accumulation over micro-batches where it needs it).
 
+The natives run in their best form (``benchmarks.native``): ``--native-variants`` ``compile``
+(the lead: each ViT block and decoder layer ``torch.compile``'d with ``--compile-backend``) and
+``eager``; fused AdamW; DDP and FSDP2 reduce gradients once per step (FSDP2:
+``set_requires_gradient_sync(False)`` before the last micro-batch, and with
+``--fsdp-unsharded-accumulation`` also ``set_reshard_after_backward(False)``); DTensor TP leaves
+the logits sharded over the vocabulary and runs the cross-entropy under ``loss_parallel``;
+pipelining sends bf16 activations between stages. A torch that lacks one of these APIs skips
+the row with the reason printed (``skipped: ...``), rather than measuring a weaker form.
+
+Every row builds the same layout-free weights from one seed (parallax in bf16, the natives in
+fp32) and takes the same batch: ``loss 1``, the first step's loss, must agree across rows within
+``--loss-tolerance`` (relative, default 2^-9, bf16's unit roundoff); ``loss 1 rel diff`` is the
+difference from the parallax 1gpu row (or the first parallax row) of the same global batch, and
+a row beyond the tolerance says so in its status. ``loss`` is the last step's (after warmup +
+steps updates on the same batch: it falls fast and is not comparable across rows).
+
 Per configuration: the median step time over ``--steps`` (>= 10) after ``--warmup``, tokens/s
 per GPU (tokens = the 297-token sequence the language model sees), samples/s, model TFLOP/s per
-GPU and MFU (``parallax.train.flops``: 6 x params x tokens per component plus attention, against
-989 TFLOP/s), peak memory per GPU (max over ranks) and, for parallax pipelines, the bubble
-measured on a Timeline next to the one simulated from the measured stage times. The table's
-``x best native`` is tokens/s per GPU over the best PyTorch-native configuration with as many
-GPUs. Each configuration runs in its own try/except (an OOM becomes an error row) and writes
-its JSON line to ``benchmarks/results.jsonl`` as soon as it is measured; ``--time-budget``
-skips what would not finish in time. A configuration that fails on one rank only leaves its
-peers waiting in a collective until ``--timeout``.
+GPU and MFU (``parallax.models.openvla_flops``: 6 x params x tokens per component plus
+attention, against 989 TFLOP/s), peak memory per GPU (max over ranks) and, for parallax
+pipelines, the bubble measured on a Timeline next to the one simulated from the measured stage
+times. The table's ``x best native`` is tokens/s per GPU over the best PyTorch-native
+configuration with as many GPUs. Each configuration runs in its own try/except (an OOM becomes
+an error row) and writes its JSON line to ``benchmarks/results.jsonl`` as soon as it is
+measured; ``--time-budget`` skips what would not finish in time. A configuration that fails on
+one rank only leaves its peers waiting in a collective until ``--timeout``.
 
 parallax runs as ``--parallax-variants`` (``variant`` column and JSON key): ``opt`` is the
 Trainer's defaults (lm_head on the labelled positions only, fused q/k/v and gate/up, no
@@ -27,7 +43,11 @@ multi-GPU layouts, the natives there, the one-GPU rows, then the other variants.
 MFU counts the FLOPs it runs (the lm_head over all positions, or the labelled ones).
 
     torchrun --nproc-per-node 2 -m benchmarks.openvla_step --time-budget 480       # 2 H200
-    torchrun --nproc-per-node 2 -m benchmarks.openvla_step --smoke --model tiny --no-write
+    torchrun --nproc-per-node 2 -m benchmarks.openvla_step --smoke    # CPU, writes nothing
+
+``--smoke``: the ``tiny`` model, gloo, fp32 (CPU autocast to bf16 is slow and not what the GPU
+rows run), ``aot_eager`` as the compile backend (inductor works on CPU too, ~2x slower to
+compile); it appends nothing to the results files unless ``--write`` is given.
 
 Memory plan at 7.5 B parameters (H200: ~140 GiB usable; activations ~3.3 GB per sample at
 bf16 without checkpointing; ``expandable_segments`` is switched on against fragmentation):
@@ -59,10 +79,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import append_records, append_results, env_info, print_table
+from benchmarks.common import append_records, env_info
 from benchmarks.native import Workload, split_batch, synthetic_batch
+from benchmarks.openvla_args import parse_args
 from benchmarks.openvla_runs import (
-    FRAMEWORKS,
     VARIANTS,
     Layout,
     free_memory,
@@ -70,83 +90,17 @@ from benchmarks.openvla_runs import (
     merge,
     run_config,
 )
-from benchmarks.openvla_table import COLUMNS, ratio_notes, summarise
+from benchmarks.openvla_table import report, summarise
 from parallax import ParallelContext
 from parallax.models import OpenVLAConfig
 from parallax.models.openvla_flops import openvla_flops_per_sample
 from parallax.train.config import TrainConfig
-from parallax.train.flops import PEAK_TFLOPS
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, gloo, fp32, small sizes")
-    p.add_argument("--model", default=None, help="openvla-7b (default), small, tiny (smoke)")
-    p.add_argument("--layouts", default=None, help="comma list, e.g. 1gpu,tp2,pp2,dp2")
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list")
-    p.add_argument("--global-batch", type=int, default=None, help="samples per step (32)")
-    p.add_argument("--micro-batch", type=int, default=None, help="default: 2 on 1 GPU, else 4")
-    p.add_argument(
-        "--single-batch",
-        type=int,
-        default=None,
-        help="global batch of the one-GPU rows (default: --global-batch); the dp rows' samples "
-        "per GPU measure weak scaling",
-    )
-    p.add_argument("--text-tokens", type=int, default=40, help="text tokens after BOS")
-    p.add_argument("--labelled", type=int, default=8, help="positions that carry the loss")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps (3)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps, >= 10 (10)")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds: a configuration starts only if, at the pace of the longest so far, it "
-        "ends within the budget (the first always runs)",
-    )
-    p.add_argument("--timeout", type=float, default=180.0, help="collective timeout, seconds")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--native-optimizer", choices=("fused", "foreach"), default="fused")
-    p.add_argument(
-        "--parallax-variants",
-        default="opt,base,opt+compile",
-        help=f"comma list of parallax variants ({', '.join(VARIANTS)})",
-    )
-    p.add_argument(
-        "--compile-backend",
-        default=None,
-        help="torch.compile backend of opt+compile (inductor; aot_eager with --smoke)",
-    )
-    p.add_argument("--no-write", action="store_true", help="print only, append no results")
-    args = p.parse_args(argv)
-    args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
-    args.global_batch = args.global_batch or (8 if args.smoke else 32)
-    if args.single_batch is not None and not 0 < args.single_batch <= args.global_batch:
-        p.error(f"--single-batch must be in 1..--global-batch, got {args.single_batch}")
-    if args.warmup is None:
-        args.warmup = 1 if args.smoke else 3
-    if args.steps is None:
-        args.steps = 2 if args.smoke else 10
-    if args.steps < (1 if args.smoke else 10) or args.warmup < 0:
-        p.error(f"--steps must be >= 10 (1 with --smoke) and --warmup >= 0, got {args.steps}")
-    if args.smoke:
-        args.text_tokens = min(args.text_tokens, 12)
-    unknown = set(args.frameworks.split(",")) - set(FRAMEWORKS)
-    if unknown:
-        p.error(f"unknown --frameworks {sorted(unknown)}; choose from {', '.join(FRAMEWORKS)}")
-    args.variants = [v for v in args.parallax_variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown or not args.variants:
-        p.error(
-            f"--parallax-variants {args.parallax_variants!r}: choose from {', '.join(VARIANTS)}"
-        )
-    args.compile_backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")
-    return args
-
-
-def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None]:
-    """The default process group (NCCL on GPUs, gloo for --smoke), this rank's device, and a
-    gloo group over every rank for the benchmark's own control messages."""
+def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None, bool]:
+    """The default process group (NCCL on GPUs, gloo for --smoke), this rank's device, a gloo
+    group over every rank for the benchmark's own control messages, and whether this call
+    created the default group (then ``main`` destroys it at the end)."""
     use_cuda = torch.cuda.is_available() and not args.smoke
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = torch.device("cpu")
@@ -155,11 +109,12 @@ def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if world == 1:
-        return device, world, rank, None
+        return device, world, rank, None, False
     timeout = timedelta(seconds=args.timeout)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()  # a test harness may hold the group already
+    if owns:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    return device, world, rank, dist.new_group(backend="gloo", timeout=timeout)
+    return device, world, rank, dist.new_group(backend="gloo", timeout=timeout), owns
 
 
 def default_layouts(world: int) -> list[Layout]:
@@ -184,6 +139,7 @@ class Bench:
     world: int
     rank: int
     control: dist.ProcessGroup | None  # gloo, for the benchmark's own messages
+    owns_world: bool  # this run created the default process group
     config: OpenVLAConfig
     batch: dict[str, torch.Tensor]  # the global batch, the same on every rank
     seq: int  # tokens per sample through the language model
@@ -195,7 +151,7 @@ class Bench:
 
 
 def setup(args: argparse.Namespace) -> Bench:
-    device, world, rank, control = init_world(args)
+    device, world, rank, control, owns = init_world(args)
     config = OpenVLAConfig.preset(args.model)
     text = 1 + args.text_tokens  # input ids per sample, BOS included
     gb = args.global_batch
@@ -205,6 +161,7 @@ def setup(args: argparse.Namespace) -> Bench:
         world=world,
         rank=rank,
         control=control,
+        owns_world=owns,
         config=config,
         batch=synthetic_batch(config, gb, text, args.labelled, seed=0, device=device),
         seq=config.num_patches + text,
@@ -216,39 +173,43 @@ def setup(args: argparse.Namespace) -> Bench:
             autocast=None if args.smoke else torch.bfloat16,
             activation_checkpointing=args.activation_checkpointing,
             optimizer=args.native_optimizer,
+            fsdp_unsharded_accumulation=args.fsdp_unsharded_accumulation,
         ),
         info=env_info(),
     )
 
 
 def plan(b: Bench) -> list[tuple[Layout, str, str | None, str | None]]:
-    """(layout, framework, parallax variant, reason to skip or None) in running order: the lead
-    parallax variant (``opt``) on the multi-GPU layouts, the natives there, the one-GPU rows,
-    then the other variants; layouts given with ``--layouts`` run in the order given."""
+    """(layout, framework, variant, reason to skip or None) in running order: the lead
+    parallax variant (``opt``) on the multi-GPU layouts, the natives there in their lead form
+    (the first ``--native-variants``, ``compile``), the one-GPU rows, then the other variants
+    of both; layouts given with ``--layouts`` run in the order given."""
     layouts = (
         [Layout.parse(x) for x in b.args.layouts.split(",")]
         if b.args.layouts
         else default_layouts(b.world)
     )
     frameworks = b.args.frameworks.split(",")
-    variants = b.args.variants
+    variants, native_variants = b.args.variants, b.args.native_variants
     lead = "opt" if "opt" in variants else variants[0]
     ours = "parallax" in frameworks
     natives = [fw for fw in frameworks if fw != "parallax"]
     multi, single = [x for x in layouts if x.gpus > 1], [x for x in layouts if x.gpus == 1]
     # given --layouts run in the order given (1gpu first: fresh memory, 7B on one GPU is tight)
     groups = [layouts] if b.args.layouts else [multi, single]
+    every = [x for group in groups for x in group]
     order: list[tuple[Layout, str, str | None]] = []
     for group in groups:
         order += [(x, "parallax", lead) for x in group if ours]
-        order += [(x, fw, None) for x in group for fw in natives]
+        order += [(x, fw, native_variants[0]) for x in group for fw in natives]
     order += [
         (x, "parallax", v)
         for v in variants
         if v != lead
-        for x in [x for group in groups for x in group]
+        for x in every
         if ours and (x.dp > 1 or "/gather-sync" not in v)  # dp=1 has no all-gather
     ]
+    order += [(x, fw, v) for v in native_variants[1:] for x in every for fw in natives]
     out = []
     for layout, fw, variant in order:
         if layout.supports(fw):
@@ -265,6 +226,14 @@ def row_flops(b: Bench, fw: str, variant: str | None) -> float:
     if fw == "parallax" and VARIANTS[variant].get("logits", TrainConfig.logits) == "labelled":
         return b.flops_labelled
     return b.flops_step
+
+
+def row_micro_batch(b: Bench, layout: Layout, fw: str) -> int:
+    """Samples per micro-batch of this row: ``--native-micro-batch`` for the natives, else
+    ``--micro-batch``, else 2 on one GPU (and in smoke runs) and 4 on more."""
+    if fw != "parallax" and b.args.native_micro_batch:
+        return b.args.native_micro_batch
+    return b.args.micro_batch or (2 if b.args.smoke or layout.gpus == 1 else 4)
 
 
 def row_batch(b: Bench, layout: Layout) -> int:
@@ -292,39 +261,12 @@ def measure(
     return merged
 
 
-def report(b: Bench, rows: list[dict]) -> None:
-    args = b.args
-    notes = ratio_notes(rows)
-    precision = "fp32 (smoke)" if args.smoke else "bf16 compute, fp32 master + AdamW"
-    single = f" ({args.single_batch} on one GPU)" if args.single_batch else ""
-    title = (
-        f"openvla_step: {args.model}, global batch {args.global_batch}{single}, sequence {b.seq} "
-        f"(BOS + "
-        f"{b.config.num_patches} patches + {args.text_tokens} text), loss on last "
-        f"{args.labelled}, {precision}, {b.flops_step / 1e12:.4g} TFLOP per step "
-        f"({b.flops_labelled / 1e12:.4g} with the lm_head on the labelled positions only)"
-    )
-    table = [[r[c] for c in COLUMNS] for r in rows]
-    print_table(title, COLUMNS, table, width=220)
-    if notes:
-        print(notes)
-    if not args.no_write:
-        how = (
-            "MFU = model FLOPs as each row runs them (parallax.train.flops; lm_head on the "
-            f"labelled positions for parallax opt, on all for the others) / (step x GPUs x "
-            f"{PEAK_TFLOPS:g} TFLOP/s)"
-        )
-        smoke = "CPU smoke run, sizes scaled down" if args.smoke else ""
-        notes = "; ".join(filter(None, [smoke, how, notes]))
-        append_results(title, COLUMNS, table, notes=notes, info=b.info)  # the start's commit
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run every planned configuration; returns the rows (on rank 0; empty elsewhere)."""
     b = setup(parse_args(argv))
     rows, start, longest, ran = [], time.monotonic(), 0.0, False
     for layout, fw, variant, skip in plan(b):
-        micro = b.args.micro_batch or (2 if b.args.smoke or layout.gpus == 1 else 4)
+        micro = row_micro_batch(b, layout, fw)
         if skip is None and b.args.time_budget is not None and ran:
             # start only what should end in time, judged by the longest so far
             late = time.monotonic() - start + longest > b.args.time_budget
@@ -342,13 +284,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(row)
         status = merged.get("error") or "ok"
         print(f"{layout.name:>6} {fw:<18} {variant or '':<12} step {row['step s']:.4g} s, "
-              f"MFU {row['MFU']:.3g}, peak {row['peak GiB']:.3g} GiB: {status}",
-              flush=True)  # fmt: skip
+              f"MFU {row['MFU']:.3g}, peak {row['peak GiB']:.3g} GiB, "
+              f"loss 1 {row['loss 1']:.6g}: {status}", flush=True)  # fmt: skip
         if not skip and not b.args.no_write:
             append_records([record], b.info)
     if b.rank == 0:
         report(b, rows)
-    if dist.is_initialized() and b.world > 1:
+    if b.owns_world:
         dist.destroy_process_group()
     return rows
 

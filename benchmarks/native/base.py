@@ -9,13 +9,21 @@ plans, pipelining) see the modules they expect and every framework trains the sa
 Precision policy, the same for every baseline: bf16 compute, fp32 master weights and fp32 AdamW
 state. The natives keep fp32 parameters and run the forward under ``torch.autocast(bf16)``
 (FSDP2 instead casts its fp32 shards with ``MixedPrecisionPolicy``); CPU smoke runs stay fp32.
+
+Weights: every framework builds the model through the same layout-free init
+(``OpenVLA(..., seed=wl.seed)``: each parameter's full tensor drawn from a generator seeded by
+its name), so parallax's rows and the natives start from the same logical weights (parallax
+holds them in bf16) and, on the same batch, from the same first loss.
+
+Each baseline's best form: ``Workload.compile_backend`` compiles each ViT block and decoder
+layer (:func:`compile_blocks`, parallax's own per-block compile), AdamW is fused.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +43,11 @@ IGNORE_INDEX = -100
 Batch = dict[str, torch.Tensor]
 
 
+class MissingAPI(RuntimeError):
+    """This torch lacks what a baseline's best form needs: the benchmark skips the row and
+    prints why, instead of measuring a weaker form under the same name."""
+
+
 @dataclass(frozen=True)
 class Workload:
     """Model, micro-batch and optimisation settings every framework of one run shares."""
@@ -48,6 +61,16 @@ class Workload:
     activation_checkpointing: bool = False
     optimizer: str = "fused"  # AdamW implementation: "fused" or "foreach"
     seed: int = 0
+    compile_backend: str | None = None  # torch.compile each block with it; None: eager
+    stage_dtype: torch.dtype | None = None  # pipelining's activations; None: autocast's or fp32
+    # FSDP2: keep the parameters unsharded between the micro-batches of one step
+    fsdp_unsharded_accumulation: bool = False
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """What pipeline stages send each other: bf16 under bf16 autocast, as parallax's bf16
+        stages do (the residual stream would otherwise stay fp32 and double the traffic)."""
+        return self.stage_dtype or self.autocast or torch.float32
 
 
 def densify(module: nn.Module) -> nn.Module:
@@ -98,6 +121,19 @@ def dense_openvla(wl: Workload, device: torch.device, blocks: range | None = Non
         seed=wl.seed,
     )
     return densify(model)
+
+
+def compile_blocks(model: OpenVLA, wl: Workload) -> OpenVLA:
+    """``torch.compile`` each ViT block and decoder layer in place (the forward of each, as
+    parallax compiles its own), when the workload asks for it; returns ``model``.
+
+    Static shapes (``dynamic=False``): the benchmark's shapes never change, so each block shape
+    (two ViT widths, the Llama layer) compiles once, specialised. With the default, the second
+    ViT width recompiles with symbolic shapes, and tracing a DTensor block's backward with
+    symbolic shapes recursed without end (torch 2.13, aot_eager)."""
+    if wl.compile_backend is not None:
+        model.compile_blocks(backend=wl.compile_backend, dynamic=False)
+    return model
 
 
 def synthetic_batch(
@@ -239,18 +275,23 @@ def accumulate(
     forward: nn.Module,
     microbatches: Sequence[Batch],
     device: torch.device,
-    no_sync: Callable[[], object] | None = None,
+    no_sync: Callable[[], AbstractContextManager] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_context: Callable[[], AbstractContextManager] = nullcontext,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch (its loss divided by their count), gradients
-    summed in ``.grad``; ``no_sync`` (DDP) defers the reduction to the last one. Returns the
-    mean loss."""
+    summed in ``.grad``; ``no_sync`` (DDP's, FSDP2's) defers the gradient reduction to the last
+    one. ``loss_fn(logits, labels)`` (default :func:`loss_of`) runs, with its backward, inside
+    ``loss_context`` (DTensor's ``loss_parallel``). Returns the mean loss (a plain tensor)."""
+    loss_fn = loss_fn or (lambda logits, labels: loss_of(wl.config, logits, labels))
     total = torch.zeros((), device=device)
     n = len(microbatches)
     for i, mb in enumerate(microbatches):
-        with no_sync() if no_sync is not None and i < n - 1 else nullcontext():
+        with no_sync() if no_sync is not None and i < n - 1 else nullcontext(), loss_context():
             with autocast(wl, device):
                 logits = forward(mb["pixel_values"], mb["input_ids"])  # (b, P + t, V)
-                loss = loss_of(wl.config, logits, mb["labels"]) / n
+                loss = loss_fn(logits, mb["labels"]) / n
             loss.backward()
-        total += loss.detach()
+        value = loss.detach()
+        total += value.to_local() if isinstance(value, DTensor) else value  # replicated
     return total
