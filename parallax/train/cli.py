@@ -26,7 +26,7 @@ import torch.distributed as dist
 from parallax import comm
 from parallax.checkpoint import CheckpointError
 from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
-from parallax.data import BatchLoader, DatasetError
+from parallax.data import DatasetError
 from parallax.dims import ParallelDims
 from parallax.train import registry, state
 from parallax.train.config import TrainConfig, parse_args
@@ -79,13 +79,8 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     loader = agree(
         ctx,
         "batch sizes",
-        lambda: BatchLoader(
-            data,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
+        lambda: recipe.loader(
+            model_config, data, checkpoint_dir, cfg, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size
         ),
     )
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)

@@ -41,6 +41,8 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     config = recipe.configure(spec.config, cfg)
     if cfg.lr is None:
         cfg.lr = recipe.default_lr(_strip_family(cfg.model, recipe))
+    if cfg.lr_groups is None:
+        cfg.lr_groups = recipe.default_lr_groups(_strip_family(cfg.model, recipe), cfg.lr)
     recipe.check_layout(config, cfg, dims)
     blocks = recipe.blocks(config)
     ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=recipe.pin_first)

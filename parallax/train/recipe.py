@@ -90,6 +90,10 @@ class Recipe:
         """The peak learning rate when ``--lr`` is not given."""
         return 2e-5
 
+    def default_lr_groups(self, spec: str, lr: float) -> Any:
+        """The ``--lr-groups`` of a run that gives none (``None``: every parameter at ``lr``)."""
+        return None
+
     def configure(self, config: Any, cfg) -> Any:
         """The model config with the run's options applied (e.g. fused projections)."""
         return config
@@ -140,6 +144,30 @@ class Recipe:
     ) -> Callable[[Sequence[Any]], Microbatch]:
         """A function from a list of raw samples to one microbatch of host tensors."""
         raise NotImplementedError
+
+    def loader(
+        self,
+        config: Any,
+        dataset: Any,
+        checkpoint: Path | None,
+        cfg,
+        *,
+        dp_rank: int,
+        dp_size: int,
+    ) -> Any:
+        """The training loader of this dp rank (resumable: ``state_dict``): by default a
+        :class:`~parallax.data.BatchLoader`; a family with variable-length samples may group
+        them by length (the same global batches' samples, fewer padded tokens)."""
+        from parallax.data import BatchLoader
+
+        return BatchLoader(
+            dataset,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=cfg.seed,
+        )
 
     def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
         """What the first stage's forward takes, in order."""

@@ -69,6 +69,8 @@ class Trainer:
             model_config, checkpoint_dir = spec.config, spec.checkpoint
         if cfg.lr is None:
             cfg.lr = recipe.default_lr(name)
+        if cfg.lr_groups is None:
+            cfg.lr_groups = recipe.default_lr_groups(name, cfg.lr)
         cfg.check()
         self.cfg, self.ctx, self.recipe = cfg, ctx, recipe
         self.model_config = recipe.configure(model_config, cfg)
