@@ -1,0 +1,91 @@
+"""``python -m parallax.train --model llava-tiny``: the default command learns the synthetic task,
+and bad LLaVA inputs stop every rank before training with one clear message."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parallax.testing import run_ranks
+
+LEARN = (
+    "--model", "llava-tiny", "--steps", "24", "--global-batch-size", "16",
+    "--micro-batch-size", "4", "--warmup-steps", "3", "--log-interval", "6",
+    "--save-interval", "0",
+)  # fmt: skip
+
+
+def _cli(out: str, *args: str) -> str | None:
+    from parallax.testing import context
+    from parallax.train.cli import UserError, run
+    from parallax.train.config import parse_args
+
+    ctx = context(dp=2)
+    try:
+        run(parse_args(["--dp", "2", "--out", out, *args]), ctx)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def test_the_default_command_learns(tmp_path):
+    assert run_ranks(_cli, 2, str(tmp_path), *LEARN) == [None, None]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "answer_accuracy", "token_accuracy", "tokens_per_s"} <= set(rows[-1])
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], rows
+    assert rows[-1]["token_accuracy"] > 0.7, rows
+
+
+def _conversations(path: Path, samples: list[dict]) -> str:
+    path.write_text(json.dumps(samples))
+    return str(path)
+
+
+def _sample(q: str, a: str | None, image: str | None = "a.png", **kw) -> dict:
+    turns = [{"from": "human", "value": q}] + ([{"from": "gpt", "value": a}] if a else [])
+    return {"id": "s1", **({"image": image} if image else {}), "conversations": turns, **kw}
+
+
+def _bad_checkpoint(root: Path) -> str:
+    from safetensors.torch import save_file
+
+    from parallax.models import LlavaNextConfig
+
+    root.mkdir()
+    cfg = LlavaNextConfig.preset("llava-tiny").to_dict()
+    (root / "config.json").write_text(json.dumps(cfg))
+    import torch
+
+    save_file({"transformer.h.0.weight": torch.zeros(2, 2)}, str(root / "model.safetensors"))
+    return str(root)
+
+
+@pytest.fixture
+def image(tmp_path):
+    pil = pytest.importorskip("PIL.Image")
+    pil.new("RGB", (40, 30), (200, 30, 30)).save(tmp_path / "a.png")
+    return tmp_path
+
+
+def test_bad_inputs_fail_on_every_rank_before_training(image):
+    d = image
+    long_first = [
+        {"from": "human", "value": "x" * 600},
+        {"from": "gpt", "value": "ok"},
+        {"from": "human", "value": "<image>\nWhat is it?"},
+        {"from": "gpt", "value": "red"},
+    ]
+    cases = [
+        (_sample("<image>\nWhat?", None), "has no answer"),
+        (_sample("What?", "red"), "no <image> tags"),
+        (_sample("<image>\nWhat?", "red", image=None), "<image> tag but no image"),
+        ({"id": "s1", "image": "a.png", "conversations": long_first}, "maximum length 512"),
+    ]
+    for k, (sample, message) in enumerate(cases):
+        data = _conversations(d / f"c{k}.json", [sample] * 16)
+        args = ["--model", "llava-tiny", "--data", data, "--steps", "1"]
+        got = run_ranks(_cli, 2, str(d / f"o{k}"), *args)
+        assert got[0] == got[1] and got[0] and message in got[0], (message, got)
+        assert "s1" in got[0] and not (d / f"o{k}" / "metrics.jsonl").exists()
+    got = run_ranks(_cli, 2, str(d / "o"), "--model", _bad_checkpoint(d / "ckpt"))
+    assert got[0] == got[1] and "unknown LLaVA-NeXT layout" in got[0], got
