@@ -111,7 +111,8 @@ def native_row(args, config: LlavaNextConfig, mbs, device) -> tuple[Step, float]
     return _loop(args, model, loss_fn, mbs, device)
 
 
-# transformers 5.x nests the towers and the language model under ``model.``
+# transformers 5.x nests the towers and the language model under ``model.`` (and later 5.x
+# releases drop the tower's ``vision_model.``)
 HF5_PREFIXES = (
     ("language_model.model.", "model.language_model."),
     ("language_model.lm_head.", "lm_head."),
@@ -119,22 +120,27 @@ HF5_PREFIXES = (
     ("multi_modal_projector.", "model.multi_modal_projector."),
     ("image_newline", "model.image_newline"),
 )
+RENAMINGS = (
+    (),
+    HF5_PREFIXES,
+    (("vision_tower.vision_model.", "model.vision_tower."),) + HF5_PREFIXES,
+)
+
+
+def _rename(name: str, rules) -> str:
+    for old, new in rules:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def _hf_names(weights: dict, wanted: set[str]) -> dict:
-    if set(weights) <= wanted:
-        return weights
-    out = {}
-    for name, value in weights.items():
-        for old, new in HF5_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        out[name] = value
-    missing = set(out) - wanted
-    if missing:
-        raise KeyError(f"no place in LlavaNextForConditionalGeneration for {sorted(missing)[:4]}")
-    return out
+    """``weights`` under the names of the installed transformers' model."""
+    for rules in RENAMINGS:
+        out = {_rename(n, rules): v for n, v in weights.items()}
+        if set(out) <= wanted:
+            return out
+    raise KeyError(f"LlavaNextForConditionalGeneration has other names: {sorted(wanted)[:4]}")
 
 
 def hf_row(args, config: LlavaNextConfig, mbs, device) -> tuple[Step, float]:

@@ -1,0 +1,49 @@
+"""benchmarks/llava_step.py in its smoke form: every row runs (or says why it is skipped), the
+rows start from the same weights (same first-step loss), and nothing is written without
+--write."""
+
+import math
+
+import pytest
+
+from benchmarks.common import RESULTS_JSONL, RESULTS_MD
+from benchmarks.llava_step import main, parse_args
+from benchmarks.llava_workload import microbatches, padding_fraction, samples
+from parallax.models import LlavaNextConfig
+
+
+def test_smoke_rows_agree_and_write_nothing():
+    sizes = [f.stat().st_size for f in (RESULTS_MD, RESULTS_JSONL)]
+    argv = ["--smoke", "--steps", "1", "--warmup", "1", "--parallax-variant", "opt"]
+    rows = main([*argv, "--native-variant", "eager"])
+    assert [f.stat().st_size for f in (RESULTS_MD, RESULTS_JSONL)] == sizes
+    by = {r["framework"]: r for r in rows}
+    assert set(by) == {"parallax", "torch", "hf"}
+    for fw in ("parallax", "torch"):
+        r = by[fw]
+        assert r["status"] == "ok", r
+        assert r["step s"] > 0 and r["MFU"] > 0 and math.isfinite(r["loss"])
+        assert 0 < r["padding"] < 0.5
+    assert by["torch"]["loss 1"] == pytest.approx(by["parallax"]["loss 1"], rel=1e-5)
+    hf = by["hf"]
+    if hf["status"] == "ok":
+        assert hf["loss 1"] == pytest.approx(by["parallax"]["loss 1"], rel=1e-5)
+    else:
+        assert hf["status"].startswith("skipped: transformers"), hf
+
+
+def test_workload_is_the_realistic_mix():
+    config = LlavaNextConfig.preset("llava-v1.6-vicuna-7b")
+    plans = samples(config, 400)
+    image = sum(p["image_tokens"] for p in plans) / len(plans)
+    assert 2200 < image < 2400  # ~2.3k image tokens per sample
+    mbs = microbatches(config, plans[:8], 2)
+    text = (
+        sum(int(mb["lengths"].sum()) for mb in mbs) / 8
+        - sum(p["image_tokens"] for p in plans[:8]) / 8
+    )
+    assert 60 <= text <= 150
+    assert padding_fraction(mbs) < 0.1  # grouped by length
+    assert all((mb["labels"] != -100).sum() > 0 for mb in mbs)
+    with pytest.raises(SystemExit):
+        parse_args(["--frameworks", "deepspeed"])
