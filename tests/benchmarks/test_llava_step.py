@@ -47,3 +47,12 @@ def test_workload_is_the_realistic_mix():
     assert all((mb["labels"] != -100).sum() > 0 for mb in mbs)
     with pytest.raises(SystemExit):
         parse_args(["--frameworks", "deepspeed"])
+
+
+def test_length_grouping_cuts_the_padding():
+    from benchmarks.llava_padding import main as padding
+
+    ((micro, rand_tokens, rand_flops, grouped_tokens, grouped_flops),) = padding(
+        ["--samples", "256", "--global-batch", "64", "--micro", "4"]
+    )
+    assert micro == 4 and grouped_tokens < 0.25 * rand_tokens and 0 < grouped_flops < rand_flops

@@ -28,12 +28,28 @@ def _cli(out: str, *args: str) -> str | None:
     return None
 
 
-def test_the_default_command_learns(tmp_path):
-    assert run_ranks(_cli, 2, str(tmp_path), *LEARN) == [None, None]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_default_command_learns_exports_and_trains_on_from_the_export(tmp_path):
+    out = tmp_path / "run"
+    assert run_ranks(_cli, 2, str(out), *LEARN, "--export-hf") == [None, None]
+    rows = _metrics(out)
     assert {"loss", "answer_accuracy", "token_accuracy", "tokens_per_s"} <= set(rows[-1])
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], rows
     assert rows[-1]["token_accuracy"] > 0.7, rows
+    # the export is the llava-hf layout as published, and --model reads it back
+    from safetensors import safe_open
+
+    with safe_open(str(out / "hf" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in names
+    assert "vision_tower.vision_model.encoder.layers.2.mlp.fc1.weight" in names  # unused layer
+    again = tmp_path / "again"
+    args = [*LEARN[2:], "--model", str(out / "hf"), "--steps", "1", "--lr", "1e-9"]
+    assert run_ranks(_cli, 2, str(again), *args) == [None, None]
+    assert _metrics(again)[0]["loss"] < 0.5 * rows[0]["loss"]  # it starts where the run ended
 
 
 def _conversations(path: Path, samples: list[dict]) -> str:
