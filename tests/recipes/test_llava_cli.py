@@ -105,3 +105,16 @@ def test_bad_inputs_fail_on_every_rank_before_training(image):
         assert "s1" in got[0] and not (d / f"o{k}" / "metrics.jsonl").exists()
     got = run_ranks(_cli, 2, str(d / "o"), "--model", _bad_checkpoint(d / "ckpt"))
     assert got[0] == got[1] and "unknown LLaVA-NeXT layout" in got[0], got
+
+
+@pytest.mark.parametrize("layout", [("2", "2", "2")])
+def test_dry_run_plans_the_7b_at_any_layout(layout, capsys):
+    from parallax.train.config import parse_args
+    from parallax.train.plan import print_plan
+
+    tp, pp, dp = layout
+    argv = ["--model", "llava-v1.6-vicuna-7b", "--precision", "bf16", "--dry-run"]
+    print_plan(parse_args([*argv, "--tp", tp, "--pp", pp, "--dp", dp]))
+    out = capsys.readouterr().out
+    assert f"tp{tp} pp{pp} dp{dp}" in out and "vision_tower.* (decay)" in out, out
+    assert "2e-06" in out and "2e-05" in out
