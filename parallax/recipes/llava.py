@@ -197,6 +197,7 @@ class LlavaRecipe(Recipe):
         """:func:`parallax.models.llava_flops.sample_flops` of every sample's real tokens and
         tiles (padding not counted)."""
         from parallax.models.llava_flops import sample_flops
+        from parallax.recipes.llava_batches import sample_counts
         from parallax.train.groups import frozen_matcher
 
         frozen = frozen_matcher(cfg, self)
@@ -205,7 +206,7 @@ class LlavaRecipe(Recipe):
         total = 0.0
         for mb in microbatches:
             rows = (mb["labels"][:, 1:] != -100).sum(1).tolist() if labelled else None
-            for i, (n, tiles) in enumerate(zip(mb["lengths"].tolist(), mb["num_tiles"].tolist())):
+            for i, (n, tiles) in enumerate(zip(*sample_counts(config, mb))):
                 total += sample_flops(
                     config,
                     tiles,
@@ -224,4 +225,6 @@ class LlavaRecipe(Recipe):
 
     def tokens(self, config: LlavaNextConfig, microbatches: Sequence[Microbatch]) -> int:
         """Real tokens (text and image) of these microbatches, padding not counted."""
-        return sum(int(mb["lengths"].sum()) for mb in microbatches)
+        from parallax.recipes.llava_batches import sample_counts
+
+        return sum(sum(sample_counts(config, mb)[0]) for mb in microbatches)

@@ -95,6 +95,23 @@ class LlavaBatches:
         return mb
 
 
+def sample_counts(config: LlavaNextConfig, mb: dict) -> tuple[list[int], list[int]]:
+    """Each sample's real tokens and tiles: the collator's ``lengths`` and ``num_tiles``, or
+    (a microbatch made by the processor alone) read from the padding and ``image_sizes``."""
+    if "lengths" in mb and "num_tiles" in mb:
+        return mb["lengths"].tolist(), mb["num_tiles"].tolist()
+    ids = mb["input_ids"]
+    real = ids != config.pad_token_id
+    lengths = torch.where(real.any(1), real.int().cumsum(1).argmax(1) + 1, 0).tolist()
+    tiles = [
+        0
+        if (h, w) == (0, 0)
+        else anyres.num_tiles((h, w), config.image_grid_pinpoints, config.tile_size)
+        for h, w in mb["image_sizes"].tolist()
+    ]
+    return lengths, tiles
+
+
 def sample_lengths(batches: LlavaBatches, dataset: Any) -> tuple[list[int], list[bool]]:
     """Every sample's tokens and whether it has an image, from metadata only (image headers,
     no decoding), for the length-grouped loader; a sample that cannot fit raises here, before

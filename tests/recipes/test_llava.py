@@ -111,3 +111,20 @@ def test_default_lr_groups_are_llava_v16_and_stage_1_trains_the_projector_only()
     assert trainable and all(
         n.startswith(("multi_modal_projector.", "image_newline")) for n in trainable
     )
+
+
+def test_flops_and_tokens_count_no_padding():
+    """A padded microbatch counts what its samples count one by one (with the collator's
+    ``lengths``/``num_tiles`` or read from the padding and ``image_sizes``)."""
+    recipe, config, data = registry.recipe("llava"), tiny_config(), _data()
+    collate, cfg = recipe.collator(config, data, None), _cfg()
+    samples = [data[i] for i in range(6)]
+    mb = collate(samples)
+    bare = {k: v for k, v in mb.items() if k not in ("lengths", "num_tiles")}
+    alone = [collate([s]) for s in samples]
+    want = sum(recipe.flops(config, [m], cfg) for m in alone)
+    assert recipe.flops(config, [mb], cfg) == pytest.approx(want)
+    assert recipe.flops(config, [bare], cfg) == pytest.approx(want)
+    tokens = sum(m["input_ids"].numel() for m in alone)
+    assert recipe.tokens(config, [mb]) == recipe.tokens(config, [bare]) == tokens
+    assert mb["input_ids"].numel() > tokens  # the batch is padded
