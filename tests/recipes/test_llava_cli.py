@@ -15,14 +15,16 @@ LEARN = (
 )  # fmt: skip
 
 
-def _cli(out: str, *args: str) -> str | None:
+def _cli(out: str, *args: str, tp: int = 1, stop_after: int | None = None) -> str | None:
     from parallax.testing import context
     from parallax.train.cli import UserError, run
     from parallax.train.config import parse_args
 
-    ctx = context(dp=2)
+    dp = 2 // tp
+    ctx = context(tp=tp, dp=dp)
     try:
-        run(parse_args(["--dp", "2", "--out", out, *args]), ctx)
+        cfg = parse_args(["--tp", str(tp), "--dp", str(dp), "--out", out, *args])
+        run(cfg, ctx, stop_after=stop_after)
     except UserError as err:
         return str(err)
     return None
@@ -118,3 +120,15 @@ def test_dry_run_plans_the_7b_at_any_layout(layout, capsys):
     out = capsys.readouterr().out
     assert f"tp{tp} pp{pp} dp{dp}" in out and "vision_tower.* (decay)" in out, out
     assert "2e-06" in out and "2e-05" in out
+
+
+def test_resume_at_another_layout_matches_the_uninterrupted_run(tmp_path):
+    """The length-grouped loader's position and the model travel through the checkpoint."""
+    args = [*LEARN[:3], "4", *LEARN[4:-1], "2", "--log-interval", "1"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run_ranks(_cli, 2, str(whole), *args) == [None, None]
+    assert run_ranks(_cli, 2, str(part), *args, stop_after=2) == [None, None]
+    assert run_ranks(_cli, 2, str(part), *args, "--resume", tp=2) == [None, None]
+    want = [r["loss"] for r in _metrics(whole)]
+    got = [r["loss"] for r in _metrics(part)]
+    assert got == pytest.approx(want, rel=1e-5) and len(got) == 4
