@@ -132,3 +132,23 @@ def test_resume_at_another_layout_matches_the_uninterrupted_run(tmp_path):
     want = [r["loss"] for r in _metrics(whole)]
     got = [r["loss"] for r in _metrics(part)]
     assert got == pytest.approx(want, rel=1e-5) and len(got) == 4
+
+
+def test_trains_on_a_conversation_file_with_an_image_folder(image):
+    pil = pytest.importorskip("PIL.Image")
+    folder = image / "images"
+    folder.mkdir()
+    pil.new("RGB", (80, 20), (30, 30, 200)).save(folder / "wide.png")
+    pil.new("RGB", (40, 30), (200, 30, 30)).save(folder / "red.png")
+    samples = [
+        _sample("<image>\nWhat colour?", "blue", image="wide.png"),
+        _sample("What is it?\n<image>", "red", image="red.png"),  # the tag moves to the start
+        _sample("Say hi.", "hi", image=None),
+    ]
+    data = image / "train.jsonl"  # JSONL: one sample per line
+    data.write_text("\n".join(json.dumps(s) for s in samples * 6))
+    args = ["--model", "llava-tiny", "--data", f"{data}:{folder}", "--steps", "2"]
+    args += ["--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
+    assert run_ranks(_cli, 2, str(image / "out"), *args) == [None, None]
+    rows = _metrics(image / "out")
+    assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)
