@@ -133,7 +133,9 @@ class TrainConfig:
             )
         problems += data_problems(self.data)
         if self.workers is not None and self.workers < 0:
-            problems.append(f"--workers must be >= 0 (0: decode in the training process), got {self.workers}")
+            problems.append(
+                f"--workers must be >= 0 (0: decode in the training process), got {self.workers}"
+            )
         if self.dp is not None and self.dp < 1:
             problems.append(f"--dp must be >= 1, got {self.dp}")
         if self.export_hf and self.chunks > 1:

@@ -105,9 +105,7 @@ def test_rlds_run_learns_at_tp2_dp2_and_writes_its_statistics(reference, rlds):
     assert ckpt["data"]["position"] == 16 * 8  # the stream's position, as JSON
 
 
-def test_resume_mid_epoch_at_another_layout_continues_the_same_samples(
-    reference, rlds, tmp_path
-):
+def test_resume_mid_epoch_at_another_layout_continues_the_same_samples(reference, rlds, tmp_path):
     from parallax.testing import run_ranks
 
     _, ref = reference
@@ -127,7 +125,9 @@ def _bad_rlds(root: Path, problem: str) -> Path:
     if problem == "image":  # two episodes whose frames do not decode: found when read
         for k in (1, 6):
             episodes[k].extra = {
-                "steps/observation/image": feature_bytes([b"not an image"] * len(episodes[k].images))
+                "steps/observation/image": feature_bytes(
+                    [b"not an image"] * len(episodes[k].images)
+                )
             }
     folder = write_rlds(root, f"bad_{problem}", episodes, "png", shards=1)
     if problem == "crc":  # found by the scan, before the model is built
@@ -165,3 +165,107 @@ def test_bad_data_exits_with_status_2_from_worker_processes(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "does not decode" in proc.stderr and "record" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
+    from parallax.data import Mixture
+    from parallax.data.mixture import parse_data_spec
+    from parallax.recipes.openvla import OpenVLARecipe
+    from parallax.recipes.openvla_data import is_streamed
+    from parallax.train.config import parse_args
+    from tests.data.lerobot_writer import write_lerobot
+    from tests.data.writers import make_episodes
+
+    so100 = write_lerobot(tmp_path / "so100", make_episodes(3, size=8, action_dim=6), "v3.0")
+    spec = f"rlds:{rlds}@0.7,lerobot:{so100}@0.3"
+    a, b = parse_data_spec(spec)
+    assert (a.format, a.path, a.weight) == ("rlds", str(rlds), 0.7)
+    assert (b.format, b.path, b.weight) == ("lerobot", str(so100), 0.3)
+    assert [is_streamed(s) for s in (spec, str(rlds.parent), str(so100), "synthetic")] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+    assert not is_streamed(str(tmp_path / "missing"))  # the episode reader says what is missing
+    cfg = parse_args(["--data", spec, "--out", str(tmp_path / "run")])
+    mix = OpenVLARecipe().dataset(cfg.data, cfg)
+    assert isinstance(mix, Mixture) and mix.weights == pytest.approx([0.7, 0.3])
+    stats = mix.statistics  # each dataset keeps its own, of its own action dimension
+    assert {name: len(s["action"]["q01"]) for name, s in stats.items()} == {"arm": 7, "so100": 6}
+    assert (tmp_path / "run" / "data_index").is_dir()  # the scans, for the other ranks
+    with pytest.raises(ValueError, match="give every dataset of a mixture a weight"):
+        OpenVLARecipe().dataset(f"rlds:{rlds}@0.7,lerobot:{so100}", cfg)
+
+
+def test_toml_data_list_and_key_configs(rlds, tmp_path):
+    from parallax.recipes.openvla import OpenVLARecipe
+    from parallax.train.config import parse_args
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text("[arm]\nunnormalized = [5, 6]\n")
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f'steps = 3\ndata-config = "{keys}"\nworkers = 2\naugment = false\n'
+        f'[[data]]\npath = "rlds:{rlds}"\nweight = 2.0\n'
+        f'[[data]]\npath = "{rlds.parent}"\nweight = 1.0\nname = "arm_again"\n'
+    )
+    cfg = parse_args(["--config", str(toml), "--out", str(tmp_path / "run")])
+    assert (cfg.steps, cfg.workers, cfg.augment, cfg.data_config) == (3, 2, False, str(keys))
+    assert [d["weight"] for d in cfg.data] == [2.0, 1.0]
+    mix = OpenVLARecipe().dataset(cfg.data, cfg)
+    assert mix.names == ["arm", "arm_again"] and mix.weights == pytest.approx([2 / 3, 1 / 3])
+    assert mix.statistics["arm"]["action"]["mask"] == [True] * 5 + [False, False]
+    json.dumps(cfg.to_dict())  # checkpoints keep the list as JSON
+    for bad, message in (
+        ("data = 5\n", "data = 5: expected a string or a table"),
+        ("[[data]]\nweight = 1.0\n", r"\[\[data\]\] entries \[0\] need a path"),
+    ):
+        toml.write_text(bad)
+        with pytest.raises(ValueError, match=message):
+            parse_args(["--config", str(toml)])
+    with pytest.raises(ValueError, match="--workers must be >= 0"):
+        parse_args(["--workers", "-1"])
+
+
+def test_predict_action_reads_the_runs_statistics_and_crops_the_centre(reference, tmp_path):
+    import torch
+
+    from parallax.data.augment import center_crop
+    from parallax.models import OpenVLA, OpenVLAConfig
+    from parallax.models.preprocess import pixel_values
+
+    out, _ = reference
+    model = OpenVLA(OpenVLAConfig.preset("tiny"), seed=0)
+    image = np.random.default_rng(0).integers(0, 256, (56, 56, 3), dtype=np.uint8)
+    stats = json.loads((out / "dataset_statistics.json").read_text())
+    action = model.predict_action(image, "task 1", statistics=out / "dataset_statistics.json")
+    assert action.shape == (7,)
+    bounds = np.array(stats["arm"]["action"]["q01"]), np.array(stats["arm"]["action"]["q99"])
+    assert np.all(action[:6] >= bounds[0][:6] - 1e-6) and np.all(action[:6] <= bounds[1][:6] + 1e-6)
+    six = {"so100": {"action": {k: [0.0] * 6 for k in ("q01", "q99", "min", "max", "mean", "std")}}}
+    six["so100"]["action"]["mask"] = [True] * 6
+    assert model.predict_action(image, "task 1", statistics=six).shape == (6,)
+    seven = OpenVLA(dataclasses_replace(model.config, norm_stats=stats), seed=0)
+    with pytest.raises(ValueError, match="6-dimensional actions"):
+        seven.predict_action(image, "task 1", statistics=six)
+    seen = []
+    original = OpenVLA.forward
+
+    def spy(self, px, *args, **kwargs):
+        seen.append(px.clone())
+        return original(self, px, *args, **kwargs)
+
+    OpenVLA.forward = spy
+    try:
+        model.predict_action(image, "task 1", center_crop=True, use_cache=False)
+    finally:
+        OpenVLA.forward = original
+    want = pixel_values([torch.from_numpy(center_crop(image, 0.9))], model.config)
+    torch.testing.assert_close(seen[0], want)
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
