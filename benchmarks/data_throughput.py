@@ -30,7 +30,7 @@ from benchmarks.common import append_results, env_info, print_table
 from parallax.data import collate
 from parallax.data.mixture import open_source
 from parallax.data.stream import StreamLoader
-from parallax.recipes.openvla_data import auto_workers
+from parallax.data.workers import auto_workers
 from tests.data.lerobot_writer import write_lerobot
 from tests.data.writers import make_episodes, write_rlds
 

@@ -15,15 +15,14 @@ The scan of a dataset (checksums, keys, dimensions, statistics) is written to
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from parallax.data.mixture import Mixture, detect_format, load_mixture, parse_data_spec
 from parallax.data.stats import DatasetError
+from parallax.data.workers import auto_workers
 
 STREAMED = ("rlds", "lerobot", "libero")
-MAX_AUTO_WORKERS = 8
 
 
 def is_streamed(data: Any) -> bool:
@@ -62,17 +61,6 @@ def open_mixture(cfg) -> Mixture:
             raise DatasetError(f"--data-config {cfg.data_config}: no such file")
         user = load_key_configs(cfg.data_config)
     return load_mixture(cfg.data, user_configs=user, seed=cfg.seed, cache_dir=index_dir(cfg))
-
-
-def auto_workers() -> int:
-    """Decoding processes per rank when ``--workers`` is not given: the cores of this host
-    shared among its ranks, one left to each rank itself, at most 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return max(0, min(MAX_AUTO_WORKERS, cores // ranks - 1))
 
 
 def stream_loader(mixture: Mixture, cfg, ctx, image_size: int):
