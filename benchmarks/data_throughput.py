@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run; writes no results")
     parser.add_argument("--write", action="store_true", help="append to RESULTS.md")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="generate the datasets into DIR and keep them (for a training run on them: "
+        "--data rlds:DIR/bench_rlds or DIR/bench_lerobot)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.steps, args.episodes, args.length, args.size = 4, 2, 4, 4, 32
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, records = [], []
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
-        datasets = generate(Path(tmp), args.episodes, args.length, args.size)
+        datasets = generate(Path(args.keep or tmp), args.episodes, args.length, args.size)
         generated = time.perf_counter() - began
         for label, (path, codec) in datasets.items():
             began = time.perf_counter()
