@@ -53,7 +53,7 @@ class TrainConfig:
     data_config: str | None = None  # TOML of per-dataset key configs
     workers: int | None = None  # None: as many as the host's cores allow (auto_workers)
     augment: bool | None = None  # None: on for robot datasets, off for the synthetic task
-    steps: int = 300
+    steps: int = 150
     global_batch_size: int = 32
     micro_batch_size: int = 4
     seed: int = 0
