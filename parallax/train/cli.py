@@ -135,7 +135,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     try:
         for step in range(start + 1, cfg.steps + 1):
             began = time.perf_counter()
-            microbatches, problem = next_microbatches(loader, builder, step)
+            microbatches, problem = next_microbatches(loader, builder)
             waited = time.perf_counter() - began  # what the step waited for its batch
             try:  # every rank agrees on the batches before the step's first collective
                 output = trainer.train_step(microbatches, problem=problem)
@@ -177,9 +177,9 @@ def open_data(ctx: ParallelContext, recipe, cfg: TrainConfig):
     return agree(ctx, "--data", lambda: data if ctx.rank == 0 else recipe.dataset(cfg.data, cfg))
 
 
-def next_microbatches(loader, builder, step: int):
-    """This rank's microbatches of ``step``, or ``([], message)`` when its data is bad (the
-    trainer then makes every rank agree on it before the step runs)."""
+def next_microbatches(loader, builder) -> tuple[list, str | None]:
+    """This rank's microbatches of the next step, or ``([], message)`` when its data is bad
+    (the trainer then makes every rank agree on it before the step runs)."""
     try:
         return [builder(samples) for samples in loader.next_batch()], None
     except USER_ERRORS as err:
