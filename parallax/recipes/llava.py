@@ -142,22 +142,25 @@ class LlavaRecipe(Recipe):
         system = SYNTHETIC_SYSTEM if isinstance(dataset, SyntheticVQA) else None
         return LlavaBatches(config, text_tokenizer(config, checkpoint), system=system)
 
-    def loader(self, config, dataset, checkpoint, cfg, *, dp_rank: int, dp_size: int) -> Any:
+    def loader(self, dataset, cfg, ctx) -> Any:
         """Length-grouped batches (:class:`~parallax.data.LengthGroupedLoader`); every sample's
         length is computed here from its metadata, so one that cannot fit fails before
         training."""
         from parallax.data import LengthGroupedLoader
         from parallax.recipes.llava_batches import sample_lengths
+        from parallax.train import registry
 
-        lengths, images = sample_lengths(self.collator(config, dataset, checkpoint), dataset)
+        spec = registry.resolve(cfg.model)[1]
+        batches = self.collator(spec.config, dataset, spec.checkpoint)
+        lengths, images = sample_lengths(batches, dataset)
         return LengthGroupedLoader(
             dataset,
             lengths,
             images,
             global_batch_size=cfg.global_batch_size,
             micro_batch_size=cfg.micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
             seed=cfg.seed,
         )
 
