@@ -28,7 +28,7 @@ from parallax.checkpoint import CheckpointError
 from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.data import BatchLoader, DatasetError
 from parallax.dims import ParallelDims
-from parallax.train import registry, state
+from parallax.train import lora, registry, state
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.evaluate import Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
@@ -190,7 +190,9 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
-    trainer.recipe.export(trainer.chunks[0], path, statistics)
+    trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each rank its slice
+    if trainer.base_identity is not None:
+        lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
     if trainer.ctx.rank == 0:
         log.info("exported the Hugging Face checkpoint to %s", path)
 

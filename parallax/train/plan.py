@@ -40,7 +40,9 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     recipe, spec = registry.resolve(cfg.model)
     config = recipe.configure(spec.config, cfg)
     if cfg.lr is None:
-        cfg.lr = recipe.default_lr(_strip_family(cfg.model, recipe))
+        name = _strip_family(cfg.model, recipe)
+        is_lora = cfg.finetune == "lora"
+        cfg.lr = recipe.default_lora_lr(name) if is_lora else recipe.default_lr(name)
     recipe.check_layout(config, cfg, dims)
     blocks = recipe.blocks(config)
     ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=recipe.pin_first)

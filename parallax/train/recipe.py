@@ -72,6 +72,8 @@ class Recipe:
     input_keys: tuple[str, ...] = ()
     # the block that must open the first stage (pin_first) when a pipeline splits the model
     pin_first: int = 1
+    # last name parts of the linears ``--lora-targets all-linear`` leaves alone (output heads)
+    lora_exclude: tuple[str, ...] = ("lm_head",)
 
     # -- model ---------------------------------------------------------------------------------
     def presets(self) -> Sequence[str]:
@@ -89,6 +91,11 @@ class Recipe:
     def default_lr(self, spec: str) -> float:
         """The peak learning rate when ``--lr`` is not given."""
         return 2e-5
+
+    def default_lora_lr(self, spec: str) -> float:
+        """The peak learning rate of ``--finetune lora`` when ``--lr`` is not given: OpenVLA's
+        LoRA recipe (AdamW 5e-4, constant)."""
+        return 5e-4
 
     def configure(self, config: Any, cfg) -> Any:
         """The model config with the run's options applied (e.g. fused projections)."""
