@@ -125,3 +125,57 @@ def test_layouts_match_one_process(reference, tp, pp, dp):
     for name, value in ref_weights.items():
         assert_close(seen[name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert ref_history[-1][0] < ref_history[0][0]
+
+
+RUN = (
+    *("--finetune", "lora", "--lora-rank", "4", "--lora-alpha", "8", "--train", "projector.fc1"),
+    *("--steps", "4", "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "2e-3"),
+    *("--save-interval", "2", "--log-interval", "2", "--seed", "3"),
+)
+
+
+def _cli(tp, pp, dp, out, *extra, stop_after=None):
+    """``parallax.train`` in this pool's ranks; the error message of a refused run."""
+    from parallax.train.cli import UserError, run
+    from parallax.train.config import parse_args
+
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN, *extra]
+    try:
+        run(parse_args(args), ctx, stop_after=stop_after)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def _losses(out) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _tensors(out) -> dict[str, torch.Tensor]:
+    ckpt = Checkpoint(latest_checkpoint(out / "checkpoints"))
+    return {n: ckpt.get(n) for n in ckpt.names()}
+
+
+def test_checkpoints_hold_what_trains_resume_elsewhere_and_refuse_another_base(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run_ranks(_cli, 2, 2, 1, 1, str(a)) == [None, None]  # uninterrupted at tp2
+    assert run_ranks(_cli, 2, 1, 1, 2, str(b), stop_after=2) == [None, None]  # dp2, stopped
+    half = Checkpoint(latest_checkpoint(b / "checkpoints"))
+    weights = [n for n in half.names() if not n.startswith("optim.")]
+    assert weights and all(".lora_" in n or n.startswith("projector.fc1.") for n in weights)
+    assert any("q_proj.lora_A" in n for n in weights)  # fused q/k/v stored as HF's modules
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" not in half
+    assert half.meta["lora"]["base"] and half.meta["lora"]["rank"] == 4
+    # another base (another seed's random weights) is refused on every rank, untouched
+    refused = run_ranks(_cli, 2, 1, 2, 1, str(b), "--resume", "--seed", "4")
+    assert all(m and "different base model" in m for m in refused), refused
+    assert run_ranks(_cli, 2, 1, 2, 1, str(b), "--resume") == [None, None]  # resumed at pp2
+    ref, got = _losses(a), _losses(b)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert [got[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=1e-5)
+    ref_t, got_t = _tensors(a), _tensors(b)
+    assert ref_t.keys() == got_t.keys()
+    for name, value in ref_t.items():
+        assert_close(got_t[name], value, rtol=1e-5, atol=1e-5, msg=name)  # as test_trainer
