@@ -23,7 +23,7 @@ from pathlib import Path
 from torch import nn
 
 from parallax.tensor.fingerprint import Fingerprint, base_fingerprint, fingerprint_mismatches
-from parallax.tensor.lora_apply import LoRAReport, _patterns, apply_lora, unfreeze
+from parallax.tensor.lora_apply import LoRAReport, _match, _patterns, apply_lora, is_adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,26 @@ def prepare(chunk: nn.Module, cfg, recipe) -> LoRAReport | None:
         exclude=recipe.lora_exclude,
     )
     if cfg.train:
-        unfreeze(chunk, cfg.train)
+        train_modules(chunk, cfg.train)
     report.trainable = sum(p.numel() for p in chunk.parameters() if p.requires_grad)
     report.frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
     return report
+
+
+def train_modules(model: nn.Module, patterns: str) -> list[str]:
+    """Make every base parameter of the modules ``patterns`` selects train again, PEFT's
+    ``modules_to_save``: a glob matches a parameter's name or any module above it, whole or as
+    a dotted tail (``projector`` trains ``projector.fc1.weight``, ``*norm`` every norm).
+    Returns the names made trainable."""
+    globs = _patterns(patterns) or ()
+    out = []
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        owners = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if not is_adapter_name(name) and any(_match(g, o) for g in globs for o in owners):
+            p.requires_grad_(True)
+            out.append(name)
+    return out
 
 
 def check_globs(whole: nn.Module, cfg, recipe) -> LoRAReport | None:
@@ -70,7 +86,7 @@ def check_globs(whole: nn.Module, cfg, recipe) -> LoRAReport | None:
     if not report.adapted:
         raise ValueError(f"--lora-targets {cfg.lora_targets}: no linear layer to adapt")
     for glob in _patterns(cfg.train) if cfg.train else ():
-        if not unfreeze(whole, glob):  # already trainable: this only finds the names
+        if not train_modules(whole, glob):  # already trainable: this only finds the names
             raise ValueError(f"--train {glob!r} matches no module or parameter of the model")
     return report
 
