@@ -83,7 +83,7 @@ class TrainConfig:
     dp: int | None = None
     model: str = "tiny"
     data: str = "synthetic"
-    steps: int = 300
+    steps: int = 150
     global_batch_size: int = 32
     micro_batch_size: int = 4
     seed: int = 0

@@ -195,6 +195,19 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="print the plan (layout, stages, memory, schedule) and exit",
     )
+    g = p.add_argument_group("evaluation")
+    g.add_argument(
+        "--eval-interval",
+        help="evaluate on the held-out split every N steps and at the end; 0: never (default 0)",
+    )
+    g.add_argument(
+        "--eval-batches",
+        help=f"global batches per evaluation, the same ones each time (default {d.eval_batches})",
+    )
+    g.add_argument(
+        "--eval-data",
+        help="the held-out split for a dataset dir (synthetic tasks use episodes of another seed)",
+    )
     return p
 
 
