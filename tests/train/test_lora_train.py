@@ -67,9 +67,24 @@ def _parallel(tp, pp, dp):
     return _run(context(tp=tp, pp=pp, dp=dp), _cfg(tp=tp, pp=pp, dp=dp))
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread in this process, as the pool's ranks run (two threads on a shared
+    two-core machine made the single-process reference 30x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return _run(ParallelContext.local(), _cfg())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(ParallelContext.local(), _cfg())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_lora_defaults_are_openvlas():
