@@ -4,6 +4,7 @@ it; checkpoints hold only what trains, resume at another layout, refuse another 
 export writes the merged model and the PEFT adapter."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +294,27 @@ def test_dry_run_shows_what_trains(capsys):
     assert "LoRA r=32 alpha=16" in text and "fully trained: projector" in text
     with pytest.raises(ValueError, match="--train 'projectr' matches no"):
         print_plan(parse_args(["--finetune", "lora", "--train", "projectr"]), file=io.StringIO())
+
+
+def _custom(out: str, tp: int, pp: int) -> list[float]:
+    """The README's own model (examples/custom_recipe.py: no HF checkpoint layout, a fused
+    qkv) with --finetune lora: adapters named after its own modules."""
+    from parallax.train import cli
+    from parallax.train.config import parse_args
+    from tests.train.test_custom_recipe import _example
+
+    _example()
+    ctx = ParallelContext.local() if tp * pp == 1 else context(tp=tp, pp=pp)
+    flags = ["--model", "counting", "--out", out, "--tp", str(tp), "--pp", str(pp)]
+    flags += ["--steps", "6", "--global-batch-size", "8", "--micro-batch-size", "4"]
+    flags += ["--save-interval", "0", "--finetune", "lora", "--lora-rank", "4", "--lr", "1e-2"]
+    cli.run(parse_args(flags), ctx)
+    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def test_any_recipe_on_parallel_linears_takes_lora(tmp_path):
+    ref = _custom(str(tmp_path / "one"), 1, 1)
+    got = run_ranks(_custom, 4, str(tmp_path / "four"), 2, 2)[0]
+    assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+    assert len(set(ref)) == len(ref)  # the adapters train (learning is OpenVLA's test above)
