@@ -135,16 +135,21 @@ def build(config: OpenVLAConfig, device, dtype, rank: int, alpha: float, compile
     return model, torch.optim.AdamW(trainable, lr=5e-4)
 
 
-def step_fn(model, optimizer, batch: dict, autocast: torch.dtype | None):
-    """One step as the script runs it: forward under autocast, backward, AdamW."""
-    dev = batch["input_ids"].device.type
+def step_fn(model, optimizer, microbatches: list[dict], autocast: torch.dtype | None):
+    """One step as the script runs it: per micro-batch a forward under autocast and a backward
+    of ``loss / accumulation steps`` (its ``grad_accumulation_steps``), then AdamW."""
+    dev = microbatches[0]["input_ids"].device.type
+    n = len(microbatches)
 
     def step() -> dict:
-        with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None):
-            loss = model(batch["pixel_values"], batch["input_ids"], batch["labels"])
-        loss.backward()
+        total = 0.0
+        for mb in microbatches:
+            with torch.autocast(dev, dtype=autocast or torch.float32, enabled=bool(autocast)):
+                loss = model(mb["pixel_values"], mb["input_ids"], mb["labels"])
+            (loss / n).backward()
+            total = total + loss.detach() / n
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss.detach()}
+        return {"loss": total}
 
     return step

@@ -4,7 +4,8 @@ The recipe: LoRA r 32, alpha 16, dropout 0, gaussian init, on every linear but `
 (towers and projector included), AdamW 5e-4 constant, no clipping, the base frozen in bf16.
 The workload of ``benchmarks/openvla_step.py``: synthetic batches of BOS + 256 patches + 40
 text tokens, the loss on the last 8 (one forward of the whole batch, as the script runs a batch
-of 16 per GPU; ``--micro-batch`` splits it for parallax). Rows (``--stack``):
+of 16 per GPU; ``--micro-batch`` accumulates smaller ones, as its ``grad_accumulation_steps``
+does, for both stacks). Rows (``--stack``):
 
 - ``parallax``: the Trainer with ``--finetune lora`` (bf16 base, fp32 adapters as their own ZeRO
   masters, no gradients or optimizer state for the base, the lm_head on the labelled rows);
@@ -25,10 +26,10 @@ Each row is appended to ``results.jsonl`` as measured (with ``--session``); ``--
 SESSION`` writes the session's rows as one table to ``RESULTS.md`` with the ratios against the
 faster HF row of the same batch (samples/s, and peak memory).
 
-    python -m benchmarks.lora_step --stack parallax --batch 16,64,max --session S   # < 9 min
-    python -m benchmarks.lora_step --stack parallax --compile --batch 16,64 --session S
-    python -m benchmarks.lora_step --stack hf --batch 16,64,max --session S
-    python -m benchmarks.lora_step --stack hf --compile --batch 16,64 --session S
+    python -m benchmarks.lora_step --stack parallax --batch 16,max,64 --micro-batch 16 --session S
+    python -m benchmarks.lora_step --stack parallax --compile --batch 16,64 --micro-batch 16 ...
+    python -m benchmarks.lora_step --stack hf --batch 16,max,64 --micro-batch 16 --session S
+    python -m benchmarks.lora_step --stack hf --compile --batch 16,64 --micro-batch 16 ...
     python -m benchmarks.lora_step --report S
     python -m benchmarks.lora_step --smoke            # CPU, tiny, writes nothing
 
@@ -60,7 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stack", choices=("parallax", "hf"), default="parallax")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--batch", default=None, help="comma list of batches, or max (16)")
-    p.add_argument("--micro-batch", type=int, default=None, help="parallax: default the batch")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="accumulate micro-batches of this size (default: the whole batch at once; max: "
+        "always the whole batch)",
+    )
     p.add_argument("--max-batch", type=int, default=None, help="cap of max's search (512)")
     p.add_argument("--model", default=None, help="openvla-7b (default), tiny (smoke)")
     p.add_argument("--text-tokens", type=int, default=40)
@@ -118,16 +125,15 @@ class Row:
             self.trainer = Trainer(cfg, ctx, compile_options={"backend": backend})
         return self.trainer
 
-    def step(self, batch: dict):
+    def step(self, batch: dict, micro: int):
+        """The step function of one batch in micro-batches of ``micro`` (accumulated)."""
+        mbs = split_batch(batch, micro)
         if self.args.stack == "hf":
             from benchmarks import lora_hf
 
             autocast = None if self.args.smoke else torch.bfloat16
-            return lora_hf.step_fn(self.model, self.optimizer, batch, autocast)
-        n = batch["input_ids"].shape[0]
-        micro = min(self.args.micro_batch or n, n)
-        mbs = split_batch(batch, micro)  # one microbatch of any size: the trainer is reused
-        trainer = self._trainer(len(mbs), micro)
+            return lora_hf.step_fn(self.model, self.optimizer, mbs, autocast)
+        trainer = self._trainer(len(mbs), micro)  # one micro-batch of any size: reused
         mbs = [{**mb, "labels": mb["labels"].cpu()} for mb in mbs]
         return lambda: trainer.train_step(mbs)
 
@@ -147,17 +153,19 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def measure(row: Row, args, batch_size: int, steps: int, warmup: int) -> dict:
+def measure(row: Row, args, batch_size: int, micro: int, steps: int, warmup: int) -> dict:
     """Seconds per step, first loss and peak memory at one batch size; ``{"error": ...}``."""
     batch = synthetic_batch(
         row.config, batch_size, 1 + args.text_tokens, args.labelled, seed=0, device=row.device
     )
     free_memory(row.device, reset_peak=True)
     try:
-        times, first, _ = time_steps(row.step(batch), row.device, warmup, steps)
+        times, first, _ = time_steps(row.step(batch, micro), row.device, warmup, steps)
     except (RuntimeError, torch.OutOfMemoryError) as err:
         if not _is_oom(err):
             raise
+        if row.model is not None:  # a half-done backward's gradients
+            row.model.zero_grad(set_to_none=True)
         return {"error": "OOM"}
     finally:
         batch = None
@@ -169,14 +177,14 @@ def find_max(row: Row, args, start: int) -> int:
     """The largest batch (a multiple of 8 past 8) whose step fits, searched with one step each."""
     fits, fails, b = 0, None, start
     while b <= args.max_batch and fails is None:
-        if "error" in measure(row, args, b, steps=1, warmup=1):
+        if "error" in measure(row, args, b, b, steps=1, warmup=1):
             fails = b
         else:
             fits, b = b, 2 * b
     step = 8 if not args.smoke else 1
     while fails is not None and fails - fits > step:
         mid = (fits + fails) // 2 // step * step or fits + step
-        if "error" in measure(row, args, mid, steps=1, warmup=1):
+        if "error" in measure(row, args, mid, mid, steps=1, warmup=1):
             fails = mid
         else:
             fits = mid
@@ -188,6 +196,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.report:
         return report(args.report)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        torch.set_num_threads(1)  # a small CPU shared with others: threads only contend
     config = OpenVLAConfig.preset(args.model)
     info, rows = env_info(), []
     variant = ("compile" if args.compile else "eager") if args.stack == "hf" else "opt"
@@ -212,7 +222,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             label = f"max={b}"
         else:
             b = last = int(item)
-        got = measure(row, args, b, args.steps, args.warmup) if b else {"error": "none fits"}
+        micro = b if item == "max" else min(args.micro_batch or b, b)
+        if b:
+            got = measure(row, args, b, micro, args.steps, args.warmup)
+        else:
+            got = {"error": "none fits"}
         step_s = got.get("step_s", math.nan)
         rec = {
             "benchmark": "lora_step",
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "model": args.model,
             "batch": b,
             "batch_label": label,
-            "micro": min(args.micro_batch or b, b) if args.stack == "parallax" else b,
+            "micro": micro,
             "step_time_s": step_s,
             "samples_per_s_per_gpu": b / step_s,
             "tokens_per_s_per_gpu": b * seq / step_s,
