@@ -196,8 +196,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.report:
         return report(args.report)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    threads = torch.get_num_threads()
     if args.smoke:
         torch.set_num_threads(1)  # a small CPU shared with others: threads only contend
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, device: torch.device) -> list[dict]:
     config = OpenVLAConfig.preset(args.model)
     info, rows = env_info(), []
     variant = ("compile" if args.compile else "eager") if args.stack == "hf" else "opt"
