@@ -31,6 +31,7 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 MARK = re.compile(r"^<!-- test: (.*) -->$")
 GPU_WORDS = ("--precision bf16", "openvla-7b", "vicuna-7b", "siglip-large", "--nnodes")
 TIMEOUT_S = 300
+TRAINERS = ("parallax.train", "examples/custom_recipe.py")  # entry points that take its flags
 
 
 def blocks(text: str) -> list[tuple[int, str, str, dict[str, str]]]:
@@ -86,10 +87,11 @@ def plan(cmd: str, dry_run: bool) -> list[str] | None:
         return None
     if any(w.startswith("benchmarks.") for w in words) and "--smoke" not in words:
         return None  # a GPU benchmark: its --smoke twin runs
-    if "parallax.train" in words:
-        args = words[words.index("parallax.train") + 1 :]
+    if trainer := next((w for w in words if w in TRAINERS), None):
+        args = words[words.index(trainer) + 1 :]
         if dry_run or any(w in cmd for w in GPU_WORDS):
-            return [sys.executable, "-m", "parallax.train", *args, "--dry-run"]
+            entry = ["-m", trainer] if trainer == "parallax.train" else [trainer]
+            return [sys.executable, *entry, *args, "--dry-run"]
         words = [*words, "--steps", "2"]
     if words[0] == "torchrun":
         rdzv = any(w.startswith("--rdzv") for w in words)
