@@ -208,7 +208,9 @@ def _non_finite_message(err: NonFiniteError, saved: int | None, out: Path) -> st
 
 def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:
     """Write the trained weights in the family's Hugging Face layout (collective), with the
-    training data's statistics where the family keeps them (``Recipe.export``)."""
+    training data's statistics where the family keeps them (``Recipe.export``). A LoRA run
+    writes the merged model there (each rank adds ``(alpha/r) B A`` to its own slices in fp32,
+    from the weights in memory) and the adapter alone in PEFT's format to ``path/adapter``."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather

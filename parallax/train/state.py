@@ -6,6 +6,9 @@ run's flags, the model config, the data position, the lr schedule, RNG state and
 was written with. Each pipeline stage's (dp 0, tp 0) rank writes its own shard; the store
 publishes the step directory atomically and keeps the last K. Fused projections are stored as
 their separate tensors (:mod:`parallax.train.names`), so a run resumes with them on or off.
+A ``--finetune lora`` run's checkpoints hold only what trains (adapters, ``--train`` modules and
+their optimizer state) and the frozen base's fingerprint, checked on resume
+(:mod:`parallax.train.lora`).
 
 One ``--out`` holds one run: a fresh run refuses a folder that holds another run's checkpoints
 or metrics, unless told to ``--resume`` it or to ``--overwrite`` it (:func:`check_out`).
