@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import tempfile
 import time
 
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.report:
         return report(args.report)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cuda":  # before the first allocation: against fragmentation after OOMs
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     threads = torch.get_num_threads()
     if args.smoke:
         torch.set_num_threads(1)  # a small CPU shared with others: threads only contend
