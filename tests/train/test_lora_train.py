@@ -318,3 +318,32 @@ def test_any_recipe_on_parallel_linears_takes_lora(tmp_path):
     got = run_ranks(_custom, 4, str(tmp_path / "four"), 2, 2)[0]
     assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
     assert len(set(ref)) == len(ref)  # the adapters train (learning is OpenVLA's test above)
+
+
+def _step_matmuls(finetune: str):
+    """The shapes of every product one Trainer step computes, and the base weights' shapes."""
+    from parallax.data import SyntheticTask
+    from parallax.train.trainer import Trainer
+    from tests.tensor.test_lora_layers import _Matmuls
+
+    cfg = _cfg(finetune=finetune, train=None, lr_groups=None, global_batch_size=1)
+    trainer = Trainer(cfg, ParallelContext.local())
+    data = SyntheticTask(num_episodes=2, episode_length=2, image_size=32, seed=0)
+    batch = _batches(trainer, ParallelContext.local(), cfg, data)()
+    with _Matmuls() as seen:
+        trainer.train_step(batch)
+    weights = {
+        tuple(p.shape)
+        for n, p in trainer.named_parameters()
+        if p.dim() == 2 and not n.endswith(("lora_A", "lora_B")) and "embed_tokens" not in n
+    }
+    return set(seen.shapes), weights | {s[::-1] for s in weights}
+
+
+def test_no_weight_gradient_product_for_the_frozen_base_in_a_step():
+    """No product of a LoRA step has a base weight's shape (a weight gradient would); a full
+    fine-tuning step has them (the check can fail)."""
+    shapes, weights = _step_matmuls("lora")
+    assert not shapes & weights, sorted(shapes & weights)
+    shapes, weights = _step_matmuls("full")
+    assert shapes & weights
