@@ -22,7 +22,8 @@ weight 2NT forward, 2NT input gradient where something trainable lies upstream, 
 gradient only for what trains, so ~4 x params x tokens for the frozen base where full fine-
 tuning counts 6; the adapters at 6 x theirs; attention products; the lm_head over the positions
 the row computes: the labelled 8 for parallax, all 297 for HF) / (step time x 989 TFLOP/s).
-Each row is appended to ``results.jsonl`` as measured (with ``--session``); ``--report
+Under ``torchrun --nproc-per-node N`` the parallax row runs at dp N (ZeRO-1 over the adapters;
+``--batch`` per GPU, samples/s per GPU against the one-GPU rows). Each row is appended to ``results.jsonl`` as measured (with ``--session``); ``--report
 SESSION`` writes the session's rows as one table to ``RESULTS.md`` with the ratios against the
 faster HF row of the same batch (samples/s, and peak memory).
 
@@ -30,6 +31,7 @@ faster HF row of the same batch (samples/s, and peak memory).
     python -m benchmarks.lora_step --stack parallax --compile --batch 16,64 --micro-batch 16 ...
     python -m benchmarks.lora_step --stack hf --batch 16,max,64 --micro-batch 16 --session S
     python -m benchmarks.lora_step --stack hf --compile --batch 16,64 --micro-batch 16 ...
+    torchrun --nproc-per-node 2 -m benchmarks.lora_step --batch 16 --session S  # dp2, per GPU
     python -m benchmarks.lora_step --report S
     python -m benchmarks.lora_step --smoke            # CPU, tiny, writes nothing
 
@@ -90,19 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Row:
     """One stack built once; ``step(batch)`` makes a step function for a batch size."""
 
-    def __init__(self, args, config: OpenVLAConfig, device: torch.device) -> None:
-        self.args, self.config, self.device = args, config, device
+    def __init__(self, args, config: OpenVLAConfig, ctx) -> None:
+        self.args, self.config, self.ctx, self.device = args, config, ctx, ctx.device
         self.dtype = torch.float32 if args.smoke else torch.bfloat16
         self.trainer = self.model = None
         if args.stack == "hf":
             from benchmarks import lora_hf
 
             self.model, self.optimizer = lora_hf.build(
-                config, device, self.dtype, RANK, ALPHA, args.compile
+                config, self.device, self.dtype, RANK, ALPHA, args.compile
             )
 
     def _trainer(self, n_micro: int, micro: int):
-        from parallax import ParallelContext
         from parallax.train.config import TrainConfig
         from parallax.train.trainer import Trainer
 
@@ -115,15 +116,15 @@ class Row:
                 lora_rank=RANK,
                 lora_alpha=ALPHA,
                 precision="fp32" if self.args.smoke else "bf16",
-                global_batch_size=n_micro * micro,
+                dp=self.ctx.dp_size,
+                global_batch_size=n_micro * micro * self.ctx.dp_size,  # the batch per GPU
                 micro_batch_size=micro,
                 lr=LR,
                 compile=self.args.compile,
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
-            ctx = ParallelContext.local(device=self.device)
             backend = "aot_eager" if self.args.smoke else "inductor"
-            self.trainer = Trainer(cfg, ctx, compile_options={"backend": backend})
+            self.trainer = Trainer(cfg, self.ctx, compile_options={"backend": backend})
         return self.trainer
 
     def step(self, batch: dict, micro: int):
@@ -202,18 +203,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
     threads = torch.get_num_threads()
     if args.smoke:
         torch.set_num_threads(1)  # a small CPU shared with others: threads only contend
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and (args.stack != "parallax" or "max" in args.batch.split(",")):
+        reason = f"skipped: at {world} ranks only --stack parallax with given batches runs"
+        print(reason, flush=True)  # every rank alike, before any collective
+        return [{"stack": args.stack, "status": reason}]
     try:
-        return _run(args, device)
+        return _run(args, device, world)
     finally:
         torch.set_num_threads(threads)
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
-def _run(args, device: torch.device) -> list[dict]:
+def _context(args, device: torch.device, world: int):
+    """One process, or ``dp = WORLD_SIZE`` under torchrun (the batch is per GPU)."""
+    from parallax import ParallelContext
+    from parallax.context import init_parallel
+
+    if world == 1:
+        return ParallelContext.local(device=device)
+    return init_parallel(dp=world, backend="gloo" if args.smoke else None)
+
+
+def _run(args, device: torch.device, world: int) -> list[dict]:
     config = OpenVLAConfig.preset(args.model)
     info, rows = env_info(), []
     variant = ("compile" if args.compile else "eager") if args.stack == "hf" else "opt"
     if args.stack == "parallax" and args.compile:
         variant = "opt+compile"
+    if world > 1:
+        variant += f" dp{world}"
     if args.stack == "hf":
         from benchmarks import lora_hf
 
@@ -224,7 +244,8 @@ def _run(args, device: torch.device) -> list[dict]:
     seq = config.num_patches + 1 + args.text_tokens
     positions = args.labelled if args.stack == "parallax" else seq
     per_sample = lora_flops_per_sample(config, 1 + args.text_tokens, positions)
-    row, last = Row(args, config, device), 16
+    ctx = _context(args, device, world)
+    row, last = Row(args, config, ctx), 16
     for item in args.batch.split(","):
         began = time.monotonic()
         label, b = item, 0
@@ -244,6 +265,7 @@ def _run(args, device: torch.device) -> list[dict]:
             "session": args.session or info["run_id"],
             "stack": args.stack,
             "variant": variant,
+            "gpus": world,
             "model": args.model,
             "batch": b,
             "batch_label": label,
@@ -259,6 +281,8 @@ def _run(args, device: torch.device) -> list[dict]:
             "status": got.get("error", "ok"),
         }
         rows.append(rec)
+        if ctx.rank != 0:
+            continue
         print(
             f"{args.stack} {variant} batch {label}: step {step_s:.4g} s, "
             f"{rec['samples_per_s_per_gpu']:.4g} samples/s, MFU {rec['mfu']:.3g}, peak "
