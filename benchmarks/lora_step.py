@@ -23,9 +23,10 @@ gradient only for what trains, so ~4 x params x tokens for the frozen base where
 tuning counts 6; the adapters at 6 x theirs; attention products; the lm_head over the positions
 the row computes: the labelled 8 for parallax, all 297 for HF) / (step time x 989 TFLOP/s).
 Under ``torchrun --nproc-per-node N`` the parallax row runs at dp N (ZeRO-1 over the adapters;
-``--batch`` per GPU, samples/s per GPU against the one-GPU rows). Each row is appended to ``results.jsonl`` as measured (with ``--session``); ``--report
-SESSION`` writes the session's rows as one table to ``RESULTS.md`` with the ratios against the
-faster HF row of the same batch (samples/s, and peak memory).
+``--batch`` per GPU, samples/s per GPU against the one-GPU rows). Each row is appended to
+``results.jsonl`` as measured (with ``--session``); ``--report SESSION`` writes the session's
+rows as one table to ``RESULTS.md`` with the ratios against the faster HF row of the same batch
+(samples/s, and peak memory).
 
     python -m benchmarks.lora_step --stack parallax --batch 16,max,64 --micro-batch 16 --session S
     python -m benchmarks.lora_step --stack parallax --compile --batch 16,64 --micro-batch 16 ...
