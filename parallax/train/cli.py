@@ -26,7 +26,7 @@ import torch.distributed as dist
 from parallax import comm
 from parallax.checkpoint import CheckpointError
 from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
-from parallax.data import BatchLoader, DatasetError
+from parallax.data import DatasetError
 from parallax.dims import ParallelDims
 from parallax.train import registry, state
 from parallax.train.config import TrainConfig, parse_args
@@ -76,18 +76,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     recipe, spec = agree(ctx, "--model", lambda: registry.resolve(cfg.model))
     model_config, checkpoint_dir = spec.config, spec.checkpoint
     data = agree(ctx, "--data", lambda: recipe.dataset(cfg.data, cfg))
-    loader = agree(
-        ctx,
-        "batch sizes",
-        lambda: BatchLoader(
-            data,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
-        ),
-    )
+    loader = agree(ctx, "batch sizes", lambda: recipe.loader(data, cfg, ctx))
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
         ctx,

@@ -72,6 +72,10 @@ class Recipe:
     input_keys: tuple[str, ...] = ()
     # the block that must open the first stage (pin_first) when a pipeline splits the model
     pin_first: int = 1
+    # the evaluation's own metric sums and metrics (``evaluate_step``), when they differ from
+    # the training step's; ``None``: the same as ``metric_sums`` and ``metrics``
+    eval_metric_sums: tuple[str, ...] | None = None
+    eval_metrics: tuple[MetricSpec, ...] | None = None
 
     # -- model ---------------------------------------------------------------------------------
     def presets(self) -> Sequence[str]:
@@ -134,6 +138,26 @@ class Recipe:
         if spec is None:
             raise ValueError("--eval-interval: give the held-out data with --eval-data")
         return self.dataset(spec, cfg)
+
+    def loader(self, dataset: Any, cfg, ctx: ParallelContext) -> Any:
+        """This dp rank's training batches (``next_batch()``: lists of raw samples per
+        microbatch; ``state_dict``/``load_state_dict`` for exact resume). Default: the seeded
+        :class:`~parallax.data.BatchLoader` over a random-access dataset."""
+        from parallax.data import BatchLoader
+
+        return BatchLoader(
+            dataset,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_size=ctx.dp_size,
+            seed=cfg.seed,
+        )
+
+    def input_problem(self, config: Any, mb: Microbatch, cfg) -> str | None:
+        """What is wrong with one microbatch (shapes, sizes), or ``None``: checked on every rank
+        before a training step's first collective, so a bad one raises on all ranks."""
+        return None
 
     def collator(
         self, config: Any, dataset: Any, checkpoint: Path | None
@@ -205,7 +229,13 @@ class Recipe:
         return 0
 
 
-def metric_values(recipe: Recipe, sums: Sequence[float]) -> dict[str, float]:
-    """The recipe's metrics from the step's sums (``sums[0]`` is the loss sum)."""
-    by_name = dict(zip(recipe.metric_sums, sums[1:]))
-    return {m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in recipe.metrics}
+def metric_values(
+    recipe: Recipe, sums: Sequence[float], evaluation: bool = False
+) -> dict[str, float]:
+    """The recipe's metrics from the step's sums (``sums[0]`` is the loss sum); with
+    ``evaluation`` those of ``evaluate_step`` (``eval_metric_sums``) where the recipe has them."""
+    names, metrics = recipe.metric_sums, recipe.metrics
+    if evaluation and recipe.eval_metric_sums is not None:
+        names, metrics = recipe.eval_metric_sums, recipe.eval_metrics or ()
+    by_name = dict(zip(names, sums[1:]))
+    return {m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in metrics}

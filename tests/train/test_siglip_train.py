@@ -1,0 +1,302 @@
+"""The SigLIP/CLIP recipe through the Trainer: every layout equals one process over the global
+batch (sigmoid and softmax), evaluation while training, the CLI, and the bad-input messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from parallax import ParallelContext
+from parallax.dims import ParallelDims
+from parallax.recipes.siglip import SiglipRecipe
+from parallax.recipes.siglip_data import PairCollator
+from parallax.tensor import full_tensor
+from parallax.tensor.sharding import unshard_tensor
+from parallax.testing import context, run_ranks
+from parallax.train.config import TrainConfig
+from parallax.train.trainer import Trainer
+from tests.models.siglip_helpers import tiny
+
+GLOBAL, STEPS = 8, 3
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(
+        model="siglip-tiny",
+        steps=STEPS,
+        global_batch_size=GLOBAL,
+        micro_batch_size=2,
+        warmup_steps=1,
+        lr=3e-3,
+        seed=5,
+        save_interval=0,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def _batch(config, n: int = GLOBAL, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    s, t = config.image_size, config.text
+    px = torch.randn(n, 3, s, s, generator=g)
+    ids = torch.randint(3, t.vocab_size, (n, t.max_length), generator=g)
+    ids[:, -1] = t.eos_id  # CLIP pools its end token (none: position 0, which sees only itself)
+    return px, ids
+
+
+def _without_key_bias(name: str, w: torch.Tensor) -> torch.Tensor:
+    """Attention is invariant to the key bias: its gradient is 0 up to rounding, which Adam
+    scales up to a full step of either sign, so it is left out of the weight comparison."""
+    if name.endswith(("qkv.bias", "in_proj_bias")):
+        q, _, v = w.chunk(3)
+        return torch.cat([q, v])
+    return w
+
+
+def _local(ctx, cfg, px, ids) -> list[dict]:
+    """This dp rank's microbatches of the global batch."""
+    dp, rank = max(ctx.dp_size, 1), ctx.dp_rank if ctx.dp_size > 1 else 0
+    per = px.shape[0] // dp
+    px, ids = px[rank * per : (rank + 1) * per], ids[rank * per : (rank + 1) * per]
+    m = cfg.micro_batch_size
+    return [{"pixel_values": px[i : i + m], "input_ids": ids[i : i + m]} for i in range(0, per, m)]
+
+
+def dense_loss(out) -> torch.Tensor:
+    """The global batch's loss in one process, written out densely."""
+    x, y, t = out.image_embeds, out.text_embeds, out.logit_scale.exp()
+    logits = t * x @ y.T
+    if out.logit_bias is None:  # CLIP
+        labels = torch.arange(len(x))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    z = 2 * torch.eye(len(x)) - 1  # +1 on the diagonal, -1 elsewhere
+    return -F.logsigmoid(z * (logits + out.logit_bias)).sum() / len(x)
+
+
+def _ctx(tp: int, dp: int) -> ParallelContext:
+    return ParallelContext.local() if tp * dp == 1 else context(tp=tp, dp=dp)
+
+
+# -- gradients of the recipe's step against the dense loss -----------------------------------------
+
+
+def _grads(tp: int, dp: int, micro: int) -> dict:
+    """Per family: the step's loss and every gradient (dp mean, full over tp) on this rank."""
+    ctx, recipe, out = _ctx(tp, dp), SiglipRecipe(), {}
+    for family in ("siglip", "clip"):
+        config, cfg = tiny(family), _cfg(tp=tp, dp=dp, micro_batch_size=micro)
+        model = recipe.build(
+            config, range(1), ctx, cfg=cfg, dtype=torch.float32, device="cpu", checkpoint=None
+        )
+        loss, sums = recipe.forward_backward([model], _local(ctx, cfg, *_batch(config)), ctx, cfg)
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad.detach().clone()
+            if ctx.dp_size > 1:
+                torch.distributed.all_reduce(g, group=ctx.dp_group)
+                g /= ctx.dp_size
+            info = getattr(p, "tp_shard", None)
+            grads[name] = g if info is None else unshard_tensor(g, info, ctx.tp_group)
+        out[family] = (float(loss), float(sums[-1]), grads)
+    return out
+
+
+def _reference_grads() -> dict:
+    recipe, out = SiglipRecipe(), {}
+    for family in ("siglip", "clip"):
+        config, cfg = tiny(family), _cfg()
+        model = recipe.build(
+            config,
+            range(1),
+            ParallelContext.local(),
+            cfg=cfg,
+            dtype=torch.float32,
+            device="cpu",
+            checkpoint=None,
+        )
+        loss = dense_loss(model(*_batch(config)))
+        loss.backward()
+        out[family] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _check_grads(got: dict, ref: dict, what: str) -> None:
+    for family, (loss, pairs, grads) in got.items():
+        ref_loss, ref_grads = ref[family]
+        assert pairs == GLOBAL
+        assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=f"{what} {family} loss")
+        assert {"logit_scale"} <= grads.keys() and grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            scale = float(ref_grads[name].abs().max()) + 1e-12
+            assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=f"{family} {name}")
+        if family == "siglip":
+            assert grads["logit_bias"].abs().item() > 0
+
+
+def test_step_gradients_equal_the_dense_global_loss_at_every_layout():
+    """dp 2, dp 4 and tp2 dp2, with one microbatch per rank and with GradCache over several:
+    the step's loss is the dense single-process loss over all 8 pairs, and the dp mean of the
+    gradients (towers, logit_scale, logit_bias) its gradient."""
+    ref = _reference_grads()
+    _check_grads(_grads(1, 1, 2), ref, "1 process, 4 microbatches (GradCache)")
+    for got in run_ranks(_grads, 2, 1, 2, 4):
+        _check_grads(got, ref, "dp2")
+    for got in run_ranks(_grads, 4, 1, 4, 1):
+        _check_grads(got, ref, "dp4 GradCache")
+    for got in run_ranks(_grads, 4, 2, 2, 2):
+        _check_grads(got, ref, "tp2 dp2 GradCache")
+
+
+# -- the Trainer: losses, grad norms and updated weights -------------------------------------------
+
+
+def _train(tp: int, dp: int, micro: int) -> dict:
+    ctx, out = _ctx(tp, dp), {}
+    for family in ("siglip", "clip"):
+        config, cfg = tiny(family), _cfg(tp=tp, dp=dp, micro_batch_size=micro)
+        trainer = Trainer(cfg, ctx, model_config=config, recipe=SiglipRecipe())
+        history = []
+        for step in range(STEPS):
+            o = trainer.train_step(_local(ctx, cfg, *_batch(config, step=step)))
+            history.append([o.loss.item(), o.grad_norm.item(), *o.metrics.tolist()])
+        weights = {n: full_tensor(p, ctx.tp_group) for n, p in trainer.named_parameters()}
+        out[family] = (history, weights)
+    return out
+
+
+def test_trainer_at_dp2_dp4_tp2dp2_equals_one_process():
+    ref = _train(1, 1, GLOBAL)  # one process, the whole global batch in one microbatch
+    runs = [("dp2", r) for r in run_ranks(_train, 2, 1, 2, 2)]
+    runs += [("dp4", r) for r in run_ranks(_train, 4, 1, 4, 1)]
+    runs += [("tp2dp2", r) for r in run_ranks(_train, 4, 2, 2, 1)]
+    for layout, got in runs:
+        for family, (history, weights) in got.items():
+            ref_history, ref_weights = ref[family]
+            assert_close(
+                torch.tensor(history),
+                torch.tensor(ref_history),
+                rtol=1e-5,
+                atol=1e-5,
+                msg=f"{layout} {family}",
+            )
+            for name, w in weights.items():
+                a, b = _without_key_bias(name, w), _without_key_bias(name, ref_weights[name])
+                atol = 1e-5 * float(b.abs().max())
+                assert_close(a, b, rtol=1e-5, atol=atol, msg=f"{layout} {family} {name}")
+            changed = weights["logit_scale"] != tiny(family).logit_scale_init
+            assert changed.all(), "logit_scale was not trained"
+    assert ref["siglip"][0][-1][0] < ref["siglip"][0][0][0]  # the loss falls on a fixed batch
+
+
+# -- evaluation, the CLI and bad input -------------------------------------------------------------
+
+
+def _cli(tp: int, dp: int, out: str, steps: int) -> dict:
+    from parallax.train.cli import run
+
+    cfg = _cfg(
+        tp=tp,
+        dp=dp,
+        steps=steps,
+        global_batch_size=32,
+        micro_batch_size=16 // dp,
+        data="synthetic:512",
+        lr=3e-3,
+        warmup_steps=5,
+        eval_interval=steps,
+        eval_batches=2,
+        out=out,
+        log_interval=100,
+    )
+    return run(cfg, _ctx(tp, dp))
+
+
+def test_cli_run_logs_eval_metrics_and_learns():
+    """tp2 dp2 through ``parallax.train.cli.run``: metrics.jsonl and eval.jsonl hold the loss and
+    every evaluation metric, the loss falls and the held-out retrieval rises above chance."""
+    with tempfile.TemporaryDirectory() as root:
+        run_ranks(_cli, 4, 2, 2, root, 40)
+        rows = [json.loads(x) for x in (Path(root) / "metrics.jsonl").read_text().splitlines()]
+        evals = [json.loads(x) for x in (Path(root) / "eval.jsonl").read_text().splitlines()]
+    assert len(rows) == 40 and {"temperature", "logit_bias", "truncated"} <= rows[0].keys()
+    assert sum(r["loss"] for r in rows[-5:]) < 0.6 * sum(r["loss"] for r in rows[:5])
+    (last,) = evals
+    keys = {f"eval_{d}_r@{k}" for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
+    assert keys | {"eval_loss", "eval_zero_shot_top1", "eval_zero_shot_top5"} <= last.keys()
+    assert last["eval_image_to_text_r@10"] > 10 / 32  # above chance in a pool of 32
+
+
+def _eval_sums(tp: int, dp: int) -> list[float]:
+    from parallax.train.evaluate import Evaluator
+
+    ctx, recipe = _ctx(tp, dp), SiglipRecipe()
+    cfg = _cfg(tp=tp, dp=dp, eval_interval=1, eval_batches=2, data="synthetic:64")
+    trainer = Trainer(cfg, ctx, recipe=recipe)
+    data = recipe.eval_dataset(None, cfg)
+    evaluator = Evaluator(trainer, data, recipe.collator(trainer.model_config, data, None), Path())
+    evaluator.path = Path("/dev/null")
+    return list(evaluator.run(0).values())
+
+
+def test_evaluation_is_the_same_at_every_layout():
+    ref = _eval_sums(1, 1)
+    assert len(ref) == 1 + 1 + 6 + 2 and ref[1] > 0  # step, loss, recalls, zero-shot
+    for got in run_ranks(_eval_sums, 4, 2, 2):
+        assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+def _bad_inputs(dp: int) -> list[str]:
+    ctx, recipe, said = _ctx(1, dp), SiglipRecipe(), []
+    config, cfg = tiny("siglip"), _cfg(dp=dp, micro_batch_size=2)
+    trainer = Trainer(cfg, ctx, model_config=config, recipe=recipe)
+    px, ids = _batch(config)
+    for rank_only, change in (
+        (ctx.dp_rank == 1, lambda mb: {**mb, "pixel_values": mb["pixel_values"][..., :8]}),
+        (ctx.dp_rank == 0, lambda mb: {**mb, "input_ids": torch.ones(2, 99, dtype=torch.long)}),
+        (ctx.dp_rank == 1, lambda mb: {k: v[:1] for k, v in mb.items()}),
+    ):
+        mbs = _local(ctx, cfg, px, ids)
+        if rank_only:
+            mbs[0] = change(mbs[0])
+        with pytest.raises(ValueError) as err:
+            trainer.train_step(mbs)
+        said.append(str(err.value))
+    with pytest.raises(ValueError) as err:  # 6 pairs do not split over 4 dp ranks
+        Trainer(_cfg(dp=dp, global_batch_size=6, micro_batch_size=1), ctx, model_config=config)
+    said.append(str(err.value))
+    return said
+
+
+def test_bad_input_fails_on_every_rank_before_any_collective():
+    said = run_ranks(_bad_inputs, 4, 4)
+    assert all(s == said[0] for s in said)  # one message, on every rank
+    images, captions, sizes, batch = said[0]
+    assert "pixel_values must be (b, 3, 16, 16)" in images and "rank 1" in images
+    assert "t <= 8" in captions and "rank 0" in captions
+    assert "--micro-batch-size 2" in sizes
+    assert "global batch size 6 is not divisible by micro batch size 1 x dp 4" in batch
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        SiglipRecipe().check_layout(tiny("siglip"), _cfg(), ParallelDims(pp=2))
+
+
+def test_collator_truncates_and_counts_long_captions_and_resizes_images():
+    config = tiny("siglip")  # text max length 8, images 16 x 16
+    collate = PairCollator(config, None, None)
+    rng = torch.Generator().manual_seed(0)
+    image = lambda s: torch.randint(0, 255, (s, s, 3), generator=rng, dtype=torch.uint8).numpy()  # noqa: E731
+    mb = collate(
+        [
+            {"image": image(16), "caption": "a cat"},
+            {"image": image(40), "caption": "a very long caption indeed"},
+        ]
+    )
+    assert mb["truncated"] == 1 and mb["resized"] == 1
+    assert mb["pixel_values"].shape == (2, 3, 16, 16) and mb["input_ids"].shape == (2, 8)
+    assert mb["input_ids"][1, -1] == 1  # the end token kept
+    assert dataclasses.asdict(config.text)["max_length"] == 8
