@@ -116,6 +116,18 @@ class SiglipRecipe(Recipe):
                 "parallelism: the two towers are parallel branches, not a chain; use --tp and "
                 "--dp with --pp 1"
             )
+        m = cfg.global_batch_size // max(cfg.micro_batch_size * dims.dp, 1)
+        log.info(
+            "negatives: every step scores each of its %d images against all %d captions of "
+            "the global batch (dp %d x %d microbatch(es) of %d; embeddings cached across "
+            "microbatches), %s loss",
+            cfg.global_batch_size,
+            cfg.global_batch_size,
+            dims.dp,
+            m,
+            cfg.micro_batch_size,
+            config.loss,
+        )
         for name, width in (("vision", config.vision.width), ("text", config.text.width)):
             heads = (config.vision if name == "vision" else config.text).num_heads
             if heads % dims.tp:
