@@ -116,7 +116,17 @@ class SiglipRecipe(Recipe):
                 "parallelism: the two towers are parallel branches, not a chain; use --tp and "
                 "--dp with --pp 1"
             )
-        m = cfg.global_batch_size // max(cfg.micro_batch_size * dims.dp, 1)
+        for name, width in (("vision", config.vision.width), ("text", config.text.width)):
+            heads = (config.vision if name == "vision" else config.text).num_heads
+            if heads % dims.tp:
+                raise ValueError(
+                    f"--tp {dims.tp} does not divide the {name} tower's {heads} attention heads "
+                    f"(width {width})"
+                )
+        unit = cfg.micro_batch_size * dims.dp
+        if cfg.global_batch_size % unit:
+            return  # the trainer says why
+        m = cfg.global_batch_size // unit
         log.info(
             "negatives: every step scores each of its %d images against all %d captions of "
             "the global batch (dp %d x %d microbatch(es) of %d; embeddings cached across "
@@ -128,13 +138,6 @@ class SiglipRecipe(Recipe):
             cfg.micro_batch_size,
             config.loss,
         )
-        for name, width in (("vision", config.vision.width), ("text", config.text.width)):
-            heads = (config.vision if name == "vision" else config.text).num_heads
-            if heads % dims.tp:
-                raise ValueError(
-                    f"--tp {dims.tp} does not divide the {name} tower's {heads} attention heads "
-                    f"(width {width})"
-                )
 
     def blocks(self, config: SiglipConfig) -> list[StageBlock]:
         return [StageBlock("towers", config.vision_flops() + config.text_flops())]
