@@ -1,16 +1,19 @@
 """How many samples a second does the streaming loader deliver from real robot-data formats?
 
-Read + decode + OpenVLA's augmentation + collate, for 224x224 RLDS (JPEG frames in TFRecord
-shards) and LeRobot v3.0 (MP4 video, encoded as LeRobot does: yuv420p, crf 30, a keyframe
-every 2 frames; AV1 when PyAV has an AV1 encoder, as LeRobot's default, else H.264), both
-generated on the fly, by worker count. One H200 trains full-fine-tuned OpenVLA-7B at about 36
-samples/s, so the loader should deliver >= 1.5x that (54/s) with the default worker count.
+Read + decode + OpenVLA's augmentation + the training batch (OpenVLA-7B's: tokenised prompt
+and action, both towers' normalised pixels; ``--collate plain`` stacks only), for 224x224
+RLDS (JPEG frames in TFRecord shards) and LeRobot v3.0 (MP4 video, encoded as LeRobot does:
+yuv420p, crf 30, a keyframe every 2 frames; AV1 when PyAV has an AV1 encoder, as LeRobot's
+default, else H.264), both generated on the fly, by worker count. One H200 trains
+full-fine-tuned OpenVLA-7B at about 36 samples/s, so the loader should deliver >= 1.5x that
+(54/s) with the default worker count (what ``parallax.train`` picks on this host for one
+rank when ``--workers`` is left out; marked in the table).
 
-    python -m benchmarks.data_throughput                    # workers 0, 1, 2, 4, ... <= cores
+    python -m benchmarks.data_throughput --write            # workers 0, 1, 2, 4, ... <= cores
     python -m benchmarks.data_throughput --workers 0 2 8 16
     python -m benchmarks.data_throughput --smoke            # CPU test: tiny, prints only
 
-Only a real run (not ``--smoke``) appends to RESULTS.md / results.jsonl.
+Only ``--write`` (never with ``--smoke``) appends to RESULTS.md / results.jsonl.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from benchmarks.common import append_results, env_info, print_table
 from parallax.data import collate
 from parallax.data.mixture import open_source
 from parallax.data.stream import StreamLoader
+from parallax.data.workers import auto_workers
 from tests.data.lerobot_writer import write_lerobot
 from tests.data.writers import make_episodes, write_rlds
 
@@ -67,7 +71,19 @@ def generate(root: Path, episodes: int, length: int, size: int) -> dict[str, tup
     return {"rlds (jpeg)": (rlds, "jpeg"), "lerobot v3.0 (mp4)": (lerobot, codec)}
 
 
-def measure(source, workers: int, batch: int, steps: int, size: int) -> dict[str, float]:
+def openvla_collate(source):
+    """What the trainer's main process does to each microbatch (OpenVLA-7B's BatchBuilder,
+    with the built-in tokenizer: the prompt's cost, not a checkpoint's vocabulary)."""
+    from parallax.models import OpenVLAConfig
+    from parallax.models.tokenizer import TinyTokenizer
+    from parallax.recipes.openvla_batches import BatchBuilder
+
+    return BatchBuilder(OpenVLAConfig.preset("openvla-7b"), source.statistics, TinyTokenizer())
+
+
+def measure(
+    source, workers: int, batch: int, steps: int, size: int, build=collate
+) -> dict[str, float]:
     loader = StreamLoader(
         source,
         global_batch_size=batch,
@@ -80,10 +96,10 @@ def measure(source, workers: int, batch: int, steps: int, size: int) -> dict[str
     )
     try:
         for _ in range(2):  # warm-up: worker start, first episodes opened
-            [collate(mb) for mb in loader.next_batch()]
+            [build(mb) for mb in loader.next_batch()]
         waited, began = 0.0, time.perf_counter()
         for _ in range(steps):
-            [collate(mb) for mb in loader.next_batch()]
+            [build(mb) for mb in loader.next_batch()]
             waited += loader.last_wait_s
         seconds = time.perf_counter() - began
     finally:
@@ -100,27 +116,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--episodes", type=int, default=24)
     parser.add_argument("--length", type=int, default=40, help="steps per episode")
     parser.add_argument("--size", type=int, default=224)
+    parser.add_argument(
+        "--collate", choices=("openvla", "plain"), default="openvla", help="the batch built"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run; writes no results")
+    parser.add_argument("--write", action="store_true", help="append to RESULTS.md")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="generate the datasets into DIR and keep them (for a training run on them: "
+        "--data rlds:DIR/bench_rlds or DIR/bench_lerobot)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.steps, args.episodes, args.length, args.size = 4, 2, 4, 4, 32
         args.workers = args.workers or [0, 1]
     cores = os.cpu_count() or 1
-    workers = args.workers or [0] + [w for w in (1, 2, 4, 8, 16, 32) if w <= cores]
+    default = auto_workers()
+    workers = args.workers or sorted({0, default} | {w for w in (1, 2, 4, 8, 16, 32) if w <= cores})
     info = env_info()
     rows, records = [], []
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
-        datasets = generate(Path(tmp), args.episodes, args.length, args.size)
+        datasets = generate(Path(args.keep or tmp), args.episodes, args.length, args.size)
         generated = time.perf_counter() - began
         for label, (path, codec) in datasets.items():
             began = time.perf_counter()
             source = open_source(str(path))
             scan = time.perf_counter() - began
+            build = openvla_collate(source) if args.collate == "openvla" else collate
             for w in workers:
-                result = measure(source, w, args.batch, args.steps, args.size)
+                result = measure(source, w, args.batch, args.steps, args.size, build)
                 rate = result["samples_per_s"]
-                row = [label, codec, w, rate, rate / H200_FULL_FT, result["wait_ms_per_step"]]
+                shown = f"{w} (default)" if w == default else str(w)
+                row = [label, codec, shown, rate, rate / H200_FULL_FT, result["wait_ms_per_step"]]
                 rows.append(row + [scan])
                 records.append(
                     {
@@ -128,6 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "format": label,
                         "codec": codec,
                         "workers": w,
+                        "default_workers": w == default,
+                        "collate": args.collate,
                         "batch": args.batch,
                         "image_size": args.size,
                         "samples_per_s": rate,
@@ -146,12 +177,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "scan s",
     ]
     title = (
-        f"Loader throughput: read+decode+augment+collate, {args.size}px, batch {args.batch}, "
-        f"{cores} cores"
+        f"Loader throughput: read+decode+augment+{args.collate} batch, {args.size}px, batch "
+        f"{args.batch}, {cores} cores"
     )
     print_table(title, columns, rows)
     print(f"(datasets generated in {generated:.1f}s; H200 full fine-tuning ~{H200_FULL_FT}/s)")
-    if not args.smoke:
+    if args.write and not args.smoke:
         notes = (
             f"{args.episodes} episodes x {args.length} steps per format; OpenVLA's train "
             "augmentation; 'x H200 full FT' = samples/s / 36"

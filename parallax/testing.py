@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -64,11 +65,13 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, pg_timeout_s:
         item = tasks.get()
         if item is None:
             break
-        task_id, fn, args, kwargs = item
+        task_id, payload = item
         try:
-            results.put((task_id, rank, True, fn(*args, **kwargs)))
+            fn, args, kwargs = pickle.loads(payload)
+            reply = (True, pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL))
         except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-            results.put((task_id, rank, False, traceback.format_exc()))
+            reply = (False, traceback.format_exc())
+        results.put((task_id, rank, *reply))
     dist.destroy_process_group()
 
 
@@ -96,8 +99,12 @@ class _Pool:
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         self.next_id += 1
         task_id = self.next_id
+        # Plain pickle bytes, not multiprocessing's pickler: torch registers a reducer there that
+        # passes tensors as shared-memory file descriptors over a side channel, one more thing
+        # that can block or run out of descriptors; bytes only need the queue's pipe.
+        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         for q in self.tasks:
-            q.put((task_id, fn, args, kwargs))
+            q.put((task_id, payload))
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
@@ -113,7 +120,7 @@ class _Pool:
             if tid != task_id:
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors[rank] = value
                 deadline = min(deadline, time.monotonic() + 5.0)  # let peers report, then stop

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from parallax.data.stats import DatasetError
 log = logging.getLogger(__name__)
 Task = tuple[int, int, list[tuple[int, int]]]
 IMAGE_KEYS = {"primary": "image", "wrist": "wrist_image"}
+MAX_AUTO_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -162,3 +164,14 @@ class WorkerPool:
         for q in (*self.tasks, self.results):
             q.close()
             q.cancel_join_thread()
+
+
+def auto_workers() -> int:
+    """Decoding processes per rank when ``--workers`` is not given: the cores of this host
+    shared among its ranks, one left to each rank itself, at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(0, min(MAX_AUTO_WORKERS, cores // ranks - 1))

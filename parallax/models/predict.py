@@ -65,14 +65,24 @@ def predict_action(
     tokenizer=None,
     input_ids=None,
     use_cache: bool = True,
+    statistics=None,
+    center_crop: bool | float = False,
 ) -> np.ndarray:
     """The continuous action for one image and instruction (or prompt ``input_ids``).
 
     ``image``: uint8 ``(H, W, 3)`` array or tensor, float ``(3, H, W)`` in [0, 1], or a PIL
     image. Actions are un-normalised with ``norm_stats[unnorm_key]``; without statistics the
-    normalised action in [-1, 1] is returned.
+    normalised action in [-1, 1] is returned. ``statistics`` (a ``dataset_statistics.json``
+    path, as training writes to its ``--out``, or its dict) replaces the model's
+    ``norm_stats``; their action dimension must be one the model's own statistics know.
+    ``center_crop``: the central 90% of the area (or this fraction), resized back, as OpenVLA
+    evaluates a model trained with its augmentation (``--augment``).
     """
     config = model.config
+    if statistics is not None:
+        config = _with_statistics(config, statistics)
+    if center_crop:
+        image = _center_crop(image, 0.9 if center_crop is True else float(center_crop))
     tokenizer = tokenizer or model.tokenizer
     if input_ids is None:
         if tokenizer is None or instruction is None:
@@ -89,8 +99,45 @@ def predict_action(
     stats = config.action_stats(unnorm_key)
     action_dim = len(stats["q01"]) if stats is not None else 7
     param = next(model.parameters())
-    px = to_pixel_values(image, config).to(param.device)
+    px = to_pixel_values(image, model.config).to(param.device)
     ids_t = torch.tensor([ids], dtype=torch.long, device=param.device)
     tokens = generate(model, px, ids_t, action_dim, use_cache=use_cache)[0]
     normalized = model.action_tokenizer.decode(tokens.cpu().numpy())
     return normalized if stats is None else unnormalize_actions(normalized, stats)
+
+
+def _with_statistics(config, statistics):
+    """``config`` with ``statistics`` (a path or a ``norm_stats`` dict) as its norm_stats."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from parallax.recipes.openvla_batches import check_action_dim
+
+    if isinstance(statistics, str | Path):
+        path = Path(statistics)
+        if path.is_dir():
+            path = path / "dataset_statistics.json"
+        try:
+            statistics = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"statistics {path}: cannot read it ({err})") from None
+    if not isinstance(statistics, dict) or not statistics:
+        raise ValueError("statistics: expected a dataset_statistics.json or its dict")
+    bad = [k for k, v in statistics.items() if not isinstance(v, dict) or "action" not in v]
+    if bad:
+        raise ValueError(f"statistics: the entries {bad} have no action statistics")
+    check_action_dim(config, statistics)  # against the checkpoint's own norm_stats
+    return dataclasses.replace(config, norm_stats=statistics)
+
+
+def _center_crop(image, scale: float) -> np.ndarray:
+    """The evaluation crop of :func:`parallax.data.augment.center_crop` on any image input."""
+    from parallax.data.augment import center_crop
+
+    if not 0 < scale <= 1:
+        raise ValueError(f"center_crop: the area fraction must be in (0, 1], got {scale}")
+    if isinstance(image, torch.Tensor) and image.is_floating_point():  # (3, H, W) in [0, 1]
+        image = (image.permute(1, 2, 0) * 255).round().clamp(0, 255).to(torch.uint8)
+    array = np.asarray(image.cpu() if isinstance(image, torch.Tensor) else image)
+    return center_crop(np.ascontiguousarray(array[..., :3]).astype(np.uint8), scale)

@@ -113,19 +113,42 @@ class OpenVLARecipe(Recipe):
         chunk.save_pretrained(path)
 
     # -- data ----------------------------------------------------------------------------------
-    def dataset(self, spec: str, cfg) -> Any:
+    def dataset(self, spec: Any, cfg) -> Any:
+        """Robot data (RLDS, LIBERO, LeRobot, mixtures) as a scanned
+        :class:`~parallax.data.Mixture` to stream (:mod:`parallax.recipes.openvla_data`); the
+        synthetic task and parallax directories as random-access datasets."""
         from parallax.data import load_dataset
+        from parallax.recipes.openvla_data import is_streamed, open_mixture
 
+        if is_streamed(spec):
+            return open_mixture(dataclasses.replace(cfg, data=spec))
         return load_dataset(spec, seed=cfg.seed)
 
     def eval_dataset(self, spec: str | None, cfg) -> Any:
-        """``--eval-data``, or for the synthetic task the episodes of another seed (scenes the
-        run never trains on)."""
+        """``--eval-data`` (read with random access, in a fixed order), or for the synthetic
+        task the episodes of another seed (scenes the run never trains on)."""
+        from parallax.data import load_dataset
+
         if spec is None and cfg.data == "synthetic":
             from parallax.data import SyntheticTask
 
             return SyntheticTask(seed=cfg.seed + 1)
-        return super().eval_dataset(spec, cfg)
+        if spec is None:
+            return super().eval_dataset(spec, cfg)
+        return load_dataset(spec, seed=cfg.seed)
+
+    def loader(self, dataset: Any, cfg, ctx) -> Any:
+        """Streamed robot data: :class:`~parallax.data.StreamLoader`, its images resized to the
+        model's resolution (then augmented, as OpenVLA does at 224 px)."""
+        from parallax.data import Mixture
+        from parallax.recipes.openvla_data import stream_loader
+
+        if not isinstance(dataset, Mixture):
+            if cfg.augment:
+                log.info("--augment applies to streamed robot data only: not augmenting")
+            return super().loader(dataset, cfg, ctx)
+        name = cfg.model.partition(":")[2] if cfg.model.startswith("openvla:") else cfg.model
+        return stream_loader(dataset, cfg, ctx, self.resolve(name).config.image_size)
 
     def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
         from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer

@@ -51,9 +51,13 @@ def action_dim(stats: Mapping) -> int:
 
 
 def check_action_dim(config: OpenVLAConfig, stats: Mapping) -> None:
-    """The dataset's actions must have a dimension the model's statistics know (any, when it
+    """Each dataset's actions must have a dimension the model's statistics know (any, when it
     has none: a preset); raises ``ValueError`` naming both and where each comes from."""
-    ((name, entry),) = stats.items()
+    for name, entry in stats.items():
+        _check_one(config, name, entry)
+
+
+def _check_one(config: OpenVLAConfig, name: str, entry: Mapping) -> None:
     data_dim = action_dim(entry)
     model_dims = {key: action_dim(s) for key, s in config.norm_stats.items() if "action" in s}
     if not model_dims or data_dim in model_dims.values():
@@ -71,20 +75,42 @@ def check_action_dim(config: OpenVLAConfig, stats: Mapping) -> None:
 
 
 class BatchBuilder:
-    """Turns lists of raw samples into ``{"pixel_values", "input_ids", "labels"}`` tensors."""
+    """Turns lists of raw samples into ``{"pixel_values", "input_ids", "labels"}`` tensors.
+
+    ``stats`` holds one dataset's statistics, or a mixture's (one entry per dataset): a
+    sample is normalised with those of its ``"dataset"``."""
 
     def __init__(self, config: OpenVLAConfig, stats: Mapping, tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.action_tokenizer = ActionTokenizer.from_config(config)
-        if len(stats) != 1:
-            raise ValueError(f"expected statistics of one dataset, got {sorted(stats)}")
+        if not stats:
+            raise ValueError("expected the statistics of at least one dataset, got none")
         check_action_dim(config, stats)
-        self.action_stats = next(iter(stats.values()))["action"]
+        self.by_dataset = {name: entry["action"] for name, entry in stats.items()}
+        self.action_stats = next(iter(self.by_dataset.values()))
+
+    def stats_of(self, sample: Mapping) -> Mapping:
+        """The action statistics of the sample's dataset."""
+        if len(self.by_dataset) == 1:
+            return self.action_stats
+        name = sample.get("dataset")
+        if name not in self.by_dataset:
+            raise ValueError(
+                f"a sample of dataset {name!r} but statistics of {sorted(self.by_dataset)}"
+            )
+        return self.by_dataset[name]
 
     def __call__(self, samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
         ids, labels = [], []
         for s in samples:
-            action = normalize_actions(np.asarray(s["action"], dtype=np.float64), self.action_stats)
+            stats = self.stats_of(s)
+            action = np.asarray(s["action"], dtype=np.float64)
+            if action.shape != (len(stats["q01"]),):
+                raise ValueError(
+                    f"{s.get('dataset', 'the dataset')!r}: an action of shape {action.shape} "
+                    f"but statistics of {len(stats['q01'])} dimensions"
+                )
+            action = normalize_actions(action, stats)
             i, lab = training_example(
                 self.tokenizer, self.action_tokenizer, s["instruction"], action
             )

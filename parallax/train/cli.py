@@ -16,6 +16,7 @@ import io
 import logging
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -26,14 +27,15 @@ import torch.distributed as dist
 from parallax import comm
 from parallax.checkpoint import CheckpointError
 from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
-from parallax.data import DatasetError
+from parallax.data import DatasetError, write_statistics
+from parallax.data.episodes import STATISTICS
 from parallax.dims import ParallelDims
 from parallax.train import registry, state
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.evaluate import Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
-from parallax.train.trainer import Trainer
+from parallax.train.trainer import InputError, Trainer
 
 log = logging.getLogger("parallax.train")
 T = TypeVar("T")
@@ -75,7 +77,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
     recipe, spec = agree(ctx, "--model", lambda: registry.resolve(cfg.model))
     model_config, checkpoint_dir = spec.config, spec.checkpoint
-    data = agree(ctx, "--data", lambda: recipe.dataset(cfg.data, cfg))
+    data = open_data(ctx, recipe, cfg)
     loader = agree(ctx, "batch sizes", lambda: recipe.loader(data, cfg, ctx))
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
@@ -115,6 +117,9 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
                 truncate_metrics(out / name, start)
             elif (out / name).exists():
                 (out / name).unlink()
+        statistics = getattr(data, "statistics", None)
+        if statistics:  # OpenVLA's dataset_statistics.json: what predict_action un-normalises by
+            write_statistics(out / STATISTICS, statistics)
     comm.barrier(ctx.world_group)
 
     monitor = Monitor(
@@ -129,10 +134,17 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     saved = start if ckpt is not None else None
     try:
         for step in range(start + 1, cfg.steps + 1):
-            microbatches = [builder(samples) for samples in loader.next_batch()]
+            began = time.perf_counter()
+            microbatches, problem = next_microbatches(loader, builder)
+            waited = time.perf_counter() - began  # what the step waited for its batch
+            try:  # every rank agrees on the batches before the step's first collective
+                output = trainer.train_step(microbatches, problem=problem)
+            except InputError as err:
+                more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
+                raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
             tokens = trainer.tokens(microbatches) * ctx.dp_size
             flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
-            monitor.record(step, trainer.train_step(microbatches), tokens, flops)
+            monitor.record(step, output, tokens, flops, data_wait_s=waited)
             stopping = stop_after is not None and step - start >= stop_after
             if evaluator is not None:
                 evaluator.maybe_run(step, last=step == cfg.steps)
@@ -148,9 +160,30 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
         raise UserError(_non_finite_message(err, saved, out)) from None
     finally:
         monitor.close()
+        if hasattr(loader, "close"):
+            loader.close()  # its worker processes
     if cfg.export_hf:
         export_hf(trainer, out / "hf", getattr(data, "statistics", None))
     return monitor.last
+
+
+def open_data(ctx: ParallelContext, recipe, cfg: TrainConfig):
+    """The recipe's dataset on every rank: rank 0 opens it first (scanning robot data and
+    writing its index), then the others (reading that index). An error on any rank, such as
+    bad data found by the scan, is raised on all of them."""
+    data = agree(ctx, "--data", lambda: recipe.dataset(cfg.data, cfg) if ctx.rank == 0 else None)
+    if ctx.world_size == 1:
+        return data
+    return agree(ctx, "--data", lambda: data if ctx.rank == 0 else recipe.dataset(cfg.data, cfg))
+
+
+def next_microbatches(loader, builder) -> tuple[list, str | None]:
+    """This rank's microbatches of the next step, or ``([], message)`` when its data is bad
+    (the trainer then makes every rank agree on it before the step runs)."""
+    try:
+        return [builder(samples) for samples in loader.next_batch()], None
+    except USER_ERRORS as err:
+        return [], str(err)
 
 
 def _find_resume(cfg: TrainConfig):

@@ -49,8 +49,11 @@ class TrainConfig:
     pp: int = 1
     dp: int | None = None
     model: str = "tiny"
-    data: str = "synthetic"
-    steps: int = 300
+    data: Any = "synthetic"  # a --data spec, or the [[data]] list of a TOML config
+    data_config: str | None = None  # TOML of per-dataset key configs
+    workers: int | None = None  # None: as many as the host's cores allow (auto_workers)
+    augment: bool | None = None  # None: on for robot datasets, off for the synthetic task
+    steps: int = 150
     global_batch_size: int = 32
     micro_batch_size: int = 4
     seed: int = 0
@@ -128,6 +131,11 @@ class TrainConfig:
             problems.append(
                 f"--save-interval must be >= 0 (0: no checkpoints), got {self.save_interval}"
             )
+        problems += data_problems(self.data)
+        if self.workers is not None and self.workers < 0:
+            problems.append(
+                f"--workers must be >= 0 (0: decode in the training process), got {self.workers}"
+            )
         if self.dp is not None and self.dp < 1:
             problems.append(f"--dp must be >= 1, got {self.dp}")
         if self.export_hf and self.chunks > 1:
@@ -156,7 +164,23 @@ class TrainConfig:
 
 # every flag's type, from the annotations above (``extra`` is not a flag)
 FLAG_KINDS = field_kinds(TrainConfig)
-TABLE_FIELDS = ("lr_groups",)  # also a TOML table in --config
+TABLE_FIELDS = ("lr_groups", "data")  # also a TOML table (or [[data]] list) in --config
+
+
+def data_problems(data: Any) -> list[str]:
+    """Why ``data`` is neither a ``--data`` spec nor a ``[[data]]`` list (the datasets
+    themselves are checked when they are opened)."""
+    if isinstance(data, str):
+        return [] if data.strip() else ["--data is empty: give synthetic or a dataset"]
+    if isinstance(data, list) and data and all(isinstance(d, dict) for d in data):
+        missing = [i for i, d in enumerate(data) if "path" not in d]
+        if missing:
+            return [f"[[data]] entries {missing} need a path (FORMAT:PATH or a directory)"]
+        return []
+    return [
+        f"data = {show(data)}: expected a --data spec (a string) or a [[data]] list of tables "
+        "with a path each"
+    ]
 
 
 def load_toml(path: str) -> dict[str, Any]:

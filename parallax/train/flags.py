@@ -42,7 +42,28 @@ def parser() -> argparse.ArgumentParser:
         help=f"a preset ({', '.join(sorted(registry.presets()))}), a checkpoint dir, or "
         f"FAMILY:SPEC (default {d.model})",
     )
-    g.add_argument("--data", help=f"synthetic or a dataset dir (default {d.data})")
+    g.add_argument(
+        "--data",
+        help="synthetic, a dataset dir (format detected), FORMAT:PATH (rlds, lerobot, libero, "
+        f"parallax) or a mixture FORMAT:A@0.7,FORMAT:B@0.3 (default {d.data})",
+    )
+    g.add_argument(
+        "--data-config",
+        help="TOML file of per-dataset key configs ([name] tables: cameras, state, action "
+        "keys and transforms), for datasets the built-in configs do not know",
+    )
+    g.add_argument(
+        "--workers",
+        help="processes that decode and augment robot data per rank (0: in the training "
+        "process; default: what the host's cores allow, at most 8)",
+    )
+    g.add_argument(
+        "--augment",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="OpenVLA's training-time image augmentation (default: on for robot datasets, "
+        "off for the synthetic task)",
+    )
     g.add_argument(
         "--freeze-vision",
         action="store_true",
@@ -186,5 +207,18 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="print the plan (layout, stages, memory, schedule) and exit",
+    )
+    g = p.add_argument_group("evaluation")
+    g.add_argument(
+        "--eval-interval",
+        help="evaluate on the held-out split every N steps and at the end; 0: never (default 0)",
+    )
+    g.add_argument(
+        "--eval-batches",
+        help=f"global batches per evaluation, the same ones each time (default {d.eval_batches})",
+    )
+    g.add_argument(
+        "--eval-data",
+        help="the held-out split for a dataset dir (synthetic tasks use episodes of another seed)",
     )
     return p

@@ -39,6 +39,7 @@ METRIC_FIELDS = (
     "mfu",
     "memory_gib",
     "step_time_s",
+    "data_wait_s",
 )
 
 
@@ -124,7 +125,7 @@ class Monitor:
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
         self.path = out / "metrics.jsonl"
-        self.pending: tuple[int, StepOutput, float, float, float] | None = None
+        self.pending: tuple[int, StepOutput, float, float, float, float] | None = None
         self.last: dict[str, float] = {}
         self._t = time.perf_counter()
         self._console = self._progress = None
@@ -150,13 +151,16 @@ class Monitor:
                 self._task = self._progress.add_task("", total=total_steps)
                 self._progress.start()
 
-    def record(self, step: int, output: StepOutput, tokens: float, flops: float) -> None:
-        """Register step ``step`` (its tokens and model FLOPs over the global batch); report
-        the previous one (its tensors are ready by now)."""
+    def record(
+        self, step: int, output: StepOutput, tokens: float, flops: float, data_wait_s: float = 0.0
+    ) -> None:
+        """Register step ``step`` (its tokens and model FLOPs over the global batch, and the
+        seconds this rank waited for its batch); report the previous one (its tensors are
+        ready by now)."""
         now = time.perf_counter()
         elapsed, self._t = now - self._t, now
         self.flush()
-        self.pending = (step, output, tokens, flops, elapsed)
+        self.pending = (step, output, tokens, flops, elapsed, data_wait_s)
 
     def flush(self) -> None:
         """Report the pending step now (before a checkpoint: a non-finite step raises here)."""
@@ -171,7 +175,13 @@ class Monitor:
             self._progress = None
 
     def _report(
-        self, step: int, out: StepOutput, tokens: float, flops: float, seconds: float
+        self,
+        step: int,
+        out: StepOutput,
+        tokens: float,
+        flops: float,
+        seconds: float,
+        data_wait_s: float = 0.0,
     ) -> None:
         m = out.metrics.tolist()  # the one host sync, a step late
         mfu = None  # measured against a GPU's peak; null on a CPU
@@ -187,6 +197,7 @@ class Monitor:
             "mfu": mfu,
             "memory_gib": peak_memory_gib(self.device),
             "step_time_s": seconds,
+            "data_wait_s": data_wait_s,  # rank 0's wait for its batch (load, decode, collate)
         }
         self.last = row
         if self.active:

@@ -186,3 +186,17 @@ def print_plan(cfg: TrainConfig, file=None) -> None:
     console.print(
         f"simulated bubble (backward = 2 x forward): {sim.bubble_fraction:.3f}", highlight=False
     )
+    console.print(data_note(cfg), highlight=False)
+
+
+def data_note(cfg: TrainConfig) -> str:
+    """What the run reads and how (not opened by a dry run), and where its data wait shows."""
+    from parallax.data.workers import auto_workers
+
+    data = cfg.data if isinstance(cfg.data, str) else f"{len(cfg.data)} [[data]] datasets"
+    workers = auto_workers() if cfg.workers is None else cfg.workers
+    return (
+        f"data {data}: robot datasets stream through {workers} decoding worker(s) per rank "
+        f"(--workers), augmentation {'off' if cfg.augment is False else 'on'} for them "
+        "(--augment); metrics.jsonl's data_wait_s is the seconds each step waited for its batch"
+    )

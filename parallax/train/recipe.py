@@ -7,7 +7,8 @@ schedule, checkpoints, metrics and the step loop). A :class:`Recipe` tells them 
 - **model**: its presets and which checkpoints it reads (by their ``config.json``), the ordered
   pipeline blocks with their costs, and how to build this rank's chunk for a block range
   (layout-free init or a checkpoint, each rank reading only its slice);
-- **data**: the dataset a ``--data`` spec names, how raw samples become a microbatch (a dict of
+- **data**: the dataset a ``--data`` spec names, the loader that orders and reads it (random
+  access by default, or streamed), how raw samples become a microbatch (a dict of
   host tensors), what the first stage takes and what later stages receive;
 - **objective**: ``"tokens"`` (a next-token VLM: a loss per microbatch on the last stage, summed
   over supervised units and normalised by the units of the whole global batch, which the Trainer
@@ -140,9 +141,12 @@ class Recipe:
         return self.dataset(spec, cfg)
 
     def loader(self, dataset: Any, cfg, ctx: ParallelContext) -> Any:
-        """This dp rank's training batches (``next_batch()``: lists of raw samples per
-        microbatch; ``state_dict``/``load_state_dict`` for exact resume). Default: the seeded
-        :class:`~parallax.data.BatchLoader` over a random-access dataset."""
+        """What yields this dp rank's raw samples per step: ``next_batch()`` -> a list of
+        ``num_microbatches`` lists of samples, and a JSON ``state_dict()`` /
+        ``load_state_dict()`` (saved in checkpoints; a resume at any layout continues it).
+        The sample order of each global batch must depend on ``cfg.seed`` and the position
+        only, never on dp. Default: the random-access :class:`~parallax.data.BatchLoader`;
+        a family whose data streams returns its own (``close()`` is called at the end)."""
         from parallax.data import BatchLoader
 
         return BatchLoader(

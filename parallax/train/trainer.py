@@ -32,8 +32,17 @@ from parallax.train import groups, registry
 from parallax.train.config import TrainConfig
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
-__all__ = ["StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
+__all__ = ["InputError", "StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
 from parallax.train.recipe import Microbatch, Recipe
+
+
+class InputError(ValueError):
+    """Some rank's inputs of a step are unusable; ``found`` is every rank's ``"rank R: ..."``
+    (the same on every rank)."""
+
+    def __init__(self, found: list[str]) -> None:
+        self.found = list(found)
+        super().__init__("train_step: " + "; ".join(found))
 
 
 @dataclass
@@ -207,37 +216,38 @@ class Trainer:
             for mb in microbatches
         ]
 
-    def _check_inputs(self, microbatches: list[Microbatch]) -> None:
-        """Every rank passes ``num_microbatches`` well-formed microbatches: the ranks agree on
-        it before any other collective, so a problem on one rank raises on all."""
-        problem = None
-        if len(microbatches) != self.num_microbatches:
+    def _check_inputs(self, microbatches: list[Microbatch], problem: str | None = None) -> None:
+        """Every rank passes ``num_microbatches`` well-formed microbatches (and no ``problem``
+        its loader found): the ranks agree on it before any other collective, so a problem on
+        one rank raises (:class:`InputError`) on all."""
+        if problem is None and len(microbatches) != self.num_microbatches:
             problem = (
                 f"got {len(microbatches)} microbatches, the schedule runs "
                 f"{self.num_microbatches} (global batch / (micro batch x dp))"
             )
-        else:
-            for m, mb in enumerate(microbatches):
-                missing = [
-                    k for k in self.recipe.input_keys if not isinstance(mb, dict) or k not in mb
-                ]
-                if missing:
-                    problem = f"microbatch {m} lacks {', '.join(missing)}"
-                    break
-                problem = self.recipe.input_problem(self.model_config, mb, self.cfg)
-                if problem:
-                    problem = f"microbatch {m}: {problem}"
-                    break
+        for m, mb in enumerate(microbatches if problem is None else ()):
+            missing = [k for k in self.recipe.input_keys if not isinstance(mb, dict) or k not in mb]
+            if missing:
+                problem = f"microbatch {m} lacks {', '.join(missing)}"
+                break
+            problem = self.recipe.input_problem(self.model_config, mb, self.cfg)
+            if problem:
+                problem = f"microbatch {m}: {problem}"
+                break
         found = comm.problems(problem, self.ctx.agreement_group)
         if found:
-            raise ValueError("train_step: " + "; ".join(found))
+            raise InputError(found)
 
     def train_step(
-        self, microbatches: list[Microbatch], timeline: Timeline | None = None
+        self,
+        microbatches: list[Microbatch],
+        timeline: Timeline | None = None,
+        problem: str | None = None,
     ) -> StepOutput:
         """One optimizer step over this dp rank's microbatches (dicts of host tensors, as the
-        recipe's collator makes them)."""
-        self._check_inputs(microbatches)
+        recipe's collator makes them). A ``problem`` (this rank could not make its batch: bad
+        data) ends the step on every rank before anything runs: :class:`InputError`."""
+        self._check_inputs(microbatches, problem)
         if self.cfg.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad()

@@ -243,3 +243,12 @@ def test_evaluation_is_forward_only_and_the_same_at_every_layout():
     for got in run_ranks(_eval_run, 2, 1, 2, 1, 2):  # two chunks per pipeline rank
         assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     assert ref[0] > 0
+
+
+def test_evaluation_flags_reach_the_config():
+    from parallax.train.config import parse_args
+
+    cfg = parse_args(["--eval-interval", "3", "--eval-batches", "1", "--eval-data", "held/out"])
+    assert (cfg.eval_interval, cfg.eval_batches, cfg.eval_data) == (3, 1, "held/out")
+    with pytest.raises(ValueError, match="--eval-interval must be >= 0"):
+        parse_args(["--eval-interval", "-1"])

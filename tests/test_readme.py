@@ -1,0 +1,180 @@
+"""The README runs as written: every Python block, and every shell command a CPU can run.
+
+Blocks run in order in one scratch directory (so a command may use what an earlier one wrote),
+with the repository's ``examples/`` and ``benchmarks/`` linked in. A comment line right before a
+block's fence steers it: ``<!-- test: ranks=N -->`` runs a Python block under torchrun with N
+processes (one process otherwise); ``<!-- test: dry-run -->`` plans every training command of a
+shell block instead of running it; ``<!-- test: setup=NAME -->`` first makes what the block
+names as the user's own input (see ``SETUPS``).
+
+Shell commands: ``pip install`` and ``pytest`` are the CI's own steps and are not repeated; a
+benchmark without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training
+command runs with ``--steps 2`` appended (the full runs' numbers in the README are measured, not
+tested), or with ``--dry-run`` where it names GPU work (bf16, a 7B preset, several nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FENCE = re.compile(r"^```(\w*)\s*$")
+MARK = re.compile(r"^<!-- test: (.*) -->$")
+GPU_WORDS = ("--precision bf16", "openvla-7b", "vicuna-7b", "siglip-large", "--nnodes")
+TIMEOUT_S = 300
+TRAINERS = ("parallax.train", "examples/custom_recipe.py")  # entry points that take its flags
+
+
+def blocks(text: str) -> list[tuple[int, str, str, dict[str, str]]]:
+    """(line, language, code, marker options) of every fenced block."""
+    out, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m or not m.group(1):
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        prev = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
+        opts = {}
+        if mark := MARK.match(prev.strip()):
+            for part in mark.group(1).split(";"):
+                key, _, value = part.strip().partition("=")
+                opts[key] = value
+        out.append((start + 1, m.group(1), "\n".join(body), opts))
+        i += 1
+    return out
+
+
+def commands(code: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments dropped."""
+    joined = code.replace("\\\n", " ")
+    cmds = []
+    for line in joined.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            cmds.append(shlex.join(words))
+    return cmds
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PARALLAX_TIMEOUT_S="120")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
+
+
+def _torchrun(nproc: int | None = None) -> list[str]:
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return run + ([f"--nproc-per-node={nproc}"] if nproc else [])
+
+
+def plan(cmd: str, dry_run: bool) -> list[str] | None:
+    """The argv that runs ``cmd`` here, or None where it is not run (see the module doc)."""
+    words = shlex.split(cmd)
+    if words[0] == "pip" or words[0] in ("pytest", "ruff"):
+        return None
+    if any(w.startswith("benchmarks.") for w in words) and "--smoke" not in words:
+        return None  # a GPU benchmark: its --smoke twin runs
+    if trainer := next((w for w in words if w in TRAINERS), None):
+        args = words[words.index(trainer) + 1 :]
+        if dry_run or any(w in cmd for w in GPU_WORDS):
+            entry = ["-m", trainer] if trainer == "parallax.train" else [trainer]
+            return [sys.executable, *entry, *args, "--dry-run"]
+        words = [*words, "--steps", "2"]
+    if words[0] == "torchrun":
+        rdzv = any(w.startswith("--rdzv") for w in words)
+        return _torchrun() + words[1:] if not rdzv else [sys.executable, "-m", *words]
+    if words[0] in ("python", "python3"):
+        return [sys.executable, *words[1:]]
+    return words
+
+
+def _episodes(work: Path) -> None:
+    """``my_episodes/``: the folder layout the converter documents, two short episodes."""
+    rng = np.random.default_rng(0)
+    for e in range(2):
+        ep = work / "my_episodes" / f"ep{e}"
+        ep.mkdir(parents=True, exist_ok=True)
+        (ep / "instruction.txt").write_text("pick up the red block")
+        np.save(ep / "images.npy", rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8))
+        np.save(ep / "actions.npy", rng.uniform(-1, 1, (5, 7)).astype(np.float32))
+
+
+def _checkpoint(work: Path, path: str) -> None:
+    """An OpenVLA checkpoint in the Hugging Face layout at ``path`` (the tiny preset)."""
+    code = (
+        "from parallax.models import OpenVLA, OpenVLAConfig; "
+        f"OpenVLA(OpenVLAConfig.preset('tiny'), seed=0).save_pretrained({path!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=work, env=_env(), check=True, timeout=120)
+
+
+SETUPS = {"episodes": _episodes, "checkpoint": _checkpoint}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("readme")
+    for name in ("examples", "benchmarks"):
+        (work / name).symlink_to(ROOT / name)
+    return work
+
+
+BLOCKS = blocks(README.read_text())
+
+
+def test_the_readme_has_blocks_of_both_kinds():
+    kinds = {lang for _, lang, _, _ in BLOCKS}
+    assert {"python", "bash"} <= kinds, kinds
+    assert "ranks=2" in {k + "=" + v for *_, o in BLOCKS for k, v in o.items()}
+
+
+def test_commands_are_planned_as_the_module_doc_says():
+    assert plan("pip install -e '.[test]'", False) is None
+    assert plan("torchrun --nproc-per-node 2 -m benchmarks.openvla_step", False) is None
+    got = plan("torchrun --nproc-per-node 2 -m parallax.train --out a", False)
+    assert got[-4:] == ["--out", "a", "--steps", "2"] and "--standalone" in got
+    got = plan("torchrun --nproc-per-node 8 -m parallax.train --precision bf16", False)
+    assert got == [sys.executable, "-m", "parallax.train", "--precision", "bf16", "--dry-run"]
+    assert commands("a \\\n  b  # c\n# d\ne") == ["a b", "e"]
+
+
+@pytest.mark.parametrize("line,lang,code,opts", BLOCKS, ids=[f"line{b[0]}-{b[1]}" for b in BLOCKS])
+def test_block_runs(work, line, lang, code, opts):
+    if lang not in ("python", "bash"):
+        pytest.skip(f"a {lang or 'text'} block shows a layout, it runs nothing")
+    if "skip" in opts:
+        pytest.skip(opts["skip"])
+    for setup in filter(None, opts.get("setup", "").split(",")):
+        name, _, arg = setup.partition(":")
+        SETUPS[name](work, *([arg] if arg else []))
+    if lang == "python":
+        script = work / f"readme_line{line}.py"
+        script.write_text(code + "\n")
+        ranks = int(opts.get("ranks", "1"))
+        argv = _torchrun(ranks) + [str(script)] if ranks > 1 else [sys.executable, str(script)]
+        runs = [(f"python block at line {line}", argv)]
+    else:
+        runs = [(c, plan(c, "dry-run" in opts)) for c in commands(code)]
+        runs = [(c, argv) for c, argv in runs if argv is not None]
+        if not runs:
+            pytest.skip("install and test commands only (the CI's own steps)")
+    for what, argv in runs:
+        proc = subprocess.run(
+            argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+        assert proc.returncode == 0, (
+            f"README line {line}: {what}\n{proc.stdout[-2000:]}\n" + (proc.stderr[-4000:])
+        )
