@@ -120,7 +120,7 @@ def _reference_grads() -> dict:
         )
         loss = dense_loss(model(*_batch(config)))
         loss.backward()
-        out[family] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()})
+        out[family] = (float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()})
     return out
 
 
