@@ -182,19 +182,6 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--keep-last", help=f"checkpoints to keep (default {d.keep_last})")
     g.add_argument("--log-interval", help=f"print every N steps (default {d.log_interval})")
-    g.add_argument(
-        "--eval-interval",
-        help="evaluate on the held-out split every N steps and at the end, into eval.jsonl; "
-        f"0: never (default {d.eval_interval})",
-    )
-    g.add_argument(
-        "--eval-batches", help=f"global batches per evaluation (default {d.eval_batches})"
-    )
-    g.add_argument(
-        "--eval-data",
-        help="the held-out data (default: the family's own held-out split of --data, where "
-        "it has one, e.g. another seed of a synthetic task)",
-    )
     g.add_argument("--timeout", help=f"collective timeout in seconds (default {d.timeout:g})")
     g.add_argument(
         "--export-hf",
