@@ -252,3 +252,20 @@ def test_evaluation_is_the_same_at_every_layout():
     assert len(ref) == 1 + 1 + 6 + 2 and ref[1] > 0  # step, loss, recalls, zero-shot
     for got in run_ranks(_eval_sums, 4, 2, 2):
         assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_resume_continues_the_pair_stream_exactly(tmp_path):
+    """A run stopped after 2 of 4 steps and resumed gives the uninterrupted run's losses (the
+    PairLoader's position and the weights come back from the checkpoint)."""
+    from parallax.train.cli import run
+
+    def losses(out, **kw) -> list[float]:
+        cfg = _cfg(steps=4, data="synthetic:64", out=str(out), save_interval=2, **kw)
+        run(cfg, ParallelContext.local())
+        return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    straight = losses(tmp_path / "a")
+    cfg = _cfg(steps=4, data="synthetic:64", out=str(tmp_path / "b"), save_interval=2)
+    run(cfg, ParallelContext.local(), stop_after=2)
+    resumed = losses(tmp_path / "b", resume=True)
+    assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=0)
