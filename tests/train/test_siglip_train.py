@@ -120,7 +120,8 @@ def _reference_grads() -> dict:
         )
         loss = dense_loss(model(*_batch(config)))
         loss.backward()
-        out[family] = (float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()})
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out[family] = (float(loss.detach()), grads)
     return out
 
 
