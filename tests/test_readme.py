@@ -1,7 +1,8 @@
 """The README runs as written: every Python block, and every shell command a CPU can run.
 
 Blocks run in order in one scratch directory (so a command may use what an earlier one wrote),
-with the repository's ``examples/`` and ``benchmarks/`` linked in. A comment line right before a
+with the repository's ``examples/`` linked in and ``benchmarks/`` copied (so their results
+files stay untouched). A comment line right before a
 block's fence steers it: ``<!-- test: ranks=N -->`` runs a Python block under torchrun with N
 processes (one process otherwise); ``<!-- test: dry-run -->`` plans every training command of a
 shell block instead of running it; ``<!-- test: setup=NAME -->`` first makes what the block
@@ -15,9 +16,11 @@ tested), or with ``--dry-run`` where it names GPU work (bf16, a 7B preset, sever
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,12 +130,22 @@ SETUPS = {"episodes": _episodes, "checkpoint": _checkpoint}
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("readme")
-    for name in ("examples", "benchmarks"):
-        (work / name).symlink_to(ROOT / name)
+    (work / "examples").symlink_to(ROOT / "examples")
+    # a copy, not a link: a benchmark run appends to its RESULTS.md, which must stay the repo's
+    skip = shutil.ignore_patterns("__pycache__", "profiles")
+    shutil.copytree(ROOT / "benchmarks", work / "benchmarks", ignore=skip)
     return work
 
 
 BLOCKS = blocks(README.read_text())
+RESULT_FILES = ("RESULTS.md", "results.jsonl")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+
+
+RESULTS_BEFORE = {f: _digest(ROOT / "benchmarks" / f) for f in RESULT_FILES}
 
 
 def test_the_readme_has_blocks_of_both_kinds():
@@ -178,3 +191,8 @@ def test_block_runs(work, line, lang, code, opts):
         assert proc.returncode == 0, (
             f"README line {line}: {what}\n{proc.stdout[-2000:]}\n" + (proc.stderr[-4000:])
         )
+
+
+def test_the_readme_runs_left_the_repository_results_alone():
+    """Runs after the blocks (pytest keeps file order): the benchmarks wrote into the copy."""
+    assert {f: _digest(ROOT / "benchmarks" / f) for f in RESULT_FILES} == RESULTS_BEFORE
