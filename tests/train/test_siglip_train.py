@@ -84,15 +84,17 @@ def _ctx(tp: int, dp: int) -> ParallelContext:
 # -- gradients of the recipe's step against the dense loss -----------------------------------------
 
 
-def _grads(tp: int, dp: int, micro: int) -> dict:
+def _grads(tp: int, dp: int, micro: int, n: int = GLOBAL) -> dict:
     """Per family: the step's loss and every gradient (dp mean, full over tp) on this rank."""
     ctx, recipe, out = _ctx(tp, dp), SiglipRecipe(), {}
     for family in ("siglip", "clip"):
-        config, cfg = tiny(family), _cfg(tp=tp, dp=dp, micro_batch_size=micro)
+        config = tiny(family)
+        cfg = _cfg(tp=tp, dp=dp, micro_batch_size=micro, global_batch_size=n)
         model = recipe.build(
             config, range(1), ctx, cfg=cfg, dtype=torch.float32, device="cpu", checkpoint=None
         )
-        loss, sums = recipe.forward_backward([model], _local(ctx, cfg, *_batch(config)), ctx, cfg)
+        mbs = _local(ctx, cfg, *_batch(config, n))
+        loss, sums = recipe.forward_backward([model], mbs, ctx, cfg)
         grads = {}
         for name, p in model.named_parameters():
             g = p.grad.detach().clone()
@@ -105,7 +107,7 @@ def _grads(tp: int, dp: int, micro: int) -> dict:
     return out
 
 
-def _reference_grads() -> dict:
+def _reference_grads(n: int = GLOBAL) -> dict:
     recipe, out = SiglipRecipe(), {}
     for family in ("siglip", "clip"):
         config, cfg = tiny(family), _cfg()
@@ -118,17 +120,17 @@ def _reference_grads() -> dict:
             device="cpu",
             checkpoint=None,
         )
-        loss = dense_loss(model(*_batch(config)))
+        loss = dense_loss(model(*_batch(config, n)))
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         out[family] = (float(loss.detach()), grads)
     return out
 
 
-def _check_grads(got: dict, ref: dict, what: str) -> None:
+def _check_grads(got: dict, ref: dict, what: str, n: int = GLOBAL) -> None:
     for family, (loss, pairs, grads) in got.items():
         ref_loss, ref_grads = ref[family]
-        assert pairs == GLOBAL
+        assert pairs == n
         assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=f"{what} {family} loss")
         assert {"logit_scale"} <= grads.keys() and grads.keys() == ref_grads.keys()
         for name, g in grads.items():
@@ -139,7 +141,7 @@ def _check_grads(got: dict, ref: dict, what: str) -> None:
 
 
 def test_step_gradients_equal_the_dense_global_loss_at_every_layout():
-    """dp 2, dp 4 and tp2 dp2, with one microbatch per rank and with GradCache over several:
+    """dp 2, 3 and 4 and tp2 dp2, with one microbatch per rank and with GradCache over several:
     the step's loss is the dense single-process loss over all 8 pairs, and the dp mean of the
     gradients (towers, logit_scale, logit_bias) its gradient."""
     ref = _reference_grads()
@@ -150,6 +152,9 @@ def test_step_gradients_equal_the_dense_global_loss_at_every_layout():
         _check_grads(got, ref, "dp4 GradCache")
     for got in run_ranks(_grads, 4, 2, 2, 2):
         _check_grads(got, ref, "tp2 dp2 GradCache")
+    ref = _reference_grads(6)
+    for got in run_ranks(_grads, 3, 1, 3, 1, 6):
+        _check_grads(got, ref, "dp3 GradCache", 6)
 
 
 # -- the Trainer: losses, grad norms and updated weights -------------------------------------------
