@@ -245,6 +245,10 @@ class Trainer:
             if missing:
                 problem = f"microbatch {m} lacks {', '.join(missing)}"
                 break
+            problem = self.recipe.input_problem(self.model_config, mb, self.cfg)
+            if problem:
+                problem = f"microbatch {m}: {problem}"
+                break
         found = comm.problems(problem, self.ctx.agreement_group)
         if found:
             raise InputError(found)
