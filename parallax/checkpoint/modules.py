@@ -8,6 +8,8 @@ module names) that makes them the whole model's names, as ``parallax.init_parame
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,22 +19,31 @@ from parallax.comm import Group
 from parallax.tensor.sharding import TPShard, full_tensor, logical_shape, shard_tensor
 
 
-def _named(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
-    return list(module.named_parameters(prefix=prefix.rstrip(".")))
+def _named(
+    module: nn.Module, prefix: str, only: Callable[[str], bool] | None = None
+) -> list[tuple[str, nn.Parameter]]:
+    named = module.named_parameters(prefix=prefix.rstrip("."))
+    return [(n, p) for n, p in named if only is None or only(n)]
 
 
 def module_sources(
-    module: nn.Module, tp_group: Group, *, write: bool, prefix: str = ""
+    module: nn.Module,
+    tp_group: Group,
+    *,
+    write: bool,
+    prefix: str = "",
+    only: Callable[[str], bool] | None = None,
 ) -> list[TensorSource]:
     """Sources for every parameter of ``module`` as full logical tensors.
 
     Every rank of ``tp_group`` must list them (the sharded ones are gathered, a collective);
     exactly one rank per set of replicas passes ``write=True``, typically ``tp_rank == 0`` of
     ``dp_rank == 0`` of each pipeline stage. Tp groups of other dp ranks hold the same values and
-    can pass nothing at all.
+    can pass nothing at all. ``only``: a predicate on names, the parameters to write (a LoRA
+    run writes only what trains).
     """
     out = []
-    for name, param in _named(module, prefix):
+    for name, param in _named(module, prefix, only):
         out.append(
             TensorSource(
                 name,
@@ -46,10 +57,17 @@ def module_sources(
 
 
 @torch.no_grad()
-def load_module(module: nn.Module, ckpt: Checkpoint, *, prefix: str = "") -> None:
-    """Copy this rank's piece of every parameter of ``module`` from ``ckpt`` (cast to the
-    parameter's dtype). Shapes are checked for all parameters before any is overwritten."""
-    named = _named(module, prefix)
+def load_module(
+    module: nn.Module,
+    ckpt: Checkpoint,
+    *,
+    prefix: str = "",
+    only: Callable[[str], bool] | None = None,
+) -> None:
+    """Copy this rank's piece of every parameter of ``module`` (those ``only`` selects) from
+    ``ckpt`` (cast to the parameter's dtype). Shapes are checked for all parameters before any
+    is overwritten."""
+    named = _named(module, prefix, only)
     ckpt.require(name for name, _ in named)
     for name, param in named:
         if ckpt.shape(name) != logical_shape(param):

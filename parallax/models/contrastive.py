@@ -58,8 +58,12 @@ def contrastive_step(model, microbatches: Sequence[Microbatch], **loss_kwargs) -
         local = model.loss(out.image_embeds, out.text_embeds, **loss_kwargs)
         local.backward()
         return StepResult(global_loss(local, model.ctx), local.detach(), pixel_values.shape[0])
+    # through forward(), not encode_*: ZeRO's deferred all-gathers of the updated weights are
+    # waited for in forward pre-hooks, and logit_scale/logit_bias belong to the model itself
     with torch.no_grad():
-        cached = [(model.encode_image(px), model.encode_text(ids)) for px, ids in microbatches]
+        outs = [model(px, ids) for px, ids in microbatches]
+        cached = [(o.image_embeds, o.text_embeds) for o in outs]
+        outs = None
     images = torch.cat([i for i, _ in cached]).requires_grad_()  # (b, d)
     texts = torch.cat([t for _, t in cached]).requires_grad_()  # (b, d)
     cached = None
@@ -68,7 +72,8 @@ def contrastive_step(model, microbatches: Sequence[Microbatch], **loss_kwargs) -
     start = 0
     for pixel_values, input_ids in microbatches:
         stop = start + pixel_values.shape[0]
-        emb_i, emb_t = model.encode_image(pixel_values), model.encode_text(input_ids)
+        out = model(pixel_values, input_ids)
+        emb_i, emb_t = out.image_embeds, out.text_embeds
         torch.autograd.backward([emb_i, emb_t], [images.grad[start:stop], texts.grad[start:stop]])
         start = stop
     return StepResult(global_loss(local, model.ctx), local.detach(), start)

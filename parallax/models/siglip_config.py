@@ -247,7 +247,14 @@ def _presets() -> dict[str, SiglipConfig]:
     return {
         "siglip-large-patch16-256": SiglipConfig(**_siglip(256, 16, 1024, 24, 16, 4096)),
         "siglip-base-patch16-224": SiglipConfig(**_siglip(224, 16, 768, 12, 12, 3072)),
-        "siglip-tiny": SiglipConfig(**_siglip(32, 8, 64, 2, 4, 128, **tiny_text), tokenizer="tiny"),
+        # the bias starts at -ln 32, the prior of one positive among a CPU-sized batch of 32
+        # captions: SigLIP's -10 suits batches of ~32k, and a tiny model trained from scratch
+        # on small batches sits on its collapsed plateau (every pair alike) for hundreds of steps
+        "siglip-tiny": SiglipConfig(
+            **_siglip(32, 8, 64, 2, 4, 128, **tiny_text),
+            tokenizer="tiny",
+            logit_bias_init=-math.log(32),
+        ),
         "clip-vit-large-patch14": SiglipConfig(
             vision=_clip_vision(224, 14, 1024, 24, 16, 4096),
             text=_clip_text(

@@ -164,6 +164,20 @@ class LlavaRecipe(Recipe):
             seed=cfg.seed,
         )
 
+    def input_problem(self, config: LlavaNextConfig, mb: Microbatch, cfg) -> str | None:
+        """Tiles and image tokens that do not fit the image sizes, found on the host before
+        the step (the model would otherwise raise on the first stage only)."""
+        from parallax.models.llava_vision import check_inputs, image_sizes_list
+
+        try:
+            b = mb["input_ids"].shape[0]
+            check_inputs(
+                config, mb["pixel_values"], mb["input_ids"], image_sizes_list(mb["image_sizes"], b)
+            )
+        except ValueError as err:
+            return str(err)
+        return None
+
     def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
         return mb["pixel_values"], mb["input_ids"], mb["image_sizes"]
 

@@ -195,6 +195,9 @@ class OpenVLARecipe(Recipe):
         from parallax.models.openvla_flops import batch_flops
         from parallax.train.groups import frozen_matcher
 
+        if cfg.finetune == "lora":
+            return self._lora_flops(config, microbatches, cfg)
+
         frozen = frozen_matcher(cfg, self)
         return batch_flops(
             config,
@@ -202,6 +205,28 @@ class OpenVLARecipe(Recipe):
             labelled_logits=cfg.logits == "labelled",
             frozen_vision=frozen("vision_backbone.featurizer.patch_embed.proj.weight"),
         )
+
+    def _lora_flops(self, config: OpenVLAConfig, microbatches, cfg) -> float:
+        """:func:`~parallax.models.lora_flops.openvla_lora_flops` (no weight gradient for the
+        frozen base: ~4 x params x tokens), its per-layer costs found once per run on the
+        whole model built on the meta device as the run adapts it."""
+        from parallax.models.lora_flops import openvla_linear_costs, openvla_lora_flops
+        from parallax.train import groups, lora
+
+        key = (id(config), id(cfg))
+        cached = getattr(self, "_lora_costs", None)
+        if cached is None or cached[0] != key:
+            model = OpenVLA(config, None, device="meta")
+            lora.prepare(model, cfg, self)
+            groups.apply_freeze([model], cfg, self)
+            cached = self._lora_costs = (key, model, openvla_linear_costs(model))
+        _, model, costs = cached
+        total = 0.0
+        for mb in microbatches:
+            b, t = mb["input_ids"].shape
+            rows = loss_token_count(mb["labels"]) / b if cfg.logits == "labelled" else None
+            total += b * openvla_lora_flops(model, t, rows, costs)
+        return total
 
     def activation_bytes(self, config, block_names, micro_batch_size, tp) -> float:
         """Megatron's ``34 s b h`` bytes per decoder layer at 16-bit (the towers not counted),

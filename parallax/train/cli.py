@@ -30,7 +30,7 @@ from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.data import DatasetError, write_statistics
 from parallax.data.episodes import STATISTICS
 from parallax.dims import ParallelDims
-from parallax.train import registry, state
+from parallax.train import lora, registry, state
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.evaluate import Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
@@ -208,11 +208,15 @@ def _non_finite_message(err: NonFiniteError, saved: int | None, out: Path) -> st
 
 def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> None:
     """Write the trained weights in the family's Hugging Face layout (collective), with the
-    training data's statistics where the family keeps them (``Recipe.export``)."""
+    training data's statistics where the family keeps them (``Recipe.export``). A LoRA run
+    writes the merged model there (each rank adds ``(alpha/r) B A`` to its own slices in fp32,
+    from the weights in memory) and the adapter alone in PEFT's format to ``path/adapter``."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
-    trainer.recipe.export(trainer.chunks[0], path, statistics)
+    trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each rank its slice
+    if trainer.base_identity is not None:
+        lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
     if trainer.ctx.rank == 0:
         log.info("exported the Hugging Face checkpoint to %s", path)
 

@@ -18,7 +18,7 @@ from parallax.train.values import convert, field_kinds, out_problems, read_toml,
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def default_lr(model: str) -> float:
+def default_lr(model: str, finetune: str = "full") -> float:
     """The peak learning rate of ``--model`` when ``--lr`` is not given (its recipe's)."""
     from parallax.train import registry
 
@@ -27,18 +27,51 @@ def default_lr(model: str) -> float:
     except ValueError:
         return 2e-5  # an unknown model fails later, with its own message
     family, sep, rest = model.partition(":")
-    return recipe.default_lr(rest if sep and family == recipe.name and rest else model)
+    spec = rest if sep and family == recipe.name and rest else model
+    return recipe.default_lora_lr(spec) if finetune == "lora" else recipe.default_lr(spec)
+
+
+def lora_problems(cfg) -> list[str]:
+    """What is wrong with the LoRA flags (the layout-dependent checks come with the model)."""
+    if cfg.finetune != "lora":
+        given = [f"--{n.replace('_', '-')}" for n in ("train", "lora_init") if getattr(cfg, n)]
+        return [f"{', '.join(given)} need --finetune lora"] if given else []
+    problems = []
+    if cfg.lora_rank < 1:
+        problems.append(f"--lora-rank must be >= 1, got {cfg.lora_rank}")
+    if cfg.lora_alpha <= 0:
+        problems.append(f"--lora-alpha must be > 0, got {cfg.lora_alpha:g}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        problems.append(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout:g}")
+    if not cfg.lora_targets.strip(", "):
+        problems.append("--lora-targets must be 'all-linear' or module-name globs")
+    if cfg.lora_init and not Path(cfg.lora_init).is_dir():
+        problems.append(f"--lora-init {cfg.lora_init}: no such adapter directory")
+    if cfg.lora_dropout > 0 and cfg.tp > 1:
+        problems.append(
+            f"--lora-dropout {cfg.lora_dropout:g} at --tp {cfg.tp}: the column-parallel adapters "
+            "need one dropout mask on every tp rank; use 0 (OpenVLA's recipe) or --tp 1"
+        )
+    if cfg.lora_init and cfg.chunks > 1:
+        problems.append("--lora-init needs one model chunk per pipeline rank (--chunks 1)")
+    return problems
 
 
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
+FINETUNES = ("full", "lora")
 CHOICES = {
     "schedule": SCHEDULES,
     "precision": PRECISIONS,
     "lr_schedule": LR_SCHEDULES,
     "logits": LOGITS,
+    "finetune": FINETUNES,
 }
+# what ``None`` means for the optimisation flags: full fine-tuning's defaults, and OpenVLA's LoRA
+# recipe (5e-4 constant, no warm-up, no clipping; ``lr`` from the recipe, see Recipe.default_lr)
+FULL_DEFAULTS = {"warmup_steps": 20, "lr_schedule": "cosine", "grad_clip": 1.0}
+LORA_DEFAULTS = {"warmup_steps": 0, "lr_schedule": "constant", "grad_clip": 0.0}
 
 
 @dataclass
@@ -62,16 +95,23 @@ class TrainConfig:
     overwrite: bool = False
     schedule: str = "1f1b"
     chunks: int = 1
-    lr: float | None = None  # None: the model's default (DEFAULT_LR)
+    lr: float | None = None  # None: the model's default (DEFAULT_LR; with LoRA 5e-4)
     min_lr: float = 0.0
-    warmup_steps: int = 20
-    lr_schedule: str = "cosine"
+    warmup_steps: int | None = None  # None: 20, with LoRA 0 (FULL_DEFAULTS, LORA_DEFAULTS)
+    lr_schedule: str | None = None  # None: cosine, with LoRA constant
     weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    grad_clip: float | None = None  # None: 1.0, with LoRA 0 (off)
     precision: str = "fp32"
     activation_checkpointing: bool = False
     freeze_vision: bool = False
     freeze: str | None = None  # globs of global parameter names (parallax.train.groups)
+    finetune: str = "full"  # "lora": adapters on the frozen base (parallax.train.lora)
+    lora_rank: int = 32
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"  # or module-name globs, comma separated
+    train: str | None = None  # globs of modules trained fully beside the adapters
+    lora_init: str | None = None  # a PEFT adapter directory to start from
     lr_groups: Any = None  # "glob=lr,...", a TOML file, or a [lr_groups] table
     save_interval: int = 100
     keep_last: int = 2
@@ -108,7 +148,11 @@ class TrainConfig:
         if problems:
             raise ValueError("; ".join(problems))
         if self.lr is None:
-            self.lr = default_lr(self.model)
+            self.lr = default_lr(self.model, self.finetune)
+        for name, value in (LORA_DEFAULTS if self.finetune == "lora" else FULL_DEFAULTS).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        problems += lora_problems(self)
         problems += out_problems(self.out)
         for name in (
             "steps",

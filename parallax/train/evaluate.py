@@ -64,7 +64,8 @@ class Evaluator:
         comm.all_reduce(total, ctx.dp_group)
         values = sums.tolist()
         row = {"step": step, "eval_loss": values[0] / max(float(total), 1.0)}
-        row.update({f"eval_{k}": v for k, v in metric_values(trainer.recipe, values).items()})
+        metrics = metric_values(trainer.recipe, values, evaluation=True)
+        row.update({f"eval_{k}": v for k, v in metrics.items()})
         if ctx.rank == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")

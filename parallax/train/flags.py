@@ -9,7 +9,16 @@ from __future__ import annotations
 import argparse
 
 from parallax.train import registry
-from parallax.train.config import LOGITS, LR_SCHEDULES, PRECISIONS, SCHEDULES, TrainConfig
+from parallax.train.config import (
+    FINETUNES,
+    FULL_DEFAULTS,
+    LOGITS,
+    LORA_DEFAULTS,
+    LR_SCHEDULES,
+    PRECISIONS,
+    SCHEDULES,
+    TrainConfig,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,6 +90,7 @@ def parser() -> argparse.ArgumentParser:
         "(first match wins; the rest get --lr)",
     )
     g.add_argument("--precision", metavar=_choices(PRECISIONS), help=f"default {d.precision}")
+    _lora_flags(p, d)
     g.add_argument(
         "--activation-checkpointing",
         action="store_true",
@@ -101,16 +111,27 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument(
         "--lr",
-        help="peak learning rate (default: the model's, e.g. tiny 1e-3, 7B 2e-5)",
+        help="peak learning rate (default: the model's, e.g. tiny 1e-3, 7B 2e-5; LoRA 5e-4)",
     )
     g.add_argument("--min-lr", help=f"final lr of the cosine schedule (default {d.min_lr})")
-    g.add_argument("--warmup-steps", help=f"linear warm-up steps (default {d.warmup_steps})")
-    g.add_argument("--lr-schedule", metavar=_choices(LR_SCHEDULES), help=f"default {d.lr_schedule}")
+    full, lora = FULL_DEFAULTS, LORA_DEFAULTS
+    g.add_argument(
+        "--warmup-steps",
+        help=f"linear warm-up steps (default {full['warmup_steps']}, LoRA {lora['warmup_steps']})",
+    )
+    g.add_argument(
+        "--lr-schedule",
+        metavar=_choices(LR_SCHEDULES),
+        help=f"default {full['lr_schedule']}, LoRA {lora['lr_schedule']}",
+    )
     g.add_argument(
         "--weight-decay",
         help=f"AdamW weight decay on matrices (default {d.weight_decay})",
     )
-    g.add_argument("--grad-clip", help=f"global grad-norm clip, 0 = off (default {d.grad_clip})")
+    g.add_argument(
+        "--grad-clip",
+        help=f"global grad-norm clip, 0 = off (default {full['grad_clip']:g}, LoRA off)",
+    )
     g.add_argument(
         "--no-overlap",
         dest="overlap_grad_reduce",
@@ -209,3 +230,30 @@ def parser() -> argparse.ArgumentParser:
         help="the held-out split for a dataset dir (synthetic tasks use episodes of another seed)",
     )
     return p
+
+
+def _lora_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = p.add_argument_group("LoRA (OpenVLA's fine-tuning recipe by default)")
+    g.add_argument(
+        "--finetune",
+        metavar=_choices(FINETUNES),
+        help="full: train every parameter not frozen; lora: train low-rank adapters on the "
+        "frozen base (no gradients, masters or optimizer state for it), with lr 5e-4 constant, "
+        f"no warm-up and no clipping unless given (default {d.finetune})",
+    )
+    g.add_argument("--lora-rank", help=f"adapter rank r (default {d.lora_rank})")
+    g.add_argument("--lora-alpha", help=f"adapter scale alpha / r (default {d.lora_alpha:g})")
+    g.add_argument(
+        "--lora-dropout", help=f"dropout on the adapters' input (default {d.lora_dropout:g})"
+    )
+    g.add_argument(
+        "--lora-targets",
+        help="'all-linear' (every linear but the output head) or GLOB,... of module names, "
+        f"parallax's or the HF checkpoint's, whole or as a dotted tail (default {d.lora_targets})",
+    )
+    g.add_argument(
+        "--train",
+        help="GLOB,...: modules (or parameters) trained fully beside the adapters, e.g. "
+        "projector,*norm (PEFT's modules_to_save); give them their own lr with --lr-groups",
+    )
+    g.add_argument("--lora-init", help="DIR: start from this PEFT adapter (adapter_config.json)")

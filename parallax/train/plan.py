@@ -17,7 +17,7 @@ from parallax.context import ParallelContext
 from parallax.dims import ParallelDims
 from parallax.pipeline import format_schedule, simulate, split
 from parallax.pipeline.simulate import peak_activations
-from parallax.train import groups, registry
+from parallax.train import groups, lora, registry
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import _strip_family, make_schedule, num_microbatches
 
@@ -40,7 +40,9 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     recipe, spec = registry.resolve(cfg.model)
     config = recipe.configure(spec.config, cfg)
     if cfg.lr is None:
-        cfg.lr = recipe.default_lr(_strip_family(cfg.model, recipe))
+        name = _strip_family(cfg.model, recipe)
+        is_lora = cfg.finetune == "lora"
+        cfg.lr = recipe.default_lora_lr(name) if is_lora else recipe.default_lr(name)
     if cfg.lr_groups is None:
         cfg.lr_groups = recipe.default_lr_groups(_strip_family(cfg.model, recipe), cfg.lr)
     recipe.check_layout(config, cfg, dims)
@@ -50,24 +52,42 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     schedule = make_schedule(cfg.schedule, dims.pp, m, cfg.chunks)
     ctx = ParallelContext(dims=dims, rank=dims.rank(pp_rank, 0, 0), device=torch.device("meta"))
     mine = [r for s, r in enumerate(ranges) if schedule.rank_of(s) == pp_rank]
-    params = trainable = 0
-    by_group = [0] * len(groups.group_labels(cfg))
-    for r in mine:
-        chunk = recipe.build(
-            config, r, ctx, cfg=cfg, dtype=torch.float32, device="meta", checkpoint=None
+    if pp_rank == 0 and lora.enabled(cfg):  # the globs, as a run checks them
+        local = ParallelContext.local(device="meta")
+        whole = recipe.build(
+            config,
+            range(len(blocks)),
+            local,
+            cfg=cfg,
+            dtype=torch.float32,
+            device="meta",
+            checkpoint=None,
         )
+        lora.check_globs(whole, cfg, recipe)
+    params = trainable = adapters = 0
+    weight_bytes = grad_bytes = optim = 0.0
+    by_group = [0] * len(groups.group_labels(cfg))
+    wbytes = 2 if cfg.precision == "bf16" else 4
+    dtype = torch.bfloat16 if wbytes == 2 else torch.float32
+    # ZeroOptimizer with AdamW: fp32 master and moments over dp (fp32 weights, such as LoRA
+    # adapters, are their own masters), and an fp32 gradient slice only where overlap may
+    # reduce during backward; frozen weights have none of it
+    per16 = 12 + (4 if dims.dp > 1 and cfg.overlap_grad_reduce else 0)
+    for r in mine:
+        chunk = recipe.build(config, r, ctx, cfg=cfg, dtype=dtype, device="meta", checkpoint=None)
+        report = lora.prepare(chunk, cfg, recipe)
+        adapters += report.adapters if report is not None else 0
         groups.apply_freeze([chunk], cfg, recipe)
         params += sum(p.numel() for p in chunk.parameters())
+        weight_bytes += sum(p.numel() * p.element_size() for p in chunk.parameters())
         named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         trainable += sum(p.numel() for _, p in named)
+        grad_bytes += sum(p.numel() * p.element_size() for _, p in named)
+        optim += sum(p.numel() * (8 if p.element_size() == 4 else per16) for _, p in named)
         for i, g in enumerate(groups.param_groups(named, cfg)):
             by_group[i] += sum(p.numel() for _, p in g["params"])
     names = [blocks[i].name for r in mine for i in r]
-    wbytes = 2 if cfg.precision == "bf16" else 4
-    # ZeroOptimizer with AdamW: fp32 master and moments over dp (fp32 weights are their own
-    # masters), and an fp32 gradient slice only where overlap may reduce during backward
-    per = 12 + (4 if dims.dp > 1 and cfg.overlap_grad_reduce else 0) if wbytes == 2 else 8
-    optim = trainable * per / dims.dp
+    optim /= dims.dp
     in_flight = peak_activations(schedule)[pp_rank]
     act = 0.0
     if not cfg.activation_checkpointing:
@@ -77,9 +97,10 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
         "blocks": names,
         "params": params,
         "trainable": trainable,
+        "adapters": adapters,
         "groups": by_group,
-        "weights_gib": params * wbytes / GIB,
-        "grads_gib": trainable * wbytes / GIB,
+        "weights_gib": weight_bytes / GIB,
+        "grads_gib": grad_bytes / GIB,
         "optimizer_gib": optim / GIB,
         "activations_gib": act / GIB,
         "schedule": schedule,
@@ -182,6 +203,15 @@ def print_plan(cfg: TrainConfig, file=None) -> None:
             _size(total),
         )
     console.print(table)
+    if lora.enabled(cfg):
+        counts = ", ".join(f"{pl['adapters']:,}" for pl in plans)
+        console.print(
+            f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "
+            f"{cfg.lora_targets}; fully trained: {cfg.train or '-'}; adapter parameters per rank "
+            f"of each pp rank: {counts}; "
+            "the frozen base has no gradients, masters or optimizer state",
+            highlight=False,
+        )
     console.print(_groups_table(cfg, plans))
     sim = simulate(schedule, 1.0, 2.0)
     console.print(format_schedule(schedule), highlight=False)

@@ -73,6 +73,12 @@ class Recipe:
     input_keys: tuple[str, ...] = ()
     # the block that must open the first stage (pin_first) when a pipeline splits the model
     pin_first: int = 1
+    # last name parts of the linears ``--lora-targets all-linear`` leaves alone (output heads)
+    lora_exclude: tuple[str, ...] = ("lm_head",)
+    # the evaluation's own metric sums and metrics (``evaluate_step``), when they differ from
+    # the training step's; ``None``: the same as ``metric_sums`` and ``metrics``
+    eval_metric_sums: tuple[str, ...] | None = None
+    eval_metrics: tuple[MetricSpec, ...] | None = None
 
     # -- model ---------------------------------------------------------------------------------
     def presets(self) -> Sequence[str]:
@@ -94,6 +100,11 @@ class Recipe:
     def default_lr_groups(self, spec: str, lr: float) -> Any:
         """The ``--lr-groups`` of a run that gives none (``None``: every parameter at ``lr``)."""
         return None
+
+    def default_lora_lr(self, spec: str) -> float:
+        """The peak learning rate of ``--finetune lora`` when ``--lr`` is not given: OpenVLA's
+        LoRA recipe (AdamW 5e-4, constant)."""
+        return 5e-4
 
     def configure(self, config: Any, cfg) -> Any:
         """The model config with the run's options applied (e.g. fused projections)."""
@@ -157,6 +168,11 @@ class Recipe:
             dp_size=ctx.dp_size,
             seed=cfg.seed,
         )
+
+    def input_problem(self, config: Any, mb: Microbatch, cfg) -> str | None:
+        """What is wrong with one microbatch (shapes, sizes), or ``None``: checked on every rank
+        before a training step's first collective, so a bad one raises on all ranks."""
+        return None
 
     def collator(
         self, config: Any, dataset: Any, checkpoint: Path | None
@@ -228,7 +244,13 @@ class Recipe:
         return 0
 
 
-def metric_values(recipe: Recipe, sums: Sequence[float]) -> dict[str, float]:
-    """The recipe's metrics from the step's sums (``sums[0]`` is the loss sum)."""
-    by_name = dict(zip(recipe.metric_sums, sums[1:]))
-    return {m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in recipe.metrics}
+def metric_values(
+    recipe: Recipe, sums: Sequence[float], evaluation: bool = False
+) -> dict[str, float]:
+    """The recipe's metrics from the step's sums (``sums[0]`` is the loss sum); with
+    ``evaluation`` those of ``evaluate_step`` (``eval_metric_sums``) where the recipe has them."""
+    names, metrics = recipe.metric_sums, recipe.metrics
+    if evaluation and recipe.eval_metric_sums is not None:
+        names, metrics = recipe.eval_metric_sums, recipe.eval_metrics or ()
+    by_name = dict(zip(names, sums[1:]))
+    return {m.key: by_name[m.numerator] / max(by_name[m.denominator], 1.0) for m in metrics}

@@ -18,6 +18,7 @@ from parallax.train.recipe import ModelSpec, Recipe
 FAMILIES: dict[str, str] = {
     "openvla": "parallax.recipes.openvla:OpenVLARecipe",
     "llava": "parallax.recipes.llava:LlavaRecipe",
+    "siglip": "parallax.recipes.siglip:SiglipRecipe",
 }
 FIRST = "openvla"  # the family checkpoints written before recipes belong to
 _LOADED: dict[str, Recipe] = {}

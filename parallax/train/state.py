@@ -6,6 +6,9 @@ run's flags, the model config, the data position, the lr schedule, RNG state and
 was written with. Each pipeline stage's (dp 0, tp 0) rank writes its own shard; the store
 publishes the step directory atomically and keeps the last K. Fused projections are stored as
 their separate tensors (:mod:`parallax.train.names`), so a run resumes with them on or off.
+A ``--finetune lora`` run's checkpoints hold only what trains (adapters, ``--train`` modules and
+their optimizer state) and the frozen base's fingerprint, checked on resume
+(:mod:`parallax.train.lora`).
 
 One ``--out`` holds one run: a fresh run refuses a folder that holds another run's checkpoints
 or metrics, unless told to ``--resume`` it or to ``--overwrite`` it (:func:`check_out`).
@@ -36,7 +39,7 @@ from parallax.checkpoint import (
 from parallax.optim.state import FORMAT as OPTIM_FORMAT
 from parallax.optim.state import state_kinds
 from parallax.tensor import logical_shape
-from parallax.train import registry
+from parallax.train import lora, registry
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
 
 log = logging.getLogger(__name__)
@@ -98,9 +101,10 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
     stage_metas = comm.all_gather_object(optim_meta, ctx.pp_group)
     writer = ctx.dp_rank == 0 and ctx.tp_rank == 0
     sources: list[TensorSource] = []
+    only = _trained_only(trainer)
     if ctx.dp_rank == 0:  # tp peers of other dp ranks hold the same weights: they sit out
         for chunk in trainer.chunks:
-            sources += module_sources(chunk, ctx.tp_group, write=writer)
+            sources += module_sources(chunk, ctx.tp_group, write=writer, only=only)
     sources += _optimizer_sources(trainer, writer)
     sources = split_fused(sources)  # the separate tensors of fused projections
     meta = {
@@ -113,6 +117,7 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
         "scheduler": trainer.scheduler.state_dict(),
         "optimizer": separate_meta(_merge_optim_meta(stage_metas)),
         "rng": rng_state(),
+        **({"lora": lora.checkpoint_meta(trainer)} if only is not None else {}),
         **(extra_meta or {}),
     }
     return save_checkpoint(
@@ -123,6 +128,18 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
         group=ctx.world_group,
         keep_last=cfg.keep_last,
     )
+
+
+def _trained_only(trainer):
+    """For a LoRA run, the predicate of the parameters its checkpoints hold (what trains: the
+    frozen base is rebuilt from the seed or the model checkpoint, and its fingerprint checked);
+    ``None`` (every parameter) for full fine-tuning."""
+    if trainer.base_identity is None:
+        return None
+    trained = {
+        n for chunk in trainer.chunks for n, p in chunk.named_parameters() if p.requires_grad
+    }
+    return trained.__contains__
 
 
 def metrics_path(out: str | Path) -> Path:
@@ -186,7 +203,11 @@ def check_resumable(ckpt: Checkpoint, trainer) -> None:
         raise CheckpointError(
             f"{ckpt.path} was written by a {family} run; this run trains {trainer.recipe.name}"
         )
-    names = [n for chunk in trainer.chunks for n, _ in chunk.named_parameters()]
+    problem = lora.check_resume(ckpt.meta, trainer, ckpt.path)
+    if problem:
+        raise CheckpointError(problem)
+    only = _trained_only(trainer) or (lambda name: True)
+    names = [n for chunk in trainer.chunks for n, _ in chunk.named_parameters() if only(n)]
     meta = ckpt.meta.get("optimizer")
     if not meta or meta.get("format") != OPTIM_FORMAT:
         raise CheckpointError(f"{ckpt.path}: meta.json has no {OPTIM_FORMAT} optimizer state")
@@ -207,8 +228,9 @@ def load(trainer, ckpt: Checkpoint, loader) -> int:
 
 def _load(trainer, ckpt: Checkpoint, loader) -> int:
     view = SeparateView(ckpt)
+    only = _trained_only(trainer)
     for chunk in trainer.chunks:
-        load_module(chunk, view)
+        load_module(chunk, view, only=only)
     meta = ckpt.meta
     try:  # the optimizer's own checks (shapes, groups) are this rank's alone: agree on them too
         trainer.optimizer.load_state_tensors(

@@ -28,7 +28,7 @@ from parallax.context import ParallelContext
 from parallax.optim import ZeroOptimizer
 from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
-from parallax.train import groups, registry
+from parallax.train import groups, lora, registry
 from parallax.train.config import TrainConfig
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
@@ -77,7 +77,8 @@ class Trainer:
             spec = recipe.resolve(name)
             model_config, checkpoint_dir = spec.config, spec.checkpoint
         if cfg.lr is None:
-            cfg.lr = recipe.default_lr(name)
+            is_lora = cfg.finetune == "lora"
+            cfg.lr = recipe.default_lora_lr(name) if is_lora else recipe.default_lr(name)
         if cfg.lr_groups is None:
             cfg.lr_groups = recipe.default_lr_groups(name, cfg.lr)
         cfg.check()
@@ -95,7 +96,11 @@ class Trainer:
         self.ranges = split(
             [b.cost for b in blocks], ctx.pp_size, cfg.chunks, pin_first=recipe.pin_first
         )
-        groups.check_freeze_globs(cfg, recipe, self.parameter_names())
+        whole = self._whole_model()
+        groups.check_freeze_globs(cfg, recipe, [n for n, _ in whole.named_parameters()])
+        # the whole model's LoRA report (its globs checked; None for full fine-tuning)
+        self.lora_report = lora.check_globs(whole, cfg, recipe)
+        del whole
         self.chunks: list[torch.nn.Module] = []
         self.stages: list[PipelineStage] = []
         for s, rng in enumerate(self.ranges):
@@ -110,11 +115,16 @@ class Trainer:
                 device=ctx.device,
                 checkpoint=checkpoint_dir,
             )
+            lora.prepare(chunk, cfg, recipe)  # adapters, frozen base: before the optimizer
             groups.apply_freeze([chunk], cfg, recipe)
             if cfg.compile:
                 chunk.compile_blocks(**self._compile_options(compile_options))
             self.chunks.append(chunk)
             self.stages.append(PipelineStage(chunk, s, len(self.ranges), ctx))
+        self.base_identity = None  # the frozen base's fingerprint, for LoRA checkpoints
+        if lora.enabled(cfg):
+            lora.load_init(self.chunks, cfg, ctx)
+            self.base_identity = lora.base_identity(self.chunks, ctx)
         self.optimizer = self._build_optimizer()
         if cfg.overlap_param_gather and ctx.dp_size > 1:
             self.optimizer.overlap_param_gather(*self.chunks)
@@ -127,8 +137,14 @@ class Trainer:
     # -- building ----------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
         """Every global parameter name of the whole model (built on the meta device: the same
-        on every rank, no collective)."""
-        whole = self.recipe.build(
+        on every rank, no collective), adapters included."""
+        whole = self._whole_model()
+        lora.prepare(whole, self.cfg, self.recipe)
+        return [n for n, _ in whole.named_parameters()]
+
+    def _whole_model(self) -> torch.nn.Module:
+        """The whole model on the meta device at tp = 1 (shapes and names only)."""
+        return self.recipe.build(
             self.model_config,
             range(len(self.block_names)),
             ParallelContext.local(device="meta"),
@@ -137,7 +153,6 @@ class Trainer:
             device="meta",
             checkpoint=None,
         )
-        return [n for n, _ in whole.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under their global (layout-free) names, with their current
@@ -231,6 +246,10 @@ class Trainer:
             missing = [k for k in self.recipe.input_keys if not isinstance(mb, dict) or k not in mb]
             if missing:
                 problem = f"microbatch {m} lacks {', '.join(missing)}"
+                break
+            problem = self.recipe.input_problem(self.model_config, mb, self.cfg)
+            if problem:
+                problem = f"microbatch {m}: {problem}"
                 break
         found = comm.problems(problem, self.ctx.agreement_group)
         if found:

@@ -126,3 +126,11 @@ def test_flops_and_tokens_count_no_padding():
     tokens = sum(m["input_ids"].numel() for m in alone)
     assert recipe.tokens(config, [mb]) == recipe.tokens(config, [bare]) == tokens
     assert mb["input_ids"].numel() > tokens  # the batch is padded
+
+
+def test_a_microbatch_whose_image_tokens_do_not_fit_is_named():
+    recipe, config, data = registry.recipe("llava"), tiny_config(), _data()
+    mb = recipe.collator(config, data, None)([data[i] for i in range(4)])
+    assert recipe.input_problem(config, mb, _cfg()) is None
+    mb["image_sizes"][0] = torch.tensor([0, 0])  # its image tokens now belong to no image
+    assert "image tokens in input_ids" in recipe.input_problem(config, mb, _cfg())

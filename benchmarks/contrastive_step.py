@@ -1,0 +1,184 @@
+"""SigLIP training steps on one GPU: parallax against a torch-native baseline and HF transformers.
+
+Workload: ``siglip-large-patch16-256`` (Git-RSCLIP's architecture: 24 + 24 layers of width 1024,
+256 patches, 64 text tokens), synthetic batches (random pixels, random token ids); one optimizer
+step per local batch (one microbatch: no GradCache re-forward), the sigmoid loss over the batch.
+bf16 compute with fp32 master weights and fp32 AdamW state everywhere:
+
+- ``parallax``: the Trainer with the siglip recipe, ``--precision bf16`` (bf16 weights, fp32
+  masters in ZeRO-1), ``--compile`` of each block unless ``--no-compile``;
+- ``torch``: plain torch modules (``benchmarks.native.siglip``), fp32 weights under bf16
+  autocast, each block ``torch.compile``'d, fused AdamW;
+- ``hf``: ``transformers.SiglipModel`` (sdpa attention), fp32 weights under bf16 autocast, fused
+  AdamW, its own sigmoid loss (``return_loss=True``); the row is skipped when transformers is
+  not installed.
+
+Every row starts from the same weights (parallax's layout-free init of seed 0, exported to the HF
+layout and loaded by the others) and takes the same first batch: ``loss 1``, the first step's
+loss, agrees across rows to bf16 rounding. Activation checkpointing (``--checkpointing``, all
+rows) lets each system reach its largest batch; FLOPs are counted without recomputation:
+``SiglipConfig.flops_per_sample(B)`` = 3 x (vision forward: patch conv, blocks ``24 n w^2 + 4 n^2
+w`` per layer, the MAP head; text forward: blocks; the logits ``2 B d``) per pair. MFU is
+against 989 TFLOP/s (dense bf16 H100/H200). Peak memory is ``torch.cuda.max_memory_allocated``.
+
+Pick the systems with ``--frameworks`` (the coordinator runs one per command, each well under
+9 minutes) and the local batch with ``--batch`` (one number, or ``parallax=512,torch=256``):
+
+    python -m benchmarks.contrastive_step --frameworks parallax --batch 256
+    python -m benchmarks.contrastive_step --frameworks torch --batch 256
+    python -m benchmarks.contrastive_step --frameworks hf --batch 128
+    python -m benchmarks.contrastive_step --smoke          # CPU, siglip-tiny, writes nothing
+
+Rows are printed as one table and appended to ``benchmarks/RESULTS.md`` and ``results.jsonl``
+(not with ``--smoke`` unless ``--write``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (
+    PEAK_BF16_TFLOPS,
+    append_results,
+    env_info,
+    median,
+    peak_memory_gib,
+    print_table,
+    sync,
+)
+from benchmarks.contrastive_systems import SYSTEMS, make_batch
+
+COLUMNS = [
+    "framework",
+    "batch",
+    "step s",
+    "samples/s/GPU",
+    "TFLOP/s",
+    "MFU",
+    "peak GiB",
+    "loss 1",
+    "loss 1 rel diff",
+    "status",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="siglip-large-patch16-256")
+    p.add_argument("--frameworks", default="parallax,torch,hf")
+    p.add_argument("--batch", default="64", help="local batch: N, or FRAMEWORK=N,...")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--no-compile", action="store_true", help="eager parallax and torch rows")
+    p.add_argument("--smoke", action="store_true", help="siglip-tiny on CPU, fp32, no writes")
+    p.add_argument("--write", action="store_true", help="append results even with --smoke")
+    args = p.parse_args(argv)
+    for fw in args.frameworks.split(","):
+        if fw not in SYSTEMS:
+            p.error(f"--frameworks: unknown {fw!r}; choose from {','.join(SYSTEMS)}")
+    if args.smoke:
+        args.model = "siglip-tiny"
+    return args
+
+
+def batch_of(args: argparse.Namespace, framework: str) -> int:
+    """The local batch of ``framework`` (``--batch``)."""
+    spec = args.batch
+    if "=" not in spec:
+        return int(spec)
+    sizes = dict(part.split("=") for part in spec.split(","))
+    if framework not in sizes:
+        raise SystemExit(f"--batch {spec}: no size for {framework}")
+    return int(sizes[framework])
+
+
+def run_row(name: str, args, config, weights: Path, device: torch.device) -> dict:
+    """Build, warm up and time one system; its measurements or the error."""
+    b = batch_of(args, name)
+    px, ids = make_batch(config, b, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        step = SYSTEMS[name](args, config, weights, device, b)
+        first = float(step(px, ids))
+        for _ in range(max(args.warmup - 1, 0)):
+            step(px, ids)
+        sync(device)
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step(px, ids)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return {"batch": b, "time": median(times), "loss": first, "peak": peak_memory_gib(device)}
+    except Exception as err:  # an OOM or a missing package becomes the row's status
+        text = (str(err).splitlines() or [""])[0][:120]
+        return {
+            "batch": b,
+            "error": text if text.startswith("skipped") else f"{type(err).__name__}: {text}",
+        }
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from parallax.models import Siglip, SiglipConfig
+
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    info = env_info()
+    config = SiglipConfig.preset(args.model)
+    rows, records = [], []
+    with tempfile.TemporaryDirectory() as root:
+        weights = Path(root) / "hf"
+        Siglip(config, seed=0).save_pretrained(weights)  # the shared starting point
+        ref = None
+        for name in args.frameworks.split(","):
+            got = run_row(name, args, config, weights, device)
+            b = got["batch"]
+            flops = b * config.flops_per_sample(b)
+            ok = "error" not in got
+            t = got.get("time", float("nan"))
+            loss = got.get("loss", float("nan"))
+            ref = loss if ok and ref is None else ref
+            row = {
+                "framework": name,
+                "batch": b,
+                "step s": t,
+                "samples/s/GPU": b / t if ok else float("nan"),
+                "TFLOP/s": flops / t / 1e12 if ok else float("nan"),
+                "MFU": flops / t / (PEAK_BF16_TFLOPS * 1e12) if ok else float("nan"),
+                "peak GiB": got.get("peak", float("nan")),
+                "loss 1": loss,
+                "loss 1 rel diff": abs(loss - ref) / abs(ref) if ok else float("nan"),
+                "status": got.get("error", "ok"),
+            }
+            print(f"{name:<9} batch {b}: {row['status']}, step {t:.4g} s", flush=True)
+            rows.append(row)
+            records.append({"benchmark": "contrastive_step", "model": args.model, **row})
+    title = f"SigLIP training step ({args.model}), one device"
+    table = [[r[c] for c in COLUMNS] for r in rows]
+    print_table(title, COLUMNS, table)
+    if not args.smoke or args.write:
+        notes = (
+            "bf16 compute, fp32 masters and AdamW state; FLOPs = batch x "
+            "SiglipConfig.flops_per_sample(batch) (3 x forward of both towers + logits, no "
+            f"recomputation), MFU vs {PEAK_BF16_TFLOPS:g} TFLOP/s; checkpointing "
+            f"{'on' if args.checkpointing else 'off'}; same initial weights, loss 1 = first step"
+        )
+        append_results(title, COLUMNS, table, notes, records, info)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
