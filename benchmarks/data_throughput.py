@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         began = time.perf_counter()
         datasets = generate(Path(args.keep or tmp), args.episodes, args.length, args.size)
         generated = time.perf_counter() - began
+        # progress as it goes (flushed): a run cut off by a time limit still shows what it got
+        print(f"datasets generated in {generated:.1f}s", flush=True)
         for label, (path, codec) in datasets.items():
             began = time.perf_counter()
             source = open_source(str(path))
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 shown = f"{w} (default)" if w == default else str(w)
                 row = [label, codec, shown, rate, rate / H200_FULL_FT, result["wait_ms_per_step"]]
                 rows.append(row + [scan])
+                print(f"{label} ({codec}), workers {w}: {rate:.1f} samples/s", flush=True)
                 records.append(
                     {
                         "benchmark": "data_throughput",
