@@ -28,21 +28,14 @@ from parallax.context import ParallelContext
 from parallax.optim import ZeroOptimizer
 from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
-from parallax.train import groups, lora, registry
+from parallax.train import groups, inputs, lora, registry
 from parallax.train.config import TrainConfig
+from parallax.train.inputs import InputError
+from parallax.train.optimizer import build_optimizer
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
 __all__ = ["InputError", "StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
 from parallax.train.recipe import Microbatch, Recipe
-
-
-class InputError(ValueError):
-    """Some rank's inputs of a step are unusable; ``found`` is every rank's ``"rank R: ..."``
-    (the same on every rank)."""
-
-    def __init__(self, found: list[str]) -> None:
-        self.found = list(found)
-        super().__init__("train_step: " + "; ".join(found))
 
 
 @dataclass
@@ -172,24 +165,7 @@ class Trainer:
         return options
 
     def _build_optimizer(self) -> ZeroOptimizer:
-        named = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
-        kwargs = {}
-        if self.ctx.device.type == "cuda":
-            kwargs["fused"] = True  # one kernel for the whole fp32 shard
-        return ZeroOptimizer(
-            groups.param_groups(named, self.cfg),
-            torch.optim.AdamW,
-            self.ctx,
-            overlap=self.cfg.overlap_grad_reduce,
-            backward_passes_per_step=self.recipe.backward_passes(self.num_microbatches),
-            param_order=[p for _, p in named],
-            # a CUDA graph's gradient outputs live in its memory pool, which the next replay
-            # on the compute stream may overwrite: copy them out on that stream
-            side_stream_grad_copies=not self.cfg.cuda_graphs,
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            **kwargs,
-        )
+        return build_optimizer(self)
 
     # -- one step ----------------------------------------------------------------------------
     def _loss_fn(self, out: Any, target: Any) -> torch.Tensor:
@@ -234,26 +210,7 @@ class Trainer:
         ]
 
     def _check_inputs(self, microbatches: list[Microbatch], problem: str | None = None) -> None:
-        """Every rank passes ``num_microbatches`` well-formed microbatches (and no ``problem``
-        its loader found): the ranks agree on it before any other collective, so a problem on
-        one rank raises (:class:`InputError`) on all."""
-        if problem is None and len(microbatches) != self.num_microbatches:
-            problem = (
-                f"got {len(microbatches)} microbatches, the schedule runs "
-                f"{self.num_microbatches} (global batch / (micro batch x dp))"
-            )
-        for m, mb in enumerate(microbatches if problem is None else ()):
-            missing = [k for k in self.recipe.input_keys if not isinstance(mb, dict) or k not in mb]
-            if missing:
-                problem = f"microbatch {m} lacks {', '.join(missing)}"
-                break
-            problem = self.recipe.input_problem(self.model_config, mb, self.cfg)
-            if problem:
-                problem = f"microbatch {m}: {problem}"
-                break
-        found = comm.problems(problem, self.ctx.agreement_group)
-        if found:
-            raise InputError(found)
+        inputs.check(self, microbatches, problem)
 
     def train_step(
         self,

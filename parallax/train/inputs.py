@@ -1,0 +1,44 @@
+"""The one agreement of a training step: every rank's inputs are usable, or every rank raises.
+
+A microbatch count that does not match the schedule, a microbatch without a key the recipe
+needs, a problem the recipe sees in a microbatch or one the loader reports: each is found on
+one rank alone, so the ranks agree on it in one small all-reduce over the host group before any
+other collective of the step, and a problem anywhere raises :class:`InputError` everywhere.
+"""
+
+from __future__ import annotations
+
+from parallax import comm
+from parallax.train.recipe import Microbatch
+
+
+class InputError(ValueError):
+    """Some rank's inputs of a step are unusable; ``found`` is every rank's ``"rank R: ..."``
+    (the same on every rank)."""
+
+    def __init__(self, found: list[str]) -> None:
+        self.found = list(found)
+        super().__init__("train_step: " + "; ".join(found))
+
+
+def check(trainer, microbatches: list[Microbatch], problem: str | None = None) -> None:
+    """Every rank passes ``num_microbatches`` well-formed microbatches (and no ``problem``
+    its loader found): the ranks agree on it before any other collective, so a problem on
+    one rank raises (:class:`InputError`) on all."""
+    if problem is None and len(microbatches) != trainer.num_microbatches:
+        problem = (
+            f"got {len(microbatches)} microbatches, the schedule runs "
+            f"{trainer.num_microbatches} (global batch / (micro batch x dp))"
+        )
+    for m, mb in enumerate(microbatches if problem is None else ()):
+        missing = [k for k in trainer.recipe.input_keys if not isinstance(mb, dict) or k not in mb]
+        if missing:
+            problem = f"microbatch {m} lacks {', '.join(missing)}"
+            break
+        problem = trainer.recipe.input_problem(trainer.model_config, mb, trainer.cfg)
+        if problem:
+            problem = f"microbatch {m}: {problem}"
+            break
+    found = comm.problems(problem, trainer.ctx.agreement_group)
+    if found:
+        raise InputError(found)
