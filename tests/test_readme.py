@@ -6,7 +6,8 @@ files stay untouched). A comment line right before a
 block's fence steers it: ``<!-- test: ranks=N -->`` runs a Python block under torchrun with N
 processes (one process otherwise); ``<!-- test: dry-run -->`` plans every training command of a
 shell block instead of running it; ``<!-- test: setup=NAME -->`` first makes what the block
-names as the user's own input (see ``SETUPS``).
+names as the user's own input (see ``SETUPS``). Blocks that run nothing (a layout, the CI's own
+install and test steps) are checked to be just that, and not collected as runs.
 
 Shell commands: ``pip install`` and ``pytest`` are the CI's own steps and are not repeated; a
 benchmark without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training
@@ -164,27 +165,42 @@ def test_commands_are_planned_as_the_module_doc_says():
     assert commands("a \\\n  b  # c\n# d\ne") == ["a b", "e"]
 
 
-@pytest.mark.parametrize("line,lang,code,opts", BLOCKS, ids=[f"line{b[0]}-{b[1]}" for b in BLOCKS])
+def runs(line: int, lang: str, code: str, opts: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(what, argv) of everything a block runs here; empty for a block that runs nothing."""
+    if lang == "python":
+        ranks = int(opts.get("ranks", "1"))
+        script = f"readme_line{line}.py"  # written into the scratch directory
+        argv = _torchrun(ranks) + [script] if ranks > 1 else [sys.executable, script]
+        return [(f"python block at line {line}", argv)]
+    if lang != "bash":
+        return []
+    planned = [(c, plan(c, "dry-run" in opts)) for c in commands(code)]
+    return [(c, argv) for c, argv in planned if argv is not None]
+
+
+RUNNABLE = [b for b in BLOCKS if runs(*b)]
+
+
+def test_the_blocks_that_run_nothing_only_show_files_or_install():
+    """Blocks left out of ``test_block_runs``: layouts (text, TOML) and the CI's own steps."""
+    for line, lang, code, opts in BLOCKS:
+        if not runs(line, lang, code, opts):
+            assert lang not in ("python", "bash") or all(
+                plan(c, False) is None for c in commands(code)
+            ), f"README line {line} runs nothing"
+    assert len(RUNNABLE) >= 20, len(RUNNABLE)
+
+
+@pytest.mark.parametrize(
+    "line,lang,code,opts", RUNNABLE, ids=[f"line{b[0]}-{b[1]}" for b in RUNNABLE]
+)
 def test_block_runs(work, line, lang, code, opts):
-    if lang not in ("python", "bash"):
-        pytest.skip(f"a {lang or 'text'} block shows a layout, it runs nothing")
-    if "skip" in opts:
-        pytest.skip(opts["skip"])
     for setup in filter(None, opts.get("setup", "").split(",")):
         name, _, arg = setup.partition(":")
         SETUPS[name](work, *([arg] if arg else []))
     if lang == "python":
-        script = work / f"readme_line{line}.py"
-        script.write_text(code + "\n")
-        ranks = int(opts.get("ranks", "1"))
-        argv = _torchrun(ranks) + [str(script)] if ranks > 1 else [sys.executable, str(script)]
-        runs = [(f"python block at line {line}", argv)]
-    else:
-        runs = [(c, plan(c, "dry-run" in opts)) for c in commands(code)]
-        runs = [(c, argv) for c, argv in runs if argv is not None]
-        if not runs:
-            pytest.skip("install and test commands only (the CI's own steps)")
-    for what, argv in runs:
+        (work / f"readme_line{line}.py").write_text(code + "\n")
+    for what, argv in runs(line, lang, code, opts):
         proc = subprocess.run(
             argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
         )
