@@ -41,7 +41,7 @@ from parallax.models.llava_objectives import (
 from parallax.models.stages import StageBlock
 from parallax.pipeline import TensorMeta
 from parallax.recipes.openvla import with_fusion
-from parallax.train.recipe import MetricSpec, Microbatch, ModelSpec, Recipe
+from parallax.train.recipe import MetricSpec, Microbatch, ModelSpec, Recipe, batch_args
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +157,7 @@ class LlavaRecipe(Recipe):
             dataset,
             lengths,
             images,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
+            **batch_args(cfg, ctx),
         )
 
     def input_problem(self, config: LlavaNextConfig, mb: Microbatch, cfg) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 from parallax.data.mixture import Mixture, detect_format, load_mixture, parse_data_spec
 from parallax.data.stats import DatasetError
 from parallax.data.workers import auto_workers
+from parallax.train.recipe import batch_args
 
 STREAMED = ("rlds", "lerobot", "libero")
 
@@ -70,11 +71,7 @@ def stream_loader(mixture: Mixture, cfg, ctx, image_size: int):
     augment = True if cfg.augment is None else cfg.augment
     return StreamLoader(
         mixture,
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_size=ctx.dp_size,
-        seed=cfg.seed,
+        **batch_args(cfg, ctx),
         images="train" if augment else "none",
         image_size=image_size,
         workers=auto_workers() if cfg.workers is None else cfg.workers,

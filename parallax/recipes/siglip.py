@@ -42,7 +42,7 @@ from parallax import comm
 from parallax.models.siglip import Siglip
 from parallax.models.siglip_config import PRESETS, SiglipConfig
 from parallax.models.stages import StageBlock
-from parallax.train.recipe import MetricSpec, Microbatch, ModelSpec, Recipe
+from parallax.train.recipe import MetricSpec, Microbatch, ModelSpec, Recipe, batch_args
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +187,7 @@ class SiglipRecipe(Recipe):
 
         return PairLoader(
             dataset,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
+            **batch_args(cfg, ctx),
         )
 
     def collator(self, config: SiglipConfig, dataset: Any, checkpoint: Path | None):

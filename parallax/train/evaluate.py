@@ -17,7 +17,7 @@ import torch
 
 from parallax import comm
 from parallax.data import BatchLoader
-from parallax.train.recipe import metric_values
+from parallax.train.recipe import batch_args, metric_values
 
 log = logging.getLogger("parallax.train")
 
@@ -32,11 +32,7 @@ class Evaluator:
         self.every, self.batches = cfg.eval_interval, cfg.eval_batches
         BatchLoader(  # the batch sizes and the split's size, checked before the first step
             dataset,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
+            **batch_args(cfg, ctx),
         )
 
     def maybe_run(self, step: int, last: bool = False) -> dict[str, float] | None:
@@ -48,11 +44,7 @@ class Evaluator:
         trainer, cfg, ctx = self.trainer, self.trainer.cfg, self.trainer.ctx
         loader = BatchLoader(
             self.dataset,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
+            **batch_args(cfg, ctx),
         )
         sums, units = None, 0
         for _ in range(min(self.batches, loader.steps_per_epoch)):

@@ -39,6 +39,17 @@ from parallax.pipeline import TensorMeta
 Microbatch = dict[str, Any]  # host tensors (and anything else the recipe puts there)
 
 
+def batch_args(cfg, ctx: ParallelContext) -> dict[str, int]:
+    """The batch sizes, this rank's dp share and the seed: what every loader of a run takes."""
+    return dict(
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        seed=cfg.seed,
+    )
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     """One metric reported per step: ``value = sums[numerator] / max(sums[denominator], 1)``
@@ -162,11 +173,7 @@ class Recipe:
 
         return BatchLoader(
             dataset,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_size=ctx.dp_size,
-            seed=cfg.seed,
+            **batch_args(cfg, ctx),
         )
 
     def input_problem(self, config: Any, mb: Microbatch, cfg) -> str | None:
