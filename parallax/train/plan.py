@@ -19,6 +19,7 @@ from parallax.pipeline import format_schedule, simulate, split
 from parallax.pipeline.simulate import peak_activations
 from parallax.train import groups, lora, registry
 from parallax.train.config import TrainConfig
+from parallax.train.recipe import fill_lr_defaults, whole_model
 from parallax.train.trainer import _strip_family, make_schedule, num_microbatches
 
 GIB = 2**30
@@ -39,12 +40,7 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     """Blocks, parameters and memory of one (dp 0, tp 0) rank of pipeline rank ``pp_rank``."""
     recipe, spec = registry.resolve(cfg.model)
     config = recipe.configure(spec.config, cfg)
-    if cfg.lr is None:
-        name = _strip_family(cfg.model, recipe)
-        is_lora = cfg.finetune == "lora"
-        cfg.lr = recipe.default_lora_lr(name) if is_lora else recipe.default_lr(name)
-    if cfg.lr_groups is None:
-        cfg.lr_groups = recipe.default_lr_groups(_strip_family(cfg.model, recipe), cfg.lr)
+    fill_lr_defaults(recipe, _strip_family(cfg.model, recipe), cfg)
     recipe.check_layout(config, cfg, dims)
     blocks = recipe.blocks(config)
     ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=recipe.pin_first)
@@ -53,17 +49,7 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     ctx = ParallelContext(dims=dims, rank=dims.rank(pp_rank, 0, 0), device=torch.device("meta"))
     mine = [r for s, r in enumerate(ranges) if schedule.rank_of(s) == pp_rank]
     if pp_rank == 0 and lora.enabled(cfg):  # the globs, as a run checks them
-        local = ParallelContext.local(device="meta")
-        whole = recipe.build(
-            config,
-            range(len(blocks)),
-            local,
-            cfg=cfg,
-            dtype=torch.float32,
-            device="meta",
-            checkpoint=None,
-        )
-        lora.check_globs(whole, cfg, recipe)
+        lora.check_globs(whole_model(recipe, config, cfg), cfg, recipe)
     params = trainable = adapters = 0
     weight_bytes = grad_bytes = optim = 0.0
     by_group = [0] * len(groups.group_labels(cfg))

@@ -35,7 +35,7 @@ from parallax.train.optimizer import build_optimizer
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
 __all__ = ["InputError", "StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
-from parallax.train.recipe import Microbatch, Recipe
+from parallax.train.recipe import Microbatch, Recipe, fill_lr_defaults, whole_model
 
 
 @dataclass
@@ -69,11 +69,7 @@ class Trainer:
         if model_config is None:
             spec = recipe.resolve(name)
             model_config, checkpoint_dir = spec.config, spec.checkpoint
-        if cfg.lr is None:
-            is_lora = cfg.finetune == "lora"
-            cfg.lr = recipe.default_lora_lr(name) if is_lora else recipe.default_lr(name)
-        if cfg.lr_groups is None:
-            cfg.lr_groups = recipe.default_lr_groups(name, cfg.lr)
+        fill_lr_defaults(recipe, name, cfg)
         cfg.check()
         self.cfg, self.ctx, self.recipe = cfg, ctx, recipe
         self.model_config = recipe.configure(model_config, cfg)
@@ -137,15 +133,7 @@ class Trainer:
 
     def _whole_model(self) -> torch.nn.Module:
         """The whole model on the meta device at tp = 1 (shapes and names only)."""
-        return self.recipe.build(
-            self.model_config,
-            range(len(self.block_names)),
-            ParallelContext.local(device="meta"),
-            cfg=self.cfg,
-            dtype=self.dtype,
-            device="meta",
-            checkpoint=None,
-        )
+        return whole_model(self.recipe, self.model_config, self.cfg, self.dtype)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under their global (layout-free) names, with their current
