@@ -54,6 +54,7 @@ class _LoRAMixin:
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     lora_names: tuple[str, ...]  # one logical name per adapter (seeds, PEFT export)
+    lora_groups: int  # len(lora_names), kept apart: see add_adapter
     lora_rank: int
     lora_alpha: float
     lora_dropout: float
@@ -61,10 +62,6 @@ class _LoRAMixin:
     @property
     def lora_scaling(self) -> float:
         return self.lora_alpha / self.lora_rank
-
-    @property
-    def lora_groups(self) -> int:
-        return len(self.lora_names)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_dropout == 0.0:
@@ -225,7 +222,9 @@ def add_adapter(
         b = _adapter_param((layer.out_features, rank), None, True, w, dtype)
     layer.__class__ = _KINDS[base]
     layer.lora_A, layer.lora_B = a, b
-    layer.lora_names, layer.lora_rank = tuple(names), rank
+    # The forward reads only the count: torch.compile guards on every attribute a forward
+    # touches, and a guard on the (per-layer) names would recompile each layer anew.
+    layer.lora_names, layer.lora_groups, layer.lora_rank = tuple(names), g, rank
     layer.lora_alpha, layer.lora_dropout = float(alpha), float(dropout)
     if seed is not None:
         layer.reset_adapter(seed)
@@ -240,7 +239,14 @@ def remove_adapter(layer: _LoRAMixin, merge: bool) -> nn.Module:
     if merge:
         w = layer.weight
         w.copy_((w.float() + layer.lora_delta()).to(w.dtype))
-    for name in (*LORA_PARAMS, "lora_names", "lora_rank", "lora_alpha", "lora_dropout"):
+    for name in (
+        *LORA_PARAMS,
+        "lora_names",
+        "lora_groups",
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+    ):
         delattr(layer, name)
     layer.__class__ = _BASES[type(layer)]
     return layer
