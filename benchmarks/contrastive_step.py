@@ -22,9 +22,12 @@ w`` per layer, the MAP head; text forward: blocks; the logits ``2 B d``) per pai
 against 989 TFLOP/s (dense bf16 H100/H200). Peak memory is ``torch.cuda.max_memory_allocated``.
 
 Pick the systems with ``--frameworks`` (the coordinator runs one per command, each well under
-9 minutes) and the local batch with ``--batch`` (one number, or ``parallax=512,torch=256``):
+9 minutes) and the local batch with ``--batch``: one number, ``parallax=512,torch=256``, or a
+list per system, each a row of its own (``256:384:512`` finds the largest that fits; a batch
+that does not is an OOM row; ``loss 1 rel diff`` compares rows of the same batch):
 
     python -m benchmarks.contrastive_step --frameworks parallax --batch 256
+    python -m benchmarks.contrastive_step --frameworks parallax,torch --batch 256:384:512
     python -m benchmarks.contrastive_step --frameworks torch --batch 256
     python -m benchmarks.contrastive_step --frameworks hf --batch 128
     python -m benchmarks.contrastive_step --smoke          # CPU, siglip-tiny, writes nothing
@@ -72,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="siglip-large-patch16-256")
     p.add_argument("--frameworks", default="parallax,torch,hf")
-    p.add_argument("--batch", default="64", help="local batch: N, or FRAMEWORK=N,...")
+    p.add_argument(
+        "--batch", default="64", help="local batches: N[:N...], or FRAMEWORK=N[:N...],..."
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
@@ -88,26 +93,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def batch_of(args: argparse.Namespace, framework: str) -> int:
-    """The local batch of ``framework`` (``--batch``)."""
+def batches_of(args: argparse.Namespace, framework: str) -> list[int]:
+    """The local batches of ``framework`` (``--batch``), each a row of its own: a list such as
+    ``256:384:512`` finds the largest that fits (the ones that do not are OOM rows)."""
     spec = args.batch
-    if "=" not in spec:
-        return int(spec)
-    sizes = dict(part.split("=") for part in spec.split(","))
-    if framework not in sizes:
-        raise SystemExit(f"--batch {spec}: no size for {framework}")
-    return int(sizes[framework])
+    if "=" in spec:
+        sizes = dict(part.split("=") for part in spec.split(","))
+        if framework not in sizes:
+            raise SystemExit(f"--batch {spec}: no size for {framework}")
+        spec = sizes[framework]
+    return [int(b) for b in spec.split(":")]
 
 
-def run_row(name: str, args, config, weights: Path, device: torch.device) -> dict:
-    """Build, warm up and time one system; its measurements or the error."""
-    b = batch_of(args, name)
+def run_row(name: str, b: int, args, config, weights: Path, device: torch.device) -> dict:
+    """Build, warm up and time one system at local batch ``b``; its measurements or the error."""
     px, ids = make_batch(config, b, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
         step = SYSTEMS[name](args, config, weights, device, b)
+        t_build = time.perf_counter()
         first = float(step(px, ids))
         for _ in range(max(args.warmup - 1, 0)):
             step(px, ids)
@@ -118,6 +124,8 @@ def run_row(name: str, args, config, weights: Path, device: torch.device) -> dic
             step(px, ids)
             sync(device)
             times.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t_build
+        print(f"{name} batch {b}: warm-up and timing {took:.0f} s", flush=True)
         return {"batch": b, "time": median(times), "loss": first, "peak": peak_memory_gib(device)}
     except Exception as err:  # an OOM or a missing package becomes the row's status
         text = (str(err).splitlines() or [""])[0][:120]
@@ -126,6 +134,7 @@ def run_row(name: str, args, config, weights: Path, device: torch.device) -> dic
             "error": text if text.startswith("skipped") else f"{type(err).__name__}: {text}",
         }
     finally:
+        step = px = ids = None  # this row's model and batch, before the next row's
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -142,15 +151,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as root:
         weights = Path(root) / "hf"
         Siglip(config, seed=0).save_pretrained(weights)  # the shared starting point
-        ref = None
-        for name in args.frameworks.split(","):
-            got = run_row(name, args, config, weights, device)
-            b = got["batch"]
+        refs: dict[int, float] = {}  # the first loss of each batch size: rows compare to it
+        runs = [(n, b) for n in args.frameworks.split(",") for b in batches_of(args, n)]
+        for name, b in runs:
+            got = run_row(name, b, args, config, weights, device)
             flops = b * config.flops_per_sample(b)
             ok = "error" not in got
             t = got.get("time", float("nan"))
             loss = got.get("loss", float("nan"))
-            ref = loss if ok and ref is None else ref
+            ref = refs.setdefault(b, loss) if ok else float("nan")
             row = {
                 "framework": name,
                 "batch": b,

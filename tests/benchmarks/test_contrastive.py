@@ -7,7 +7,7 @@ from benchmarks.common import RESULTS_JSONL, RESULTS_MD
 
 
 def test_contrastive_step_smoke_rows_start_from_the_same_loss():
-    from benchmarks.contrastive_step import batch_of, main, parse_args
+    from benchmarks.contrastive_step import batches_of, main, parse_args
 
     sizes = [f.stat().st_size for f in (RESULTS_MD, RESULTS_JSONL)]
     argv = ["--smoke", "--batch", "parallax=4,torch=4,hf=2", "--steps", "1", "--warmup", "1"]
@@ -18,7 +18,8 @@ def test_contrastive_step_smoke_rows_start_from_the_same_loss():
     assert rows["torch"]["loss 1 rel diff"] < 1e-5  # the same weights, the same batch, fp32
     assert rows["hf"]["status"] == "ok" or rows["hf"]["status"].startswith("skipped")
     assert [f.stat().st_size for f in (RESULTS_MD, RESULTS_JSONL)] == sizes  # smoke: no writes
-    assert batch_of(parse_args(["--batch", "8"]), "hf") == 8
+    assert batches_of(parse_args(["--batch", "8"]), "hf") == [8]
+    assert batches_of(parse_args(["--batch", "parallax=4:8,torch=4"]), "parallax") == [4, 8]
 
 
 def _memory(batches: str) -> list:
