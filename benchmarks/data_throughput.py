@@ -11,6 +11,7 @@ rank when ``--workers`` is left out; marked in the table).
 
     python -m benchmarks.data_throughput --write            # workers 0, 1, 2, 4, ... <= cores
     python -m benchmarks.data_throughput --workers 0 2 8 16
+    python -m benchmarks.data_throughput --formats lerobot --workers 8 16
     python -m benchmarks.data_throughput --smoke            # CPU test: tiny, prints only
 
 Only ``--write`` (never with ``--smoke``) appends to RESULTS.md / results.jsonl.
@@ -34,6 +35,7 @@ from parallax.data.workers import auto_workers
 from tests.data.lerobot_writer import write_lerobot
 from tests.data.writers import make_episodes, write_rlds
 
+FORMATS = ("rlds", "lerobot")
 H200_FULL_FT = 36.0  # samples/s of full fine-tuning on one H200 (the yardstick)
 
 
@@ -56,19 +58,26 @@ def _codec() -> str:
     return "libsvtav1" if "libsvtav1" in av.codecs_available else "libx264"
 
 
-def generate(root: Path, episodes: int, length: int, size: int) -> dict[str, tuple[Path, str]]:
-    rlds = write_rlds(root, "bench_rlds", _episodes(episodes, length, size, 0), "jpeg", shards=4)
-    codec = _codec()
-    lerobot = write_lerobot(
-        root / "bench_lerobot",
-        _episodes(episodes, length, size, 1),
-        version="v3.0",
-        fps=10,
-        per_file=max(episodes // 4, 1),
-        codec=codec,
-        lossy=True,
-    )
-    return {"rlds (jpeg)": (rlds, "jpeg"), "lerobot v3.0 (mp4)": (lerobot, codec)}
+def generate(
+    root: Path, episodes: int, length: int, size: int, formats=FORMATS
+) -> dict[str, tuple[Path, str]]:
+    out = {}
+    if "rlds" in formats:
+        eps = _episodes(episodes, length, size, 0)
+        out["rlds (jpeg)"] = (write_rlds(root, "bench_rlds", eps, "jpeg", shards=4), "jpeg")
+    if "lerobot" in formats:
+        codec = _codec()
+        lerobot = write_lerobot(
+            root / "bench_lerobot",
+            _episodes(episodes, length, size, 1),
+            version="v3.0",
+            fps=10,
+            per_file=max(episodes // 4, 1),
+            codec=codec,
+            lossy=True,
+        )
+        out["lerobot v3.0 (mp4)"] = (lerobot, codec)
+    return out
 
 
 def openvla_collate(source):
@@ -111,6 +120,9 @@ def measure(
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--formats", default=",".join(FORMATS), help="comma list of: " + ", ".join(FORMATS)
+    )
     parser.add_argument("--batch", type=int, default=32, help="global batch (one rank)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--episodes", type=int, default=24)
@@ -128,6 +140,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--data rlds:DIR/bench_rlds or DIR/bench_lerobot)",
     )
     args = parser.parse_args(argv)
+    formats = args.formats.split(",")
+    if not formats or any(f not in FORMATS for f in formats):
+        parser.error(f"--formats {args.formats}: choose from {', '.join(FORMATS)}")
     if args.smoke:
         args.batch, args.steps, args.episodes, args.length, args.size = 4, 2, 4, 4, 32
         args.workers = args.workers or [0, 1]
@@ -138,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, records = [], []
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
-        datasets = generate(Path(args.keep or tmp), args.episodes, args.length, args.size)
+        datasets = generate(Path(args.keep or tmp), args.episodes, args.length, args.size, formats)
         generated = time.perf_counter() - began
         # progress as it goes (flushed): a run cut off by a time limit still shows what it got
         print(f"datasets generated in {generated:.1f}s", flush=True)

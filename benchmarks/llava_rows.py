@@ -171,6 +171,7 @@ def hf_row(args, config: LlavaNextConfig, mbs, device) -> tuple[Step, float]:
             input_ids=mb["input_ids"],
             image_sizes=mb["image_sizes"],
             attention_mask=mask.long(),
+            use_cache=False,  # training: no KV cache (its guards recompile every compiled layer)
         ).logits
         return torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1).float(), mb["labels"][:, 1:].flatten(), reduction="sum"

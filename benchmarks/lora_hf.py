@@ -97,7 +97,7 @@ class HFOpenVLA(nn.Module):
         x = torch.cat([emb[:, :1], patches, emb[:, 1:]], dim=1)
         ignore = torch.full((labels.shape[0], self.num_patches), -100, device=labels.device)
         labels = torch.cat([labels[:, :1], ignore, labels[:, 1:]], dim=1)
-        return self.language_model(inputs_embeds=x, labels=labels).loss
+        return self.language_model(inputs_embeds=x, labels=labels, use_cache=False).loss
 
 
 def linear_targets(model: nn.Module) -> list[str]:
