@@ -167,9 +167,12 @@ def append_results(
 
 def append_records(records: list[dict], info: dict[str, str] | None = None) -> None:
     """Append one JSON line per record to results.jsonl, led by run id, date, commit, hardware
-    (scripts that may not live to the end write each row as soon as it is measured)."""
+    and torch version (scripts that may not live to the end write each row as soon as it is
+    measured)."""
     info = info or env_info()
     with open(RESULTS_JSONL, "a") as f:
         for rec in records:
-            head = {k: info[k] for k in ("run_id", "date", "commit", "hardware")}
+            head = {
+                k: info[k] for k in ("run_id", "date", "commit", "hardware", "torch") if k in info
+            }
             f.write(json.dumps({**head, **rec}) + "\n")

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -150,41 +152,63 @@ def main(argv: list[str] | None = None) -> list[dict]:
     default = auto_workers()
     workers = args.workers or sorted({0, default} | {w for w in (1, 2, 4, 8, 16, 32) if w <= cores})
     info = env_info()
-    rows, records = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        began = time.perf_counter()
-        datasets = generate(Path(args.keep or tmp), args.episodes, args.length, args.size, formats)
-        generated = time.perf_counter() - began
-        # progress as it goes (flushed): a run cut off by a time limit still shows what it got
-        print(f"datasets generated in {generated:.1f}s", flush=True)
-        for label, (path, codec) in datasets.items():
+    rows: list[list] = []
+    records: list[dict] = []
+    generated = float("nan")
+    # A time limit's SIGTERM ends the run through the finally below: the rows measured so far
+    # are still printed and written, marked as cut short.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    complete = False
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
             began = time.perf_counter()
-            source = open_source(str(path))
-            scan = time.perf_counter() - began
-            build = openvla_collate(source) if args.collate == "openvla" else collate
-            for w in workers:
-                result = measure(source, w, args.batch, args.steps, args.size, build)
-                rate = result["samples_per_s"]
-                shown = f"{w} (default)" if w == default else str(w)
-                row = [label, codec, shown, rate, rate / H200_FULL_FT, result["wait_ms_per_step"]]
-                rows.append(row + [scan])
-                print(f"{label} ({codec}), workers {w}: {rate:.1f} samples/s", flush=True)
-                records.append(
-                    {
-                        "benchmark": "data_throughput",
-                        "format": label,
-                        "codec": codec,
-                        "workers": w,
-                        "default_workers": w == default,
-                        "collate": args.collate,
-                        "batch": args.batch,
-                        "image_size": args.size,
-                        "samples_per_s": rate,
-                        "x_h200_full_ft": rate / H200_FULL_FT,
-                        "wait_ms_per_step": result["wait_ms_per_step"],
-                        "scan_s": scan,
-                    }
-                )
+            root = Path(args.keep or tmp)
+            datasets = generate(root, args.episodes, args.length, args.size, formats)
+            generated = time.perf_counter() - began
+            print(f"datasets generated in {generated:.1f}s", flush=True)  # progress, flushed
+            for label, (path, codec) in datasets.items():
+                _measure_format(args, label, path, codec, workers, default, rows, records)
+        complete = True
+    finally:
+        _report(args, cores, rows, records, info, generated, complete)
+    return records
+
+
+def _measure_format(args, label, path, codec, workers, default, rows, records) -> None:
+    """One dataset at each worker count: a row and a record each, printed as measured."""
+    began = time.perf_counter()
+    source = open_source(str(path))
+    scan = time.perf_counter() - began
+    build = openvla_collate(source) if args.collate == "openvla" else collate
+    for w in workers:
+        result = measure(source, w, args.batch, args.steps, args.size, build)
+        rate = result["samples_per_s"]
+        shown = f"{w} (default)" if w == default else str(w)
+        row = [label, codec, shown, rate, rate / H200_FULL_FT, result["wait_ms_per_step"]]
+        rows.append(row + [scan])
+        print(f"{label} ({codec}), workers {w}: {rate:.1f} samples/s", flush=True)
+        records.append(
+            {
+                "benchmark": "data_throughput",
+                "format": label,
+                "codec": codec,
+                "workers": w,
+                "default_workers": w == default,
+                "collate": args.collate,
+                "batch": args.batch,
+                "image_size": args.size,
+                "samples_per_s": rate,
+                "x_h200_full_ft": rate / H200_FULL_FT,
+                "wait_ms_per_step": result["wait_ms_per_step"],
+                "scan_s": scan,
+            }
+        )
+
+
+def _report(args, cores, rows, records, info, generated, complete) -> None:
+    """The table of the rows measured (all, or those before a time limit cut the run)."""
+    if not rows:
+        return
     columns = [
         "format",
         "codec",
@@ -205,8 +229,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{args.episodes} episodes x {args.length} steps per format; OpenVLA's train "
             "augmentation; 'x H200 full FT' = samples/s / 36"
         )
+        if not complete:
+            notes += f"; cut short after {len(rows)} rows (time limit or error)"
         append_results(title, columns, rows, notes=notes, records=records, info=info)
-    return records
 
 
 if __name__ == "__main__":

@@ -102,7 +102,9 @@ def report(session: str, path=RESULTS_JSONL, write: bool = True) -> list[list]:
     title = f"lora_step: {model}, OpenVLA's LoRA recipe on one GPU, session {session}"
     print_table(title, COLUMNS, rows)
     if write:
-        info = {**env_info(), "hardware": records[0]["hardware"], "commit": records[0]["commit"]}
+        first = records[0]  # where the rows ran, not where the report is written
+        info = {**env_info(), "hardware": first["hardware"], "commit": first["commit"]}
+        info["torch"] = first.get("torch", "as in the rows' runs")
         info["run_id"] = ", ".join(sorted({r["run_id"] for r in records}))
         append_results(title, COLUMNS, rows, NOTES, info=info)
     return rows
