@@ -32,7 +32,7 @@ from parallax.data.episodes import STATISTICS
 from parallax.dims import ParallelDims
 from parallax.train import lora, registry, state
 from parallax.train.config import TrainConfig, parse_args
-from parallax.train.evaluate import Evaluator
+from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
 from parallax.train.trainer import InputError, Trainer
@@ -147,7 +147,10 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             monitor.record(step, output, tokens, flops, data_wait_s=waited)
             stopping = stop_after is not None and step - start >= stop_after
             if evaluator is not None:
-                evaluator.maybe_run(step, last=step == cfg.steps)
+                try:  # its batches are agreed on like the step's
+                    evaluator.maybe_run(step, last=step == cfg.steps)
+                except EvalDataError as err:
+                    raise UserError(str(err)) from None
             periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
             if periodic or stopping:
                 monitor.flush()  # every step since the last checkpoint is finite

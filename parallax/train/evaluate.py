@@ -17,9 +17,18 @@ import torch
 
 from parallax import comm
 from parallax.data import BatchLoader
+from parallax.train.inputs import InputError
 from parallax.train.recipe import batch_args, metric_values
 
 log = logging.getLogger("parallax.train")
+
+
+class EvalDataError(ValueError):
+    """The held-out split gave some rank an unusable batch (the same message on every rank)."""
+
+    def __init__(self, step: int, batch: int, found: list[str]) -> None:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        super().__init__(f"the evaluation at step {step}, batch {batch}: {found[0]}{more}")
 
 
 class Evaluator:
@@ -47,9 +56,15 @@ class Evaluator:
             **batch_args(cfg, ctx),
         )
         sums, units = None, 0
-        for _ in range(min(self.batches, loader.steps_per_epoch)):
-            mbs = [self.collate(samples) for samples in loader.next_batch()]
-            got = trainer.eval_step(mbs)
+        for i in range(min(self.batches, loader.steps_per_epoch)):
+            try:  # bad data on one rank: every rank stops here, before the forward's collectives
+                mbs, problem = [self.collate(samples) for samples in loader.next_batch()], None
+            except (ValueError, FileNotFoundError) as err:  # DatasetError is a ValueError
+                mbs, problem = [], str(err)
+            try:
+                got = trainer.eval_step(mbs, problem=problem)
+            except InputError as err:
+                raise EvalDataError(step, i, err.found) from None
             sums = got if sums is None else sums + got
             units += sum(int(trainer.recipe.loss_units(mb)) for mb in mbs)
         total = torch.tensor(float(units), device=ctx.device)

@@ -274,9 +274,11 @@ class Trainer:
 
     # -- evaluation and reporting --------------------------------------------------------------
     @torch.no_grad()
-    def eval_step(self, microbatches: list[Microbatch]) -> torch.Tensor:
+    def eval_step(self, microbatches: list[Microbatch], problem: str | None = None) -> torch.Tensor:
         """Loss and metric sums of these microbatches, forward only (collective: every rank
-        passes its dp share of the same evaluation batch)."""
+        passes its dp share of the same evaluation batch). The inputs are agreed on first, as
+        in :meth:`train_step`: a ``problem`` on one rank is :class:`InputError` on all."""
+        self._check_inputs(microbatches, problem)
         self.optimizer.wait_params()
         if self.recipe.objective == "step":
             return self.recipe.evaluate_step(self.chunks, microbatches, self.ctx, self.cfg)

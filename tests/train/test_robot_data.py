@@ -158,6 +158,21 @@ def test_bad_data_stops_every_rank_with_one_message_before_a_step_on_it(tmp_path
     assert all(s < int(found.group(1)) for s in steps), (steps, said[0])
 
 
+def test_bad_evaluation_data_stops_every_rank_with_one_message(rlds, tmp_path):
+    """A held-out batch that does not decode on some ranks: every rank stops at that
+    evaluation with the same message (none is left waiting in the forward's collectives)."""
+    from parallax.testing import run_ranks
+
+    image = _bad_rlds(tmp_path, "image")
+    extra = ("--eval-data", f"rlds:{image}", "--eval-interval", "2", "--eval-batches", "4")
+    out = tmp_path / "eval_run"
+    said = run_ranks(_train, 4, 1, 4, str(out), f"rlds:{rlds}", None, False, extra)
+    assert len(set(said)) == 1, said
+    pattern = r"the evaluation at step 2, batch \d: rank \d: .*image 'observation/image' does not"
+    assert re.search(pattern, said[0]), said[0]
+    assert [r["step"] for r in metrics(out)] == [1, 2]  # the steps before it were logged
+
+
 def test_bad_data_exits_with_status_2(tmp_path):
     image = _bad_rlds(tmp_path, "image")
     args = ["--data", str(image.parent), "--out", str(tmp_path / "run"), *RUN[:-2]]
