@@ -109,8 +109,17 @@ def linear_targets(model: nn.Module) -> list[str]:
     ]
 
 
-def build(config: OpenVLAConfig, device, dtype, rank: int, alpha: float, compile: bool):
-    """The PEFT-wrapped model and its AdamW, as the script builds them (random base)."""
+def build(
+    config: OpenVLAConfig,
+    device,
+    dtype,
+    rank: int,
+    alpha: float,
+    compile: bool,
+    cuda_graphs: bool = False,
+):
+    """The PEFT-wrapped model and its AdamW, as the script builds them (random base);
+    ``cuda_graphs``: the compiled blocks in inductor's reduce-overhead mode."""
     from peft import LoraConfig, get_peft_model
 
     with torch.device(device):
@@ -125,25 +134,36 @@ def build(config: OpenVLAConfig, device, dtype, rank: int, alpha: float, compile
     )
     model = get_peft_model(model, lora)
     if compile:
+        options = {"mode": "reduce-overhead"} if cuda_graphs else {}
         inner = model.base_model.model
         for tower in (inner.featurizer, inner.fused_featurizer):
             for blk in tower.blocks:
-                blk.compile()
+                blk.compile(**options)
         for layer in inner.language_model.model.layers:
-            layer.compile()
+            layer.compile(**options)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(trainable, lr=5e-4)
 
 
-def step_fn(model, optimizer, microbatches: list[dict], autocast: torch.dtype | None):
+def step_fn(
+    model,
+    optimizer,
+    microbatches: list[dict],
+    autocast: torch.dtype | None,
+    cuda_graphs: bool = False,
+):
     """One step as the script runs it: per micro-batch a forward under autocast and a backward
-    of ``loss / accumulation steps`` (its ``grad_accumulation_steps``), then AdamW."""
+    of ``loss / accumulation steps`` (its ``grad_accumulation_steps``), then AdamW. With
+    ``cuda_graphs`` each micro-batch starts a new replay round (the last one's graph outputs
+    are dead by then: its backward has run)."""
     dev = microbatches[0]["input_ids"].device.type
     n = len(microbatches)
 
     def step() -> dict:
         total = 0.0
         for mb in microbatches:
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(dev, dtype=autocast or torch.float32, enabled=bool(autocast)):
                 loss = model(mb["pixel_values"], mb["input_ids"], mb["labels"])
             (loss / n).backward()

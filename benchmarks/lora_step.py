@@ -12,6 +12,8 @@ does, for both stacks). Rows (``--stack``):
   ``--compile``: each ViT block and decoder layer ``torch.compile``'d (``opt+compile``).
 - ``hf``: :mod:`benchmarks.lora_hf`, timm + transformers + PEFT under bf16 autocast, as the
   script runs it (``eager``) and with ``--compile`` (each block compiled after PEFT).
+- ``--cuda-graphs`` (with ``--compile``, either stack): the compiled blocks replayed as CUDA
+  graphs (inductor's reduce-overhead mode; parallax's ``--cuda-graphs``), ``+cudagraphs``.
 
 ``--batch 16,64,max``: each batch in turn in one process (the model built once); ``max`` doubles
 the batch from the last one given until a step runs out of memory, then bisects (to a multiple
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32")
     p.add_argument("--stack", choices=("parallax", "hf"), default="parallax")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--cuda-graphs", action="store_true", help="with --compile: CUDA graphs")
     p.add_argument("--batch", default=None, help="comma list of batches, or max (16)")
     p.add_argument(
         "--micro-batch",
@@ -82,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report", default=None, metavar="SESSION", help="write the table")
     p.add_argument("--write", action="store_true", help="with --smoke: write the results")
     args = p.parse_args(argv)
+    if args.cuda_graphs and not args.compile:
+        p.error("--cuda-graphs replays compiled blocks: add --compile")
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
     args.batch = args.batch or ("2,4" if args.smoke else "16")
     args.max_batch = args.max_batch or (8 if args.smoke else 512)
@@ -101,7 +106,7 @@ class Row:
             from benchmarks import lora_hf
 
             self.model, self.optimizer = lora_hf.build(
-                config, self.device, self.dtype, RANK, ALPHA, args.compile
+                config, self.device, self.dtype, RANK, ALPHA, args.compile, args.cuda_graphs
             )
 
     def _trainer(self, n_micro: int, micro: int):
@@ -122,6 +127,7 @@ class Row:
                 micro_batch_size=micro,
                 lr=LR,
                 compile=self.args.compile,
+                cuda_graphs=self.args.cuda_graphs,
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
             backend = "aot_eager" if self.args.smoke else "inductor"
@@ -135,7 +141,9 @@ class Row:
             from benchmarks import lora_hf
 
             autocast = None if self.args.smoke else torch.bfloat16
-            return lora_hf.step_fn(self.model, self.optimizer, mbs, autocast)
+            return lora_hf.step_fn(
+                self.model, self.optimizer, mbs, autocast, self.args.cuda_graphs
+            )
         trainer = self._trainer(len(mbs), micro)  # one micro-batch of any size: reused
         mbs = [{**mb, "labels": mb["labels"].cpu()} for mb in mbs]
         return lambda: trainer.train_step(mbs)
@@ -233,6 +241,8 @@ def _run(args, device: torch.device, world: int) -> list[dict]:
     variant = ("compile" if args.compile else "eager") if args.stack == "hf" else "opt"
     if args.stack == "parallax" and args.compile:
         variant = "opt+compile"
+    if args.cuda_graphs:
+        variant += "+cudagraphs"
     if world > 1:
         variant += f" dp{world}"
     if args.stack == "hf":

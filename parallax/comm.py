@@ -121,15 +121,22 @@ def problems(problem: str | None, group: Group) -> list[str]:
     one small all-reduce read by the host (on the CPU over gloo, on the current device
     otherwise); the sentences travel only when some rank has one.
     """
+    return problems_and_max(problem, 0.0, group)[0]
+
+
+def problems_and_max(problem: str | None, value: float, group: Group) -> tuple[list[str], float]:
+    """:func:`problems`, and the largest ``value`` over the group in the same all-reduce (the
+    step's wait for its batch: the step waits for the slowest rank's)."""
     if size(group) == 1:
-        return [] if problem is None else [problem]
+        return ([] if problem is None else [problem]), float(value)
     device = "cpu" if dist.get_backend(group) == "gloo" else torch.cuda.current_device()
-    flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=device)
+    flag = torch.tensor([float(problem is not None), value], dtype=torch.float64, device=device)
     all_reduce(flag, group, op="max")
-    if not flag.item():
-        return []
+    found, largest = flag.tolist()
+    if not found:
+        return [], largest
     reports = all_gather_object((dist.get_rank(), problem), group)
-    return [f"rank {r}: {p}" for r, p in reports if p is not None]
+    return [f"rank {r}: {p}" for r, p in reports if p is not None], largest
 
 
 def barrier(group: Group) -> None:

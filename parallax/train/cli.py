@@ -138,13 +138,13 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             microbatches, problem = next_microbatches(loader, builder)
             waited = time.perf_counter() - began  # what the step waited for its batch
             try:  # every rank agrees on the batches before the step's first collective
-                output = trainer.train_step(microbatches, problem=problem)
+                output = trainer.train_step(microbatches, problem=problem, data_wait_s=waited)
             except InputError as err:
                 more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
                 raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
             tokens = trainer.tokens(microbatches) * ctx.dp_size
             flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
-            monitor.record(step, output, tokens, flops, data_wait_s=waited)
+            monitor.record(step, output, tokens, flops, data_wait_s=output.data_wait_s)
             stopping = stop_after is not None and step - start >= stop_after
             if evaluator is not None:
                 try:  # its batches are agreed on like the step's

@@ -21,10 +21,13 @@ class InputError(ValueError):
         super().__init__("train_step: " + "; ".join(found))
 
 
-def check(trainer, microbatches: list[Microbatch], problem: str | None = None) -> None:
+def check(
+    trainer, microbatches: list[Microbatch], problem: str | None = None, wait_s: float = 0.0
+) -> float:
     """Every rank passes ``num_microbatches`` well-formed microbatches (and no ``problem``
     its loader found): the ranks agree on it before any other collective, so a problem on
-    one rank raises (:class:`InputError`) on all."""
+    one rank raises (:class:`InputError`) on all. Returns the largest ``wait_s`` (this rank's
+    wait for its batch) over the ranks, carried by the same all-reduce."""
     if problem is None and len(microbatches) != trainer.num_microbatches:
         problem = (
             f"got {len(microbatches)} microbatches, the schedule runs "
@@ -39,6 +42,7 @@ def check(trainer, microbatches: list[Microbatch], problem: str | None = None) -
         if problem:
             problem = f"microbatch {m}: {problem}"
             break
-    found = comm.problems(problem, trainer.ctx.agreement_group)
+    found, slowest = comm.problems_and_max(problem, wait_s, trainer.ctx.agreement_group)
     if found:
         raise InputError(found)
+    return slowest

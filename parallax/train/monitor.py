@@ -155,7 +155,7 @@ class Monitor:
         self, step: int, output: StepOutput, tokens: float, flops: float, data_wait_s: float = 0.0
     ) -> None:
         """Register step ``step`` (its tokens and model FLOPs over the global batch, and the
-        seconds this rank waited for its batch); report the previous one (its tensors are
+        seconds the slowest rank waited for its batch); report the previous one (its tensors are
         ready by now)."""
         now = time.perf_counter()
         elapsed, self._t = now - self._t, now
@@ -197,7 +197,7 @@ class Monitor:
             "mfu": mfu,
             "memory_gib": peak_memory_gib(self.device),
             "step_time_s": seconds,
-            "data_wait_s": data_wait_s,  # rank 0's wait for its batch (load, decode, collate)
+            "data_wait_s": data_wait_s,  # the slowest rank's wait for its batch (load, decode, collate)
         }
         self.last = row
         if self.active:

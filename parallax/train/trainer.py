@@ -46,6 +46,7 @@ class StepOutput:
     grad_norm: torch.Tensor
     metrics: torch.Tensor  # [loss sum, *recipe.metric_sums] over the global batch, every rank
     lr: float
+    data_wait_s: float = 0.0  # the slowest rank's wait for its batch (as train_step was told)
 
 
 class Trainer:
@@ -197,19 +198,24 @@ class Trainer:
             for mb in microbatches
         ]
 
-    def _check_inputs(self, microbatches: list[Microbatch], problem: str | None = None) -> None:
-        inputs.check(self, microbatches, problem)
+    def _check_inputs(
+        self, microbatches: list[Microbatch], problem: str | None = None, wait_s: float = 0.0
+    ) -> float:
+        return inputs.check(self, microbatches, problem, wait_s)
 
     def train_step(
         self,
         microbatches: list[Microbatch],
         timeline: Timeline | None = None,
         problem: str | None = None,
+        data_wait_s: float = 0.0,
     ) -> StepOutput:
         """One optimizer step over this dp rank's microbatches (dicts of host tensors, as the
         recipe's collator makes them). A ``problem`` (this rank could not make its batch: bad
-        data) ends the step on every rank before anything runs: :class:`InputError`."""
-        self._check_inputs(microbatches, problem)
+        data) ends the step on every rank before anything runs: :class:`InputError`.
+        ``data_wait_s``: how long this rank waited for the batch; the output carries the
+        largest wait over the ranks (the inputs' agreement reduces it, no extra collective)."""
+        slowest = self._check_inputs(microbatches, problem, data_wait_s)
         if self.cfg.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad()
@@ -235,7 +241,7 @@ class Trainer:
         self.scheduler.step()
         if loss is None:
             loss = metrics[0] / self._units_ready()  # the global batch's mean unit loss
-        return StepOutput(loss=loss, grad_norm=grad_norm.detach(), metrics=metrics, lr=lr)
+        return StepOutput(loss, grad_norm.detach(), metrics, lr, data_wait_s=slowest)
 
     def _run_pipeline(self, microbatches: list[Microbatch], timeline: Timeline | None) -> None:
         self._units = self._global_units(microbatches)

@@ -69,3 +69,13 @@ def test_cuda_graphs_with_tp():
     compiled = _on_cpu(_run(ParallelContext.local("cuda"), _cfg(compile=True)))
     history, weights = run_ranks(_two_ranks_on_one_gpu, 2, {"tp": 2}, True, timeout=600)[0]
     _same((history, weights), compiled)
+
+
+def test_cuda_graphs_with_lora():
+    """LoRA's compiled blocks (fp32 adapters cast to the compute dtype inside the graph, a
+    frozen base) replayed as CUDA graphs: the same history and weights as compiled alone."""
+    _exact_fp32()
+    gpu = ParallelContext.local("cuda")
+    compiled = _on_cpu(_run(gpu, _cfg(compile=True, finetune="lora")))
+    graphs = _on_cpu(_run(gpu, _cfg(compile=True, cuda_graphs=True, finetune="lora")))
+    _same(graphs, compiled)

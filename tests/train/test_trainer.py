@@ -173,3 +173,22 @@ def test_a_wrong_microbatch_count_on_one_rank_fails_everywhere(tp, pp, bad_rank)
     world = 2 * tp * pp
     for msg in run_ranks(_wrong_count_on_one_rank, world, tp, pp, bad_rank, timeout=60):
         assert msg and f"rank {bad_rank}: got 1 microbatches, the schedule runs 2" in msg, msg
+
+
+def _waits(tp: int, pp: int) -> float:
+    """Each rank says it waited ``0.1 x (rank + 1)`` s for its batch; the step reports."""
+    ctx = context(tp=tp, pp=pp)
+    cfg = _cfg(tp=tp, pp=pp, dp=ctx.dp_size, global_batch_size=4, micro_batch_size=1)
+    trainer = Trainer(cfg, ctx)
+    data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
+    batch = _batches(trainer, ctx, cfg, data)()
+    return trainer.train_step(batch, data_wait_s=0.1 * (ctx.rank + 1)).data_wait_s
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1)], ids=["dp2", "tp2dp2"])
+def test_the_step_reports_the_slowest_ranks_wait_for_data(tp, pp):
+    """metrics.jsonl's data_wait_s is the largest wait over every rank (the step waits for
+    the slowest), on every rank: it travels in the inputs' agreement."""
+    world = 2 * tp * pp
+    waits = run_ranks(_waits, world, tp, pp, timeout=60)
+    assert waits == [pytest.approx(0.1 * world)] * world, waits
