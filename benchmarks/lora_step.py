@@ -141,9 +141,7 @@ class Row:
             from benchmarks import lora_hf
 
             autocast = None if self.args.smoke else torch.bfloat16
-            return lora_hf.step_fn(
-                self.model, self.optimizer, mbs, autocast, self.args.cuda_graphs
-            )
+            return lora_hf.step_fn(self.model, self.optimizer, mbs, autocast, self.args.cuda_graphs)
         trainer = self._trainer(len(mbs), micro)  # one micro-batch of any size: reused
         mbs = [{**mb, "labels": mb["labels"].cpu()} for mb in mbs]
         return lambda: trainer.train_step(mbs)

@@ -197,7 +197,7 @@ class Monitor:
             "mfu": mfu,
             "memory_gib": peak_memory_gib(self.device),
             "step_time_s": seconds,
-            "data_wait_s": data_wait_s,  # the slowest rank's wait for its batch (load, decode, collate)
+            "data_wait_s": data_wait_s,  # the slowest rank's wait for its batch
         }
         self.last = row
         if self.active:
