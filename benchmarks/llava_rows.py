@@ -57,7 +57,9 @@ def _optimizer(model: nn.Module, device) -> torch.optim.Optimizer:
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault((name.startswith("vision_tower."), p.dim() >= 2), []).append(p)
+            # "vision_tower." leads the native names; transformers 5.x nests it ("model.")
+            vision = "vision_tower" in name.split(".")
+            groups.setdefault((vision, p.dim() >= 2), []).append(p)
     param_groups = [
         {
             "params": ps,

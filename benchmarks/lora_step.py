@@ -13,7 +13,9 @@ does, for both stacks). Rows (``--stack``):
 - ``hf``: :mod:`benchmarks.lora_hf`, timm + transformers + PEFT under bf16 autocast, as the
   script runs it (``eager``) and with ``--compile`` (each block compiled after PEFT).
 - ``--cuda-graphs`` (with ``--compile``, either stack): the compiled blocks replayed as CUDA
-  graphs (inductor's reduce-overhead mode; parallax's ``--cuda-graphs``), ``+cudagraphs``.
+  graphs (inductor's reduce-overhead mode; parallax's ``--cuda-graphs``), ``+cudagraphs``;
+  ``--activation-checkpointing`` (parallax): each block recomputed in the backward, ``+ac``
+  (MFU still counts the step's model FLOPs, without the recomputation).
 
 ``--batch 16,64,max``: each batch in turn in one process (the model built once); ``max`` doubles
 the batch from the last one given until a step runs out of memory, then bisects (to a multiple
@@ -67,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stack", choices=("parallax", "hf"), default="parallax")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--cuda-graphs", action="store_true", help="with --compile: CUDA graphs")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="parallax: recompute blocks"
+    )
     p.add_argument("--batch", default=None, help="comma list of batches, or max (16)")
     p.add_argument(
         "--micro-batch",
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cuda_graphs and not args.compile:
         p.error("--cuda-graphs replays compiled blocks: add --compile")
+    if args.activation_checkpointing and args.stack != "parallax":
+        p.error("--activation-checkpointing is a parallax row's option")
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
     args.batch = args.batch or ("2,4" if args.smoke else "16")
     args.max_batch = args.max_batch or (8 if args.smoke else 512)
@@ -128,6 +135,7 @@ class Row:
                 lr=LR,
                 compile=self.args.compile,
                 cuda_graphs=self.args.cuda_graphs,
+                activation_checkpointing=self.args.activation_checkpointing,
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
             backend = "aot_eager" if self.args.smoke else "inductor"
@@ -241,6 +249,8 @@ def _run(args, device: torch.device, world: int) -> list[dict]:
         variant = "opt+compile"
     if args.cuda_graphs:
         variant += "+cudagraphs"
+    if args.activation_checkpointing:
+        variant += "+ac"
     if world > 1:
         variant += f" dp{world}"
     if args.stack == "hf":

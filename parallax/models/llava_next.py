@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.init import InitFn, init_parameters
+from parallax.init import InitFn
 from parallax.models import anyres, llava_objectives
-from parallax.models.llama import LlamaLM
 from parallax.models.llava_config import LlavaNextConfig
 from parallax.models.llava_vision import (
     MultiModalProjector,
@@ -40,77 +39,35 @@ from parallax.models.llava_vision import (
     image_sizes_list,
     llava_init_fn,
 )
-from parallax.models.openvla import unfused_init
-from parallax.models.stages import StageBlock, check_block_range, partition
+from parallax.models.stages import StageBlock
 from parallax.models.vit import VisionTransformer
+from parallax.models.vlm import VisionLanguageModel
 
 
-class LlavaNext(nn.Module):
-    """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds.
+class LlavaNext(VisionLanguageModel):
+    """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds (the
+    constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
-    ``ctx`` gives the tp group (``None``: one process). Without ``blocks``, a ``ctx`` with
-    ``pp > 1`` takes this rank's range of a balanced :func:`~parallax.models.stages.partition`.
-    Parameters are left as the layers initialise them unless ``seed`` is given; call
-    :meth:`init_weights` (layout-free) or load a checkpoint.
-    """
+    first_inputs = ("pixel_values", "input_ids", "image_sizes")
 
-    def __init__(
-        self,
-        config: LlavaNextConfig,
-        ctx: ParallelContext | None = None,
-        *,
-        blocks: range | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        activation_checkpointing: bool = False,
-        freeze_vision: bool = False,
-        seed: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.config, self.ctx = config, ctx
-        n_layers = config.text.num_hidden_layers
-        if blocks is None and ctx is not None and ctx.pp_size > 1:
-            costs = [b.cost for b in self.stage_blocks(config)]
-            blocks = partition(costs, ctx.pp_size)[ctx.pp_rank]
-        self.block_range = check_block_range(blocks, n_layers + 2)
-        self.has_vision = 0 in self.block_range
-        self.has_head = n_layers + 1 in self.block_range
-        first, stop = self.block_range.start, self.block_range.stop
-        layers = range(max(first - 1, 0), min(stop - 1, n_layers))  # block i + 1 is layer i
-        if device is None:
-            device = ctx.device if ctx is not None else torch.device("cpu")
-        kw = dict(device=device, dtype=dtype)
-        h = config.text.hidden_size
-        if self.has_vision:
-            self.vision_tower = VisionTransformer(config.vision, ctx, **kw)
-            self.multi_modal_projector = MultiModalProjector(config.vision.width, h, ctx, **kw)
-            self.image_newline = nn.Parameter(torch.zeros(h, **kw))  # replicated over tp
-        self.language_model = LlamaLM(
-            config.text, ctx, layers=layers, embed=self.has_vision, head=self.has_head, **kw
+    def build_vision(self, device, dtype) -> None:
+        kw, h = dict(device=device, dtype=dtype), self.config.text.hidden_size
+        self.vision_tower = VisionTransformer(self.config.vision, self.ctx, **kw)
+        self.multi_modal_projector = MultiModalProjector(
+            self.config.vision.width, h, self.ctx, **kw
         )
-        self._tokenizer, self._tokenizer_loaded = None, False
-        self.load_stats = None
-        self.hf_unused: dict[str, torch.Tensor] = {}  # checkpoint-only tensors kept for saving
-        self.return_hidden = False  # True: the last stage leaves norm + lm_head to the loss
-        self.set_activation_checkpointing(activation_checkpointing)
-        if freeze_vision:
-            self.freeze_vision()
-        if seed is not None:
-            self.init_weights(seed)
+        self.image_newline = nn.Parameter(torch.zeros(h, **kw))  # replicated over tp
 
-    @property
-    def tokenizer(self):
-        """The text tokenizer (built in for ``llava-tiny``, the checkpoint's own otherwise; that
-        needs the optional ``tokenizers`` or ``sentencepiece`` package)."""
-        if not self._tokenizer_loaded:
-            from parallax.models.llava_template import llava_tokenizer
+    def vision_towers(self) -> list[nn.Module]:
+        return [self.vision_tower]
 
-            self._tokenizer, self._tokenizer_loaded = llava_tokenizer(self.config), True
-        return self._tokenizer
+    def load_tokenizer(self):
+        from parallax.models.llava_template import llava_tokenizer
 
-    @tokenizer.setter
-    def tokenizer(self, value) -> None:
-        self._tokenizer, self._tokenizer_loaded = value, True
+        return llava_tokenizer(self.config)
+
+    def default_init_fn(self) -> InitFn:
+        return llava_init_fn(self.config)
 
     # -- the block list ---------------------------------------------------------------------------
     @staticmethod
@@ -127,11 +84,6 @@ class LlavaNext(nn.Module):
             + [StageBlock(f"llm.{i}", llm) for i in range(config.text.num_hidden_layers)]
             + [StageBlock("head", config.text.head_flops(seq))]
         )
-
-    @property
-    def block_names(self) -> list[str]:
-        names = [b.name for b in self.stage_blocks(self.config)]
-        return [names[i] for i in self.block_range]
 
     # -- forward pieces ---------------------------------------------------------------------------
     def image_features(self, pixel_values: torch.Tensor, sizes: list) -> list[torch.Tensor]:
@@ -181,28 +133,6 @@ class LlavaNext(nn.Module):
         mask = (input_ids == self.config.image_token_index).unsqueeze(-1)  # (b, t, 1)
         return tokens.masked_scatter(mask, flat)  # (b, t, h)
 
-    def forward(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
-        if self.has_vision:
-            args = list(inputs) + [
-                named.pop(k)
-                for k in ("pixel_values", "input_ids", "image_sizes")[len(inputs) :]
-                if k in named
-            ]
-            if len(args) != 3 or named:
-                raise ValueError("the first stage takes (pixel_values, input_ids, image_sizes)")
-            x = self.embed(*args)
-        else:
-            if len(inputs) != 1 or named:
-                raise ValueError("a later stage takes the hidden states (b, s, h) only")
-            x = inputs[0]
-        x = self.language_model.forward_layers(x)  # (b, t, h)
-        return self.head(x) if self.has_head and not self.return_hidden else x
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head: hidden states ``(..., h)`` -> this rank's logits
-        ``(..., V/tp)``, for any leading shape (all positions, or gathered rows)."""
-        return self.language_model.head(x)
-
     # -- training helpers -------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
         """Next-token cross-entropy of this (last) stage's logits against labels ``(b, t)``."""
@@ -214,30 +144,6 @@ class LlavaNext(nn.Module):
         return llava_objectives.answer_metrics(
             logits, labels, self.ctx, vocab_size=self.config.vocab_size
         )
-
-    def init_weights(self, seed: int, init_fn: InitFn | None = None) -> None:
-        """Layout-free init: the same seed gives the same logical weights at any tp and pp,
-        with fused or separate projections."""
-        init = unfused_init(init_fn or llava_init_fn(self.config), seed)
-        init_parameters(self, seed, init_fn=init)
-
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each ViT block and decoder layer in the backward (non-reentrant)."""
-        self.language_model.activation_checkpointing = enabled
-        if self.has_vision:
-            self.vision_tower.activation_checkpointing = enabled
-
-    def compile_blocks(self, **options) -> None:
-        """``torch.compile`` each ViT block and decoder layer (their forward, in place)."""
-        self.language_model.compile_layers(**options)
-        if self.has_vision:
-            self.vision_tower.compile_blocks(**options)
-
-    def freeze_vision(self, frozen: bool = True) -> None:
-        """Stop training the CLIP tower (the projector and newline stay trainable)."""
-        if self.has_vision:
-            for p in self.vision_tower.parameters():
-                p.requires_grad_(not frozen)
 
     # -- checkpoints and inference ----------------------------------------------------------------
     @classmethod
@@ -259,13 +165,6 @@ class LlavaNext(nn.Module):
         from parallax.models.llava_hf import LLAVA_HF, CheckpointLayout
 
         return CheckpointLayout(self.config, LLAVA_HF)
-
-    def save_pretrained(self, path: str | Path, **kwargs) -> None:
-        """Write the llava-hf layout as published: see
-        :func:`parallax.models.hf_save.save_pretrained`."""
-        from parallax.models.hf_save import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
 
     def generate(self, pixel_values, input_ids, image_sizes, max_new_tokens: int, **kwargs):
         """Greedy continuation (:func:`parallax.models.llava_predict.generate`)."""

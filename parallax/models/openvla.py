@@ -14,6 +14,7 @@ stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits `
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -21,14 +22,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.init import InitFn, init_parameters, param_seed
+from parallax.init import InitFn
 from parallax.models import objectives
 from parallax.models.action_tokenizer import ActionTokenizer
 from parallax.models.config import OpenVLAConfig
-from parallax.models.llama import LlamaLM
-from parallax.models.stages import StageBlock, check_block_range, partition
+from parallax.models.stages import StageBlock
 from parallax.models.tokenizer import get_tokenizer
 from parallax.models.vit import VisionTransformer
+from parallax.models.vlm import VisionLanguageModel, unfused_init
+
+__all__ = ["FusedMLPProjector", "OpenVLA", "VisionBackbone", "openvla_init_fn", "unfused_init"]
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -84,90 +87,32 @@ def openvla_init_fn(config: OpenVLAConfig, std: float = 0.02) -> InitFn:
     return init
 
 
-def unfused_init(init: InitFn, seed: int) -> InitFn:
-    """``init`` for fused projections (``qkv_proj``, ``gate_up_proj``) drawn as the separate
-    Hugging Face tensors they stand for, each from its own name's seed, then stacked: fused and
-    separate projections start from the same logical weights."""
-    from parallax.models.hf import hf_names
+class OpenVLA(VisionLanguageModel):
+    """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds (the
+    constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
-    def fused_aware(name: str, shape: tuple[int, ...], gen: torch.Generator, device):
-        parts = hf_names(name, shape)
-        if len(parts) == 1:
-            return init(name, shape, gen, device)
-        blocks = []
-        for part, part_shape in parts:
-            g = torch.Generator(device=device).manual_seed(param_seed(seed, part))
-            blocks.append(init(part, part_shape, g, device))
-        return torch.cat(blocks)  # (k * rows, ...): the blocks in partition order
+    first_inputs = ("pixel_values", "input_ids")
 
-    return fused_aware
-
-
-class OpenVLA(nn.Module):
-    """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds.
-
-    ``ctx`` gives the tp group (``None``: one process). Without ``blocks``, a ``ctx`` with
-    ``pp > 1`` takes this rank's range of a balanced :func:`~parallax.models.stages.partition`.
-    Parameters are left as the layers initialise them unless ``seed`` is given; call
-    :meth:`init_weights` (layout-free) or load a checkpoint.
-    """
-
-    def __init__(
-        self,
-        config: OpenVLAConfig,
-        ctx: ParallelContext | None = None,
-        *,
-        blocks: range | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        activation_checkpointing: bool = False,
-        freeze_vision: bool = False,
-        seed: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.config, self.ctx = config, ctx
-        n_layers = config.text.num_hidden_layers
-        if blocks is None and ctx is not None and ctx.pp_size > 1:
-            costs = [b.cost for b in self.stage_blocks(config)]
-            blocks = partition(costs, ctx.pp_size)[ctx.pp_rank]
-        self.block_range = check_block_range(blocks, n_layers + 2)
-        self.has_vision = 0 in self.block_range
-        self.has_head = n_layers + 1 in self.block_range
-        first, stop = self.block_range.start, self.block_range.stop
-        layers = range(max(first - 1, 0), min(stop - 1, n_layers))  # block i + 1 is layer i
-        if device is None:
-            device = ctx.device if ctx is not None else torch.device("cpu")
-        kw = dict(device=device, dtype=dtype)
-        if self.has_vision:
-            self.vision_backbone = VisionBackbone(config, ctx, **kw)
-            self.projector = FusedMLPProjector(
-                config.vision_dim, config.text.hidden_size, ctx, **kw
-            )
-        self.language_model = LlamaLM(
-            config.text, ctx, layers=layers, embed=self.has_vision, head=self.has_head, **kw
+    def build_vision(self, device, dtype) -> None:
+        config, kw = self.config, dict(device=device, dtype=dtype)
+        self.vision_backbone = VisionBackbone(config, self.ctx, **kw)
+        self.projector = FusedMLPProjector(
+            config.vision_dim, config.text.hidden_size, self.ctx, **kw
         )
-        self.action_tokenizer = ActionTokenizer.from_config(config)
-        self._tokenizer, self._tokenizer_loaded = None, False
-        self.load_stats = None
-        self.hf_unused: dict[str, torch.Tensor] = {}  # checkpoint-only tensors kept for saving
-        self.return_hidden = False  # True: the last stage leaves norm + lm_head to the loss
-        self.set_activation_checkpointing(activation_checkpointing)
-        if freeze_vision:
-            self.freeze_vision()
-        if seed is not None:
-            self.init_weights(seed)
 
-    @property
-    def tokenizer(self):
-        """The text tokenizer (built in for ``tiny``; the checkpoint's own when the optional
-        package is installed); ``None`` when unavailable: then pass token ids."""
-        if not self._tokenizer_loaded:
-            self._tokenizer, self._tokenizer_loaded = get_tokenizer(self.config), True
-        return self._tokenizer
+    @functools.cached_property
+    def action_tokenizer(self) -> ActionTokenizer:
+        """Action bins <-> token ids (every stage: the last one's metrics read it)."""
+        return ActionTokenizer.from_config(self.config)
 
-    @tokenizer.setter
-    def tokenizer(self, value) -> None:
-        self._tokenizer, self._tokenizer_loaded = value, True
+    def vision_towers(self) -> list[nn.Module]:
+        return [self.vision_backbone.featurizer, self.vision_backbone.fused_featurizer]
+
+    def load_tokenizer(self):
+        return get_tokenizer(self.config)
+
+    def default_init_fn(self) -> InitFn:
+        return openvla_init_fn(self.config)
 
     # -- the block list ---------------------------------------------------------------------------
     @staticmethod
@@ -189,11 +134,6 @@ class OpenVLA(nn.Module):
             + [StageBlock("head", config.text.head_flops(seq))]
         )
 
-    @property
-    def block_names(self) -> list[str]:
-        names = [b.name for b in self.stage_blocks(self.config)]
-        return [names[i] for i in self.block_range]
-
     # -- forward pieces ---------------------------------------------------------------------------
     def embed(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Image patches inserted right after BOS: ``(b, 1 + P + t - 1, h)``."""
@@ -211,23 +151,6 @@ class OpenVLA(nn.Module):
         patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
         tokens = self.language_model.embed(input_ids)  # (b, t, h)
         return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)
-
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        if self.has_vision:
-            if len(inputs) != 2:
-                raise ValueError("the first stage takes (pixel_values, input_ids)")
-            x = self.embed(*inputs)
-        else:
-            if len(inputs) != 1:
-                raise ValueError("a later stage takes the hidden states (b, s, h) only")
-            x = inputs[0]
-        x = self.language_model.forward_layers(x)  # (b, s, h)
-        return self.head(x) if self.has_head and not self.return_hidden else x
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head: hidden states ``(..., h)`` -> this rank's logits
-        ``(..., V/tp)``, for any leading shape (all positions, or gathered rows)."""
-        return self.language_model.head(x)
 
     # -- training helpers -------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
@@ -251,34 +174,6 @@ class OpenVLA(nn.Module):
             action_tokenizer=self.action_tokenizer,
         )
 
-    def init_weights(self, seed: int, init_fn: InitFn | None = None) -> None:
-        """Layout-free init: the same seed gives the same logical weights at any tp and pp,
-        with fused or separate projections."""
-        init = unfused_init(init_fn or openvla_init_fn(self.config), seed)
-        init_parameters(self, seed, init_fn=init)
-
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each ViT block and decoder layer in the backward (non-reentrant)."""
-        self.language_model.activation_checkpointing = enabled
-        if self.has_vision:
-            self.vision_backbone.featurizer.activation_checkpointing = enabled
-            self.vision_backbone.fused_featurizer.activation_checkpointing = enabled
-
-    def compile_blocks(self, **options) -> None:
-        """``torch.compile`` each ViT block and decoder layer (their forward, in place), not the
-        whole model: the graphs stay small, repeat across layers and keep activation
-        checkpointing and pipeline cuts outside. ``options`` go to ``torch.compile``."""
-        self.language_model.compile_layers(**options)
-        if self.has_vision:
-            self.vision_backbone.featurizer.compile_blocks(**options)
-            self.vision_backbone.fused_featurizer.compile_blocks(**options)
-
-    def freeze_vision(self, frozen: bool = True) -> None:
-        """Stop training both vision towers (the projector stays trainable)."""
-        if self.has_vision:
-            for p in self.vision_backbone.parameters():
-                p.requires_grad_(not frozen)
-
     # -- checkpoints and inference ----------------------------------------------------------------
     @classmethod
     def from_pretrained(
@@ -299,12 +194,6 @@ class OpenVLA(nn.Module):
         from parallax.models.hf_save import _OpenVLATensors
 
         return _OpenVLATensors(self.config)
-
-    def save_pretrained(self, path: str | Path, **kwargs) -> None:
-        """Write the Hugging Face layout: see :func:`parallax.models.hf_save.save_pretrained`."""
-        from parallax.models.hf_save import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):
         """One image -> continuous action (:func:`parallax.models.predict.predict_action`)."""
