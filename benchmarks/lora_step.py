@@ -15,7 +15,9 @@ does, for both stacks). Rows (``--stack``):
 - ``--cuda-graphs`` (with ``--compile``, either stack): the compiled blocks replayed as CUDA
   graphs (inductor's reduce-overhead mode; parallax's ``--cuda-graphs``), ``+cudagraphs``;
   ``--activation-checkpointing`` (parallax): each block recomputed in the backward, ``+ac``
-  (MFU still counts the step's model FLOPs, without the recomputation).
+  (MFU still counts the step's model FLOPs, without the recomputation);
+  ``--activation-memory-budget F`` (with ``--compile``, either stack): the compiler keeps at most
+  F of each block's saved activations and recomputes the cheapest others, ``+budgetF``.
 
 ``--batch 16,64,max``: each batch in turn in one process (the model built once); ``max`` doubles
 the batch from the last one given until a step runs out of memory, then bisects (to a multiple
@@ -71,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action="store_true", help="with --compile: CUDA graphs")
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="parallax: recompute blocks"
+    )
+    p.add_argument(
+        "--activation-memory-budget", type=float, default=1.0, help="with --compile (both)"
     )
     p.add_argument("--batch", default=None, help="comma list of batches, or max (16)")
     p.add_argument(
@@ -136,6 +141,7 @@ class Row:
                 compile=self.args.compile,
                 cuda_graphs=self.args.cuda_graphs,
                 activation_checkpointing=self.args.activation_checkpointing,
+                activation_memory_budget=self.args.activation_memory_budget,
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
             backend = "aot_eager" if self.args.smoke else "inductor"
@@ -149,7 +155,16 @@ class Row:
             from benchmarks import lora_hf
 
             autocast = None if self.args.smoke else torch.bfloat16
-            return lora_hf.step_fn(self.model, self.optimizer, mbs, autocast, self.args.cuda_graphs)
+            from parallax.models.compile import memory_budget
+
+            step = lora_hf.step_fn(self.model, self.optimizer, mbs, autocast, self.args.cuda_graphs)
+            budget = self.args.activation_memory_budget
+
+            def hf_step():
+                with memory_budget(budget):  # its blocks compile in the first steps
+                    return step()
+
+            return hf_step
         trainer = self._trainer(len(mbs), micro)  # one micro-batch of any size: reused
         mbs = [{**mb, "labels": mb["labels"].cpu()} for mb in mbs]
         return lambda: trainer.train_step(mbs)
@@ -251,6 +266,8 @@ def _run(args, device: torch.device, world: int) -> list[dict]:
         variant += "+cudagraphs"
     if args.activation_checkpointing:
         variant += "+ac"
+    if args.activation_memory_budget < 1:
+        variant += f"+budget{args.activation_memory_budget:g}"
     if world > 1:
         variant += f" dp{world}"
     if args.stack == "hf":

@@ -10,6 +10,7 @@ recompiles once with a dynamic sequence dimension and later lengths reuse it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -26,6 +27,26 @@ def compile_modules(modules: Iterable[nn.Module], **options) -> int:
     for module in modules:
         module.compile(**options)
     return len(modules)
+
+
+def memory_budget(budget: float) -> contextlib.AbstractContextManager:
+    """While open, graphs that compile keep at most ``budget`` of their saved activations
+    (``torch._functorch.config.activation_memory_budget``): below 1 the partitioner recomputes
+    the cheapest of the others in the backward (element-wise work, then attention, then
+    matmuls). LoRA is where this pays: its compiled block saves each norm's output and the
+    SwiGLU product for the adapters' weight gradients, which a budget of 0.7-0.9 recomputes
+    from tensors saved anyway. Scoped to the block, not the process: it is read when a graph
+    compiles, which is inside the steps that ``parallax.train`` runs under it."""
+    if budget >= 1.0:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "activation_memory_budget"):
+        raise RuntimeError(
+            f"an activation memory budget ({budget}) needs a torch whose compiler has one "
+            f"(torch._functorch.config.activation_memory_budget); this is {torch.__version__}"
+        )
+    return functorch_config.patch(activation_memory_budget=budget)
 
 
 class CheckpointedBlocks:

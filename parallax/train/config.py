@@ -103,6 +103,7 @@ class TrainConfig:
     grad_clip: float | None = None  # None: 1.0, with LoRA 0 (off)
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    activation_memory_budget: float = 1.0
     freeze_vision: bool = False
     freeze: str | None = None  # globs of global parameter names (parallax.train.groups)
     finetune: str = "full"  # "lora": adapters on the frozen base (parallax.train.lora)
@@ -184,6 +185,15 @@ class TrainConfig:
             problems.append(f"--dp must be >= 1, got {self.dp}")
         if self.export_hf and self.chunks > 1:
             problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
+        if not 0.0 < self.activation_memory_budget <= 1.0:
+            problems.append(
+                f"--activation-memory-budget must be in (0, 1], got {self.activation_memory_budget}"
+            )
+        elif self.activation_memory_budget < 1.0 and not self.compile:
+            problems.append(
+                "--activation-memory-budget tells the compiler what to recompute: it needs "
+                "--compile"
+            )
         if self.cuda_graphs and not self.compile:
             problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
         # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only).

@@ -97,6 +97,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="recompute each block's activations in the backward pass",
     )
+    g.add_argument(
+        "--activation-memory-budget",
+        metavar="FRACTION",
+        help="with --compile: the share of a compiled block's saved activations to keep; "
+        "below 1 the compiler recomputes the cheapest of the rest in the backward (norms, "
+        f"activations, then attention) (default {d.activation_memory_budget})",
+    )
     g = p.add_argument_group("schedule")
     g.add_argument("--steps", help=f"optimizer steps (default {d.steps})")
     g.add_argument("--global-batch-size", help=f"samples per step (default {d.global_batch_size})")

@@ -25,6 +25,7 @@ from torch.profiler import record_function
 
 from parallax import comm
 from parallax.context import ParallelContext
+from parallax.models.compile import memory_budget
 from parallax.optim import ZeroOptimizer
 from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
@@ -218,6 +219,10 @@ class Trainer:
         slowest = self._check_inputs(microbatches, problem, data_wait_s)
         if self.cfg.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
+        with memory_budget(self.cfg.activation_memory_budget):  # blocks compile in the step
+            return self._train_step(microbatches, timeline, slowest)
+
+    def _train_step(self, microbatches, timeline, slowest: float) -> StepOutput:
         self.optimizer.zero_grad()
         if self.recipe.objective == "step":
             with record_function("parallax.forward_backward"):
