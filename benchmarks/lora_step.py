@@ -61,6 +61,7 @@ from benchmarks.lora_report import report
 from benchmarks.native import split_batch, synthetic_batch
 from benchmarks.openvla_timing import free_memory, time_steps
 from parallax.models import OpenVLAConfig
+from parallax.models.compile import memory_budget
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
 
@@ -155,8 +156,6 @@ class Row:
             from benchmarks import lora_hf
 
             autocast = None if self.args.smoke else torch.bfloat16
-            from parallax.models.compile import memory_budget
-
             step = lora_hf.step_fn(self.model, self.optimizer, mbs, autocast, self.args.cuda_graphs)
             budget = self.args.activation_memory_budget
 

@@ -30,9 +30,10 @@ from parallax.models.stages import StageBlock
 from parallax.models.tokenizer import get_tokenizer
 from parallax.models.vit import VisionTransformer
 from parallax.models.vlm import VisionLanguageModel, unfused_init
-
-__all__ = ["FusedMLPProjector", "OpenVLA", "VisionBackbone", "openvla_init_fn", "unfused_init"]
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear
+
+# unfused_init lives in models/vlm.py now; its old import path stays
+__all__ = ["FusedMLPProjector", "OpenVLA", "VisionBackbone", "openvla_init_fn", "unfused_init"]
 
 
 class VisionBackbone(nn.Module):
