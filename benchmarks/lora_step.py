@@ -15,7 +15,8 @@ does, for both stacks). Rows (``--stack``):
 - ``--cuda-graphs`` (with ``--compile``, either stack): the compiled blocks replayed as CUDA
   graphs (inductor's reduce-overhead mode; parallax's ``--cuda-graphs``), ``+cudagraphs``;
   ``--activation-checkpointing`` (parallax): each block recomputed in the backward, ``+ac``
-  (MFU still counts the step's model FLOPs, without the recomputation);
+  (MFU still counts the step's model FLOPs, without the recomputation), with
+  ``--checkpoint-scope vision`` the towers alone, ``+ac-vision``;
   ``--activation-memory-budget F`` (with ``--compile``, either stack): the compiler keeps at most
   F of each block's saved activations and recomputes the cheapest others, ``+budgetF``.
 
@@ -76,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--activation-checkpointing", action="store_true", help="parallax: recompute blocks"
     )
     p.add_argument(
+        "--checkpoint-scope",
+        choices=("all", "vision", "text"),
+        default="all",
+        help="with --activation-checkpointing: which blocks recompute (parallax)",
+    )
+    p.add_argument(
         "--activation-memory-budget", type=float, default=1.0, help="with --compile (both)"
     )
     p.add_argument("--batch", default=None, help="comma list of batches, or max (16)")
@@ -98,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cuda_graphs and not args.compile:
         p.error("--cuda-graphs replays compiled blocks: add --compile")
+    if args.checkpoint_scope != "all" and not args.activation_checkpointing:
+        p.error("--checkpoint-scope picks the blocks --activation-checkpointing recomputes")
     if args.activation_checkpointing and args.stack != "parallax":
         p.error("--activation-checkpointing is a parallax row's option")
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
@@ -142,6 +151,7 @@ class Row:
                 compile=self.args.compile,
                 cuda_graphs=self.args.cuda_graphs,
                 activation_checkpointing=self.args.activation_checkpointing,
+                checkpoint_scope=self.args.checkpoint_scope,
                 activation_memory_budget=self.args.activation_memory_budget,
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
@@ -264,7 +274,8 @@ def _run(args, device: torch.device, world: int) -> list[dict]:
     if args.cuda_graphs:
         variant += "+cudagraphs"
     if args.activation_checkpointing:
-        variant += "+ac"
+        scope = args.checkpoint_scope
+        variant += "+ac" if scope == "all" else f"+ac-{scope}"
     if args.activation_memory_budget < 1:
         variant += f"+budget{args.activation_memory_budget:g}"
     if world > 1:

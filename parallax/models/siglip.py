@@ -21,6 +21,7 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.init import InitFn, init_parameters
+from parallax.models.compile import checkpoint_parts
 from parallax.models.siglip_config import SiglipConfig
 from parallax.models.siglip_towers import TextTower, VisionTower
 
@@ -76,7 +77,7 @@ class Siglip(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         seed: int | None = None,
     ) -> None:
         super().__init__()
@@ -157,10 +158,13 @@ class Siglip(nn.Module):
         """Layout-free init: the same seed gives the same logical weights at any tp."""
         init_parameters(self, seed, init_fn=init_fn or siglip_init_fn(self.config))
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each block of both towers in the backward (non-reentrant)."""
-        self.vision.trunk.activation_checkpointing = enabled
-        self.text.activation_checkpointing = enabled
+    def set_activation_checkpointing(self, enabled: bool | str = True) -> None:
+        """Recompute each block of both towers in the backward (non-reentrant); a scope
+        (``"vision"``, ``"text"``: :func:`~parallax.models.compile.checkpoint_parts`) picks
+        one tower."""
+        vision, text = checkpoint_parts(enabled)
+        self.vision.trunk.activation_checkpointing = vision
+        self.text.activation_checkpointing = text
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` each block of both towers (their forward, in place)."""

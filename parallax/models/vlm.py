@@ -16,6 +16,7 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.init import InitFn, init_parameters, param_seed
+from parallax.models.compile import checkpoint_parts
 from parallax.models.llama import LlamaLM
 from parallax.models.stages import StageBlock, check_block_range, partition
 
@@ -58,7 +59,7 @@ class VisionLanguageModel(nn.Module):
         blocks: range | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         freeze_vision: bool = False,
         seed: int | None = None,
     ) -> None:
@@ -157,11 +158,14 @@ class VisionLanguageModel(nn.Module):
         init = unfused_init(init_fn or self.default_init_fn(), seed)
         init_parameters(self, seed, init_fn=init)
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each ViT block and decoder layer in the backward (non-reentrant)."""
-        self.language_model.activation_checkpointing = enabled
+    def set_activation_checkpointing(self, enabled: bool | str = True) -> None:
+        """Recompute each ViT block and decoder layer in the backward (non-reentrant); a scope
+        (``"vision"``, ``"text"``: :func:`~parallax.models.compile.checkpoint_parts`) picks
+        the towers or the language model alone."""
+        vision, text = checkpoint_parts(enabled)
+        self.language_model.activation_checkpointing = text
         for tower in self.vision_towers() if self.has_vision else ():
-            tower.activation_checkpointing = enabled
+            tower.activation_checkpointing = vision
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` each ViT block and decoder layer (their forward, in place), not the

@@ -102,7 +102,7 @@ class LlavaRecipe(Recipe):
         return LlavaNext.stage_blocks(config, TYPICAL_TEXT_TOKENS)
 
     def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint) -> nn.Module:
-        kw = dict(blocks=blocks, activation_checkpointing=cfg.activation_checkpointing)
+        kw = dict(blocks=blocks, activation_checkpointing=cfg.checkpointing)
         if checkpoint is not None and torch.device(device).type != "meta":
             chunk = LlavaNext.from_pretrained(
                 checkpoint, ctx, dtype=dtype, device=device, config=config, **kw

@@ -94,7 +94,7 @@ class OpenVLARecipe(Recipe):
         return OpenVLA.stage_blocks(config)
 
     def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint) -> nn.Module:
-        kw = dict(blocks=blocks, activation_checkpointing=cfg.activation_checkpointing)
+        kw = dict(blocks=blocks, activation_checkpointing=cfg.checkpointing)
         if checkpoint is not None:
             chunk = OpenVLA.from_pretrained(
                 checkpoint, ctx, dtype=dtype, device=device, config=config, **kw

@@ -143,7 +143,7 @@ class SiglipRecipe(Recipe):
         return [StageBlock("towers", config.vision_flops() + config.text_flops())]
 
     def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint) -> nn.Module:
-        ac = cfg.activation_checkpointing
+        ac = cfg.checkpointing
         if checkpoint is not None and torch.device(device).type != "meta":
             return Siglip.from_pretrained(
                 checkpoint, ctx, dtype=dtype, device=device, activation_checkpointing=ac

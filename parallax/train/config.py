@@ -61,7 +61,9 @@ PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
+CHECKPOINT_SCOPES = ("all", "vision", "text")  # parallax.models.compile.checkpoint_parts
 CHOICES = {
+    "checkpoint_scope": CHECKPOINT_SCOPES,
     "schedule": SCHEDULES,
     "precision": PRECISIONS,
     "lr_schedule": LR_SCHEDULES,
@@ -103,6 +105,7 @@ class TrainConfig:
     grad_clip: float | None = None  # None: 1.0, with LoRA 0 (off)
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    checkpoint_scope: str = "all"  # which blocks --activation-checkpointing recomputes
     activation_memory_budget: float = 1.0
     freeze_vision: bool = False
     freeze: str | None = None  # globs of global parameter names (parallax.train.groups)
@@ -194,6 +197,11 @@ class TrainConfig:
                 "--activation-memory-budget tells the compiler what to recompute: it needs "
                 "--compile"
             )
+        if self.checkpoint_scope != "all" and not self.activation_checkpointing:
+            problems.append(
+                f"--checkpoint-scope {self.checkpoint_scope} says which blocks recompute: it "
+                "needs --activation-checkpointing"
+            )
         if self.cuda_graphs and not self.compile:
             problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
         # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only).
@@ -211,6 +219,13 @@ class TrainConfig:
             problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def checkpointing(self) -> bool | str:
+        """What the models' ``activation_checkpointing`` takes: off, or the scope."""
+        if not self.activation_checkpointing:
+            return False
+        return True if self.checkpoint_scope == "all" else self.checkpoint_scope
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

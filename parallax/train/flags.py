@@ -10,6 +10,7 @@ import argparse
 
 from parallax.train import registry
 from parallax.train.config import (
+    CHECKPOINT_SCOPES,
     FINETUNES,
     FULL_DEFAULTS,
     LOGITS,
@@ -96,6 +97,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="recompute each block's activations in the backward pass",
+    )
+    g.add_argument(
+        "--checkpoint-scope",
+        metavar=_choices(CHECKPOINT_SCOPES),
+        help="with --activation-checkpointing: which blocks recompute: all, vision (the "
+        "vision towers alone: under LoRA much of the memory for little of the compute) or "
+        f"text (the language model, a dual encoder's text tower) (default {d.checkpoint_scope})",
     )
     g.add_argument(
         "--activation-memory-budget",

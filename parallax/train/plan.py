@@ -76,8 +76,11 @@ def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
     optim /= dims.dp
     in_flight = peak_activations(schedule)[pp_rank]
     act = 0.0
-    if not cfg.activation_checkpointing:
-        per = recipe.activation_bytes(config, names, cfg.micro_batch_size, dims.tp)
+    if cfg.checkpointing is not True:  # recomputed blocks keep only their input
+        kept = names
+        if cfg.checkpointing == "text":  # VLM estimates count the decoder layers alone (a
+            kept = [n for n in names if not n.startswith("llm.")]  # dual encoder's: an upper bound)
+        per = recipe.activation_bytes(config, kept, cfg.micro_batch_size, dims.tp)
         act = per * in_flight * (wbytes / 2)
     return {
         "blocks": names,
