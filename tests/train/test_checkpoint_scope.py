@@ -1,0 +1,130 @@
+"""``--checkpoint-scope``: activation checkpointing of the vision towers alone or of the language
+model alone recomputes exactly those blocks (counted) and gives the step without checkpointing;
+the flag, its checks, and the dry-run's activation estimate."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from parallax import ParallelContext
+from parallax.data import SyntheticTask
+from parallax.models import OpenVLA, OpenVLAConfig, Siglip, SiglipConfig
+from parallax.models.compile import checkpoint_parts
+from parallax.train.config import TrainConfig, parse_args
+from parallax.train.plan import _dims, rank_plan
+from parallax.train.trainer import Trainer
+from tests.train.test_trainer import STEPS, _batches, _cfg
+
+
+def test_checkpoint_parts():
+    assert checkpoint_parts(False) == (False, False)
+    assert checkpoint_parts(True) == checkpoint_parts("all") == (True, True)
+    assert checkpoint_parts("vision") == (True, False)
+    assert checkpoint_parts("text") == (False, True)
+    with pytest.raises(ValueError, match="expected one of all, vision, text"):
+        checkpoint_parts("mlp")
+
+
+def _flags(model) -> tuple[set[bool], set[bool]]:
+    """The ``checkpointed`` flags of the vision towers' blocks and of the decoder layers."""
+    towers = {b.checkpointed for t in model.vision_towers() for b in t._blocks()}
+    layers = {b.checkpointed for b in model.language_model._blocks()}
+    return towers, layers
+
+
+@pytest.mark.parametrize(
+    "scope, want", [(False, (False, False)), (True, (True, True)), ("vision", (True, False))]
+)
+def test_openvla_scope_sets_the_blocks(scope, want):
+    model = OpenVLA(OpenVLAConfig.preset("tiny"), activation_checkpointing=scope)
+    assert _flags(model) == ({want[0]}, {want[1]})
+    model.set_activation_checkpointing("text")
+    assert _flags(model) == ({False}, {True})
+
+
+def _run_counting(cfg):
+    """``_run`` of test_trainer, counting forward calls of the first vision block's and the
+    first decoder layer's first norm."""
+    torch.manual_seed(0)
+    ctx = ParallelContext.local()
+    trainer = Trainer(cfg, ctx)
+    model = trainer.chunks[0]
+    block = next(iter(model.vision_towers()[0]._blocks()))
+    norms = {
+        "vision": next(m for m in block.modules() if "Norm" in type(m).__name__),
+        "text": next(iter(model.language_model._blocks())).input_layernorm,
+    }
+    calls = dict.fromkeys(norms, 0)
+    for part, norm in norms.items():
+        norm.register_forward_hook(lambda *_, part=part: calls.__setitem__(part, calls[part] + 1))
+    data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
+    next_batch = _batches(trainer, ctx, cfg, data)
+    history = []
+    for _ in range(STEPS):
+        out = trainer.train_step(next_batch())
+        history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
+    weights = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    return history, weights, calls
+
+
+@pytest.mark.parametrize("scope", ["vision", "text"])
+def test_scope_recomputes_its_blocks_and_gives_the_same_step(scope):
+    """Without checkpointing and with one scope, on one process: each forward of a
+    checkpointed block runs twice (again in the backward), the others' once; the losses, grad
+    norms, metrics and updated weights are the same."""
+    ref_history, ref_weights, ref_calls = _run_counting(_cfg())
+    cfg = _cfg(activation_checkpointing=True, checkpoint_scope=scope)
+    assert cfg.checkpointing == scope
+    history, weights, calls = _run_counting(cfg)
+    other = "text" if scope == "vision" else "vision"
+    assert ref_calls["vision"] == ref_calls["text"] > 0
+    assert calls[scope] == 2 * ref_calls[scope] and calls[other] == ref_calls[other]
+    assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
+    for name, value in ref_weights.items():
+        assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_siglip_scope_picks_a_tower():
+    config = SiglipConfig.preset("siglip-tiny")
+    model = Siglip(config, activation_checkpointing="text", seed=0)
+    assert model.text.activation_checkpointing and not model.vision.trunk.activation_checkpointing
+    model.set_activation_checkpointing("vision")
+    assert model.vision.trunk.activation_checkpointing and not model.text.activation_checkpointing
+    plain = Siglip(config, seed=0)
+    g = torch.Generator().manual_seed(1)
+    px = torch.randn(3, 3, config.image_size, config.image_size, generator=g)
+    ids = torch.randint(2, config.text.vocab_size, (3, config.text.max_length), generator=g)
+    grads = []
+    for m in (plain, model):
+        out = m(px, ids)
+        (out.image_embeds.square().sum() + out.text_embeds.sum()).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_checkpoint_scope_flag():
+    cfg = parse_args(["--activation-checkpointing", "--checkpoint-scope", "vision"])
+    assert cfg.checkpoint_scope == "vision" and cfg.checkpointing == "vision"
+    assert parse_args(["--activation-checkpointing"]).checkpointing is True
+    assert parse_args([]).checkpointing is False
+    with pytest.raises(ValueError, match="needs --activation-checkpointing"):
+        parse_args(["--checkpoint-scope", "vision"])
+    with pytest.raises(ValueError, match="one of all, vision, text"):
+        parse_args(["--activation-checkpointing", "--checkpoint-scope", "mlp"])
+
+
+def test_plan_counts_the_activations_that_stay():
+    def activations(**kw):
+        cfg = TrainConfig(model="tiny", dp=1, **kw)
+        cfg.check()
+        return rank_plan(cfg, _dims(cfg), 0)["activations_gib"]
+
+    kept = activations()
+    assert kept > 0
+    # the estimate counts decoder layers: the towers' recomputation leaves it, the language
+    # model's removes it
+    assert activations(activation_checkpointing=True, checkpoint_scope="vision") == kept
+    assert activations(activation_checkpointing=True, checkpoint_scope="text") == 0
+    assert activations(activation_checkpointing=True) == 0
