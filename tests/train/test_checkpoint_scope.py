@@ -7,13 +7,12 @@ import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
-from parallax.data import SyntheticTask
 from parallax.models import OpenVLA, OpenVLAConfig, Siglip, SiglipConfig
 from parallax.models.compile import checkpoint_parts
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.plan import _dims, rank_plan
 from parallax.train.trainer import Trainer
-from tests.train.test_trainer import STEPS, _batches, _cfg
+from tests.train.test_trainer import _cfg, train_steps
 
 
 def test_checkpoint_parts():
@@ -57,12 +56,7 @@ def _run_counting(cfg):
     calls = dict.fromkeys(norms, 0)
     for part, norm in norms.items():
         norm.register_forward_hook(lambda *_, part=part: calls.__setitem__(part, calls[part] + 1))
-    data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
-    next_batch = _batches(trainer, ctx, cfg, data)
-    history = []
-    for _ in range(STEPS):
-        out = trainer.train_step(next_batch())
-        history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
+    history = train_steps(trainer, ctx, cfg)
     weights = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     return history, weights, calls
 

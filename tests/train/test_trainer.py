@@ -32,15 +32,21 @@ def _batches(trainer, ctx, cfg, data):
     return lambda: [builder(m) for m in loader.next_batch()]
 
 
-def _run(ctx, cfg, **trainer_kw):
-    torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx, **trainer_kw)
+def train_steps(trainer, ctx, cfg) -> list[list[float]]:
+    """``STEPS`` steps on the synthetic task: each step's loss, grad norm and metric sums."""
     data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
     next_batch = _batches(trainer, ctx, cfg, data)
     history = []
     for _ in range(STEPS):
         out = trainer.train_step(next_batch())
         history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
+    return history
+
+
+def _run(ctx, cfg, **trainer_kw):
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, ctx, **trainer_kw)
+    history = train_steps(trainer, ctx, cfg)
     weights = {}
     if ctx.dp_rank == 0:  # logical weights after the steps, from each stage
         for name, p in trainer.named_parameters():
