@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,13 +165,19 @@ def _read_param(reader: CheckpointReader, sources, info) -> torch.Tensor:
     return torch.cat(pieces, d) if len(pieces) > 1 else pieces[0]
 
 
-def validate_checkpoint(reader: CheckpointReader, config: OpenVLAConfig) -> dict:
-    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
-    present = reader.shapes()
-    expected, unused = expected_tensors(config), unused_tensors(config)
+def fit_problems(
+    present: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    unused: Iterable[str] = (),
+    ignored: Callable[[str], object] = lambda name: False,
+) -> list[str]:
+    """What keeps a checkpoint's tensors (``present``: name -> shape) from filling a model that
+    reads ``expected``: the missing, the mis-shaped and the unexpected (neither expected, nor
+    ``unused`` by the model, nor ``ignored``), each list cut at 8 names."""
+    unused = set(unused)
     missing = [n for n in expected if n not in present]
     wrong = [(n, s, present[n]) for n, s in expected.items() if n in present and present[n] != s]
-    unexpected = [n for n in present if n not in expected and n not in unused]
+    unexpected = [n for n in present if n not in expected and n not in unused and not ignored(n)]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensors: " + ", ".join(missing[:8]))
@@ -178,6 +185,13 @@ def validate_checkpoint(reader: CheckpointReader, config: OpenVLAConfig) -> dict
         problems.append(f"{n} has shape {list(got)}, expected {list(want)}")
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensors: " + ", ".join(unexpected[:8]))
+    return problems
+
+
+def validate_checkpoint(reader: CheckpointReader, config: OpenVLAConfig) -> dict:
+    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
+    present = reader.shapes()
+    problems = fit_problems(present, expected_tensors(config), unused_tensors(config))
     if problems:
         raise ValueError(f"checkpoint {reader.path} does not fit the model: " + "; ".join(problems))
     return present

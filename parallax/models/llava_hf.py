@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from parallax.models import llava_vocab
-from parallax.models.hf import CheckpointReader, _read_param, fused_parts
+from parallax.models.hf import CheckpointReader, _read_param, fit_problems, fused_parts
 from parallax.models.llava_config import LlavaNextConfig
 from parallax.models.meta import materialize
 from parallax.tensor import logical_shape
@@ -217,21 +217,7 @@ class CheckpointLayout:
     def validate(self, reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
         """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
         present = reader.shapes()
-        expected, unused = self.expected(), self.unused()
-        missing = [n for n in expected if n not in present]
-        wrong = [
-            (n, s, present[n]) for n, s in expected.items() if n in present and present[n] != s
-        ]
-        unexpected = [
-            n for n in present if n not in expected and n not in unused and not _IGNORED.search(n)
-        ]
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} missing tensors: " + ", ".join(missing[:8]))
-        for n, want, got in wrong[:8]:
-            problems.append(f"{n} has shape {list(got)}, expected {list(want)}")
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected tensors: " + ", ".join(unexpected[:8]))
+        problems = fit_problems(present, self.expected(), self.unused(), _IGNORED.search)
         if problems:
             raise ValueError(
                 f"{self.layout.name} checkpoint {reader.path} does not fit the model: "

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from parallax import comm
-from parallax.models.hf import INDEX, SINGLE, CheckpointReader, _read_param
+from parallax.models.hf import INDEX, SINGLE, CheckpointReader, _read_param, fit_problems
 from parallax.models.meta import materialize
 from parallax.models.safetensors_io import (
     SafetensorsWriter,
@@ -128,17 +128,7 @@ def expected_tensors(config: SiglipConfig) -> dict[str, tuple[int, ...]]:
 
 def validate_checkpoint(reader: CheckpointReader, config: SiglipConfig) -> None:
     """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
-    present, expected = reader.shapes(), expected_tensors(config)
-    missing = [n for n in expected if n not in present]
-    wrong = [(n, s, present[n]) for n, s in expected.items() if n in present and present[n] != s]
-    unexpected = [n for n in present if n not in expected and not IGNORED.match(n)]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensors: " + ", ".join(missing[:8]))
-    for n, want, got in wrong[:8]:
-        problems.append(f"{n} has shape {list(got)}, expected {list(want)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors: " + ", ".join(unexpected[:8]))
+    problems = fit_problems(reader.shapes(), expected_tensors(config), ignored=IGNORED.match)
     if problems:
         raise ValueError(
             f"checkpoint {reader.path} does not fit the {config.family} model of its "
