@@ -13,6 +13,9 @@ bf16 compute with fp32 master weights and fp32 AdamW state everywhere:
   AdamW, its own sigmoid loss (``return_loss=True``); the row is skipped when transformers is
   not installed.
 
+``--cuda-graphs`` replays the compiled blocks of both compiled rows as CUDA graphs (parallax's
+``--cuda-graphs``; torch's blocks in inductor's reduce-overhead mode, each step a new round).
+
 Every row starts from the same weights (parallax's layout-free init of seed 0, exported to the HF
 layout and loaded by the others) and takes the same first batch: ``loss 1``, the first step's
 loss, agrees across rows to bf16 rounding. Activation checkpointing (``--checkpointing``, all
@@ -82,12 +85,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--no-compile", action="store_true", help="eager parallax and torch rows")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the compiled blocks replayed as CUDA graphs (parallax --cuda-graphs; torch: "
+        "reduce-overhead mode)",
+    )
     p.add_argument("--smoke", action="store_true", help="siglip-tiny on CPU, fp32, no writes")
     p.add_argument("--write", action="store_true", help="append results even with --smoke")
     args = p.parse_args(argv)
     for fw in args.frameworks.split(","):
         if fw not in SYSTEMS:
             p.error(f"--frameworks: unknown {fw!r}; choose from {','.join(SYSTEMS)}")
+    if args.cuda_graphs and args.no_compile:
+        p.error("--cuda-graphs replays compiled blocks: drop --no-compile")
     if args.smoke:
         args.model = "siglip-tiny"
     return args
@@ -183,7 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "bf16 compute, fp32 masters and AdamW state; FLOPs = batch x "
             "SiglipConfig.flops_per_sample(batch) (3 x forward of both towers + logits, no "
             f"recomputation), MFU vs {PEAK_BF16_TFLOPS:g} TFLOP/s; checkpointing "
-            f"{'on' if args.checkpointing else 'off'}; same initial weights, loss 1 = first step"
+            f"{'on' if args.checkpointing else 'off'}; CUDA graphs "
+            f"{'on (parallax, torch)' if args.cuda_graphs else 'off'}; same initial weights, "
+            "loss 1 = first step"
         )
         append_results(title, COLUMNS, table, notes, records, info)
     return rows

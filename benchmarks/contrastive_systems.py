@@ -45,6 +45,7 @@ def parallax_system(args, config, weights: Path, device: torch.device, b: int) -
         lr_schedule="constant",
         grad_clip=0.0,
         compile=not args.no_compile and not args.smoke,
+        cuda_graphs=args.cuda_graphs and not args.smoke,
         activation_checkpointing=args.checkpointing,
     )
     trainer = Trainer(cfg, ParallelContext.local(device=device), recipe=SiglipRecipe())
@@ -55,11 +56,15 @@ def parallax_system(args, config, weights: Path, device: torch.device, b: int) -
     return step
 
 
-def _native_step(model, device, smoke: bool) -> Step:
+def _native_step(model, device, smoke: bool, cuda_graphs: bool = False) -> Step:
+    """``cuda_graphs``: the compiled blocks replay CUDA graphs; each step starts a new round
+    (the last step's graph outputs are dead by then)."""
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, **fused)
 
     def step(px: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         with _autocast(device, smoke):
             loss = model(px, ids)
@@ -84,10 +89,11 @@ def torch_system(args, config, weights: Path, device: torch.device, b: int) -> S
     if missing or unexpected:
         raise ValueError(f"weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.to(device)
+    graphs = args.cuda_graphs and not args.smoke
     if not args.no_compile and not args.smoke:
         for block in model.blocks():
-            block.compile()
-    return _native_step(model, device, args.smoke)
+            block.compile(**({"mode": "reduce-overhead"} if graphs else {}))
+    return _native_step(model, device, args.smoke, graphs)
 
 
 class _HFLoss(torch.nn.Module):
