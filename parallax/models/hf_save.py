@@ -24,8 +24,9 @@ from parallax import comm
 from parallax.models.config import OpenVLAConfig
 from parallax.models.hf import INDEX, SINGLE, expected_tensors, hf_names, unused_tensors
 from parallax.models.safetensors_io import (
-    SafetensorsWriter,
+    Group,
     parse_size,
+    stream_file,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -141,34 +142,20 @@ def save_pretrained(
 
     if dp_rank == 0:
         owners = {group[0][0]: name for name, group in zip(params, groups)}
+
+        def parts_of(group: Group) -> list[torch.Tensor] | None:
+            first = group[0][0]
+            if first in owners:  # a parameter: gather over tp (every tp rank joins)
+                param = params[owners[first]]
+                info = getattr(param, "tp_shard", None)
+                p = merged_value(model, owners[first], param)  # fp32 if adapted
+                full = p if info is None else unshard_tensor(p, info, tp_group)
+                return full.split(group[0][1][0], dim=0) if len(group) > 1 else [full]
+            return [_unused_value(model, first, group[0][1])] if tp_rank == 0 else None
+
         for (stage, file_groups), file_name in zip(files, names):
-            if stage != pp_rank:
-                continue
-            entries = [(n, s, dtype) for g in file_groups for n, s in g]
-            writer = SafetensorsWriter(path / file_name, entries) if tp_rank == 0 else None
-            try:
-                for group in file_groups:
-                    first = group[0][0]
-                    if first in owners:  # a parameter: gather over tp (every tp rank joins)
-                        param = params[owners[first]]
-                        info = getattr(param, "tp_shard", None)
-                        p = merged_value(model, owners[first], param)  # fp32 if adapted
-                        full = p if info is None else unshard_tensor(p, info, tp_group)
-                        parts = full.split(group[0][1][0], dim=0) if len(group) > 1 else [full]
-                    elif writer is not None:
-                        parts = [_unused_value(model, first, group[0][1])]
-                    else:
-                        continue
-                    if writer is not None:
-                        for (n, shape), t in zip(group, parts):
-                            writer.write(n, t.reshape(shape).to(dtype))
-                    full = parts = None  # hold one parameter at a time
-            except BaseException:
-                if writer is not None:
-                    writer.abort()
-                raise
-            if writer is not None:
-                writer.close()
+            if stage == pp_rank:
+                stream_file(path / file_name, file_groups, parts_of, dtype, tp_rank == 0)
     comm.barrier(world)
     if rank == 0:
         _write_metadata(model, path, files, names, itemsize)

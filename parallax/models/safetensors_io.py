@@ -15,6 +15,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,3 +102,34 @@ class SafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+Group = list[tuple[str, tuple[int, ...]]]  # the checkpoint tensors one parameter becomes
+
+
+def stream_file(
+    path: Path,
+    groups: list[Group],
+    parts_of: Callable[[Group], list[torch.Tensor] | None],
+    dtype: torch.dtype,
+    writing: bool,
+) -> None:
+    """One shard file of a checkpoint export, a parameter at a time: ``parts_of(group)`` gives
+    the group's tensors (each rank calls it: it may gather over tp) or ``None`` (nothing of it
+    on this rank); where ``writing``, they are cast to ``dtype`` and streamed into ``path``
+    (atomically: an error leaves no file). At most one parameter's gathered value is held."""
+    entries = [(n, s, dtype) for g in groups for n, s in g]
+    writer = SafetensorsWriter(path, entries) if writing else None
+    try:
+        for group in groups:
+            parts = parts_of(group)
+            if writer is not None and parts is not None:
+                for (name, shape), t in zip(group, parts):
+                    writer.write(name, t.reshape(shape).to(dtype))
+            parts = None  # before the next parameter is gathered
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()

@@ -25,8 +25,9 @@ from parallax import comm
 from parallax.models.hf import INDEX, SINGLE, CheckpointReader, _read_param, fit_problems
 from parallax.models.meta import materialize
 from parallax.models.safetensors_io import (
-    SafetensorsWriter,
+    Group,
     parse_size,
+    stream_file,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -190,27 +191,17 @@ def save_pretrained(
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
     if dp_rank == 0:
-        by_first = {g[0][0]: (n, p) for (n, p), g in zip(params, groups)}
+        by_first = {g[0][0]: p for (_, p), g in zip(params, groups)}
+
+        def parts_of(group: Group) -> list[torch.Tensor]:
+            param = by_first[group[0][0]]
+            info = getattr(param, "tp_shard", None)
+            p = param.detach()
+            full = p if info is None else unshard_tensor(p, info, tp_group)
+            return full.chunk(len(group)) if len(group) > 1 else [full]
+
         for file_groups, file_name in zip(files, names):
-            entries = [(n, s, dtype) for g in file_groups for n, s in g]
-            writer = SafetensorsWriter(path / file_name, entries) if rank == 0 else None
-            try:
-                for group in file_groups:
-                    _, param = by_first[group[0][0]]
-                    info = getattr(param, "tp_shard", None)
-                    p = param.detach()
-                    full = p if info is None else unshard_tensor(p, info, tp_group)
-                    parts = full.chunk(len(group)) if len(group) > 1 else [full]
-                    if writer is not None:
-                        for (n, shape), t in zip(group, parts):
-                            writer.write(n, t.reshape(shape).to(dtype))
-                    full = parts = None  # one parameter at a time
-            except BaseException:
-                if writer is not None:
-                    writer.abort()
-                raise
-            if writer is not None:
-                writer.close()
+            stream_file(path / file_name, file_groups, parts_of, dtype, rank == 0)
     comm.barrier(world)
     if rank == 0:
         _write_metadata(model, path, files, names, dtype)
