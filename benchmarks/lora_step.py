@@ -62,7 +62,7 @@ from benchmarks.lora_report import report
 from benchmarks.native import split_batch, synthetic_batch
 from benchmarks.openvla_timing import free_memory, time_steps
 from parallax.models import OpenVLAConfig
-from parallax.models.compile import memory_budget
+from parallax.models.compile import CHECKPOINT_SCOPES, memory_budget
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
 
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--checkpoint-scope",
-        choices=("all", "vision", "text"),
+        choices=CHECKPOINT_SCOPES,
         default="all",
         help="with --activation-checkpointing: which blocks recompute (parallax)",
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallax.models.compile import CHECKPOINT_SCOPES
 from parallax.train.values import convert, field_kinds, out_problems, read_toml, show
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -61,7 +62,6 @@ PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
-CHECKPOINT_SCOPES = ("all", "vision", "text")  # parallax.models.compile.checkpoint_parts
 CHOICES = {
     "checkpoint_scope": CHECKPOINT_SCOPES,
     "schedule": SCHEDULES,
