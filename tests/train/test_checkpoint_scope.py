@@ -122,3 +122,28 @@ def test_plan_counts_the_activations_that_stay():
     assert activations(activation_checkpointing=True, checkpoint_scope="vision") == kept
     assert activations(activation_checkpointing=True, checkpoint_scope="text") == 0
     assert activations(activation_checkpointing=True) == 0
+
+
+def _scoped_at_tp2(tp):
+    from parallax.testing import context
+    from tests.train.test_trainer import _run
+
+    cfg = _cfg(tp=tp, activation_checkpointing=True, checkpoint_scope="vision")
+    return _run(context(tp=tp), cfg)
+
+
+def test_scope_at_tp2_equals_one_process():
+    """At tp 2 (gloo) the scoped recomputation (checkpointed from outside the blocks there)
+    gives the single-process step without checkpointing: losses, grad norms, metrics and the
+    updated weights (gathered on tp rank 0)."""
+    from parallax.testing import run_ranks
+    from tests.train.test_trainer import _run
+
+    ref_history, ref_weights = _run(ParallelContext.local(), _cfg())
+    runs = run_ranks(_scoped_at_tp2, 2, 2)
+    for history, _ in runs:
+        assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
+    weights = runs[0][1]
+    assert weights.keys() == ref_weights.keys()
+    for name, value in ref_weights.items():
+        assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
