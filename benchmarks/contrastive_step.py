@@ -152,7 +152,8 @@ def run_row(name: str, b: int, args, config, weights: Path, device: torch.device
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from parallax.models import Siglip, SiglipConfig
+    from parallax.families.siglip.config import SiglipConfig
+    from parallax.families.siglip.model import Siglip
 
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

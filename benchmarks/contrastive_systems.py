@@ -31,7 +31,7 @@ def _autocast(device: torch.device, smoke: bool):
 
 def parallax_system(args, config, weights: Path, device: torch.device, b: int) -> Step:
     from parallax import ParallelContext
-    from parallax.recipes.siglip import SiglipRecipe
+    from parallax.families.siglip.recipe import SiglipRecipe
     from parallax.train.config import TrainConfig
     from parallax.train.trainer import Trainer
 

@@ -85,9 +85,9 @@ def generate(
 def openvla_collate(source):
     """What the trainer's main process does to each microbatch (OpenVLA-7B's BatchBuilder,
     with the built-in tokenizer: the prompt's cost, not a checkpoint's vocabulary)."""
-    from parallax.models import OpenVLAConfig
-    from parallax.models.tokenizer import TinyTokenizer
-    from parallax.recipes.openvla_batches import BatchBuilder
+    from parallax.families.openvla.batches import BatchBuilder
+    from parallax.families.openvla.config import OpenVLAConfig
+    from parallax.families.openvla.prompt import TinyTokenizer
 
     return BatchBuilder(OpenVLAConfig.preset("openvla-7b"), source.statistics, TinyTokenizer())
 

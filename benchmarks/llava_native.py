@@ -1,15 +1,14 @@
 """LLaVA-NeXT written as plain torch modules: the torch-native baseline of the LLaVA benchmark.
 
-What a practitioner writes without a training library: ``nn.Linear``/``nn.LayerNorm`` CLIP
-layers (the tower stops at the feature layer, the penultimate one) with
-``F.scaled_dot_product_attention``, the mlp2x_gelu projector, the ``image_newline`` parameter,
-Llama decoder layers (RMSNorm, RoPE, causal SDPA, SwiGLU) and a full-vocabulary lm_head whose
-logits go to ``F.cross_entropy``. Parameter names are llava-hf's, so the benchmark's shared
-weights load with ``load_state_dict``. AnyRes packing reuses :func:`parallax.models.anyres.
-pack_image` (pure tensor code, so every row places the image tokens identically). The best
-form (``torch.compile`` of each CLIP layer and decoder layer, fused AdamW, bf16 autocast over
-fp32 weights, optional activation checkpointing per layer) is set up in
-:mod:`benchmarks.llava_step`.
+What a practitioner writes without a training library: ``nn.Linear``/``nn.LayerNorm`` CLIP layers
+(the tower stops at the feature layer, the penultimate one) with ``F.scaled_dot_product_attention``,
+the mlp2x_gelu projector, the ``image_newline`` parameter, Llama decoder layers (RMSNorm, RoPE,
+causal SDPA, SwiGLU) and a full-vocabulary lm_head whose logits go to ``F.cross_entropy``. Parameter
+names are llava-hf's, so the benchmark's shared weights load with ``load_state_dict``. AnyRes
+packing reuses :func:`parallax.families.llava_next.anyres.pack_image` (pure tensor code, so every
+row places the image tokens identically). The best form (``torch.compile`` of each CLIP layer and
+decoder layer, fused AdamW, bf16 autocast over fp32 weights, optional activation checkpointing per
+layer) is set up in :mod:`benchmarks.llava_step`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallax.models import LlavaNextConfig, anyres
+from parallax.families.llava_next import anyres
+from parallax.families.llava_next.config import LlavaNextConfig
 
 
 class ClipLayer(nn.Module):

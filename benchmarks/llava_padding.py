@@ -23,9 +23,9 @@ from benchmarks.common import print_table
 from benchmarks.llava_workload import samples
 from parallax.data import length_grouped_order
 from parallax.data.length_grouped import padding_fraction
+from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.families.llava_next.flops import sample_flops
 from parallax.init import param_seed
-from parallax.models import LlavaNextConfig
-from parallax.models.llava_flops import sample_flops
 
 
 def lengths(config: LlavaNextConfig, n: int, text_only: float, seed: int) -> tuple[list, list]:

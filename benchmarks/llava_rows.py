@@ -18,7 +18,7 @@ from torch import nn
 from benchmarks.llava_native import NativeLlava
 from benchmarks.llava_workload import hf_state_dict
 from parallax import ParallelContext
-from parallax.models import LlavaNextConfig
+from parallax.families.llava_next.config import LlavaNextConfig
 from parallax.models.compile import compile_modules
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer

@@ -17,15 +17,14 @@ skipped when transformers is not importable). Every row starts from the same wei
 (parallax's init of ``--seed`` rounded to bf16), so ``loss 1`` (the first step's global-batch
 loss) must agree across rows within bf16 noise.
 
-Reported per row: the median step time over ``--steps`` after ``--warmup``, samples/s,
-tokens/s per GPU (real text and image tokens; padding not counted), model TFLOP/s and MFU
-against 989 TFLOP/s. FLOPs (:mod:`parallax.models.llava_flops`): per sample 3 x the forward of
-the CLIP tower on its real tiles (blocks 0..22 over 577 tokens, attention ``4 n^2 w``), of the
-projector and of the Llama layers over its real tokens (``2 x params x tokens`` plus causal
-attention ``2 S^2 h`` per layer) and the lm_head over the positions the row computes (parallax:
-the labelled ones; the others: every position); padding and the CLIP layers after the feature
-layer are not useful work and are not counted. Also the peak memory and the share of padded
-token positions in the microbatches.
+Reported per row: the median step time over ``--steps`` after ``--warmup``, samples/s, tokens/s per
+GPU (real text and image tokens; padding not counted), model TFLOP/s and MFU against 989 TFLOP/s.
+FLOPs (:mod:`parallax.families.llava_next.flops`): per sample 3 x the forward of the CLIP tower on
+its real tiles (blocks 0..22 over 577 tokens, attention ``4 n^2 w``), of the projector and of the
+Llama layers over its real tokens (``2 x params x tokens`` plus causal attention ``2 S^2 h`` per
+layer) and the lm_head over the positions the row computes (parallax: the labelled ones; the others:
+every position); padding and the CLIP layers after the feature layer are not useful work and are not
+counted. Also the peak memory and the share of padded token positions in the microbatches.
 
     python -m benchmarks.llava_step --frameworks parallax --parallax-variant opt+compile
     python -m benchmarks.llava_step --frameworks torch --activation-checkpointing
@@ -57,7 +56,7 @@ from benchmarks.common import (
 )
 from benchmarks.llava_rows import ROWS
 from benchmarks.llava_workload import microbatches, padding_fraction, samples, step_flops
-from parallax.models import LlavaNextConfig
+from parallax.families.llava_next.config import LlavaNextConfig
 
 COLUMNS = [
     "framework",
@@ -177,7 +176,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     notes = (
         f"{image:.0f} image + {text:.0f} text tokens per sample (image mix of "
         "benchmarks/llava_workload.py), grouped by length; bf16 with fp32 master weights; MFU "
-        f"vs {PEAK_BF16_TFLOPS:.0f} TFLOP/s, FLOPs of parallax.models.llava_flops on real tokens "
+        f"vs {PEAK_BF16_TFLOPS:.0f} TFLOP/s, FLOPs of parallax.families.llava_next.flops on real "
+        "tokens "
         "and tiles (padding not counted); loss 1 = first step's global-batch loss, same weights "
         "in every row"
     )

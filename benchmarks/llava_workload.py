@@ -10,7 +10,7 @@ and every row takes the same microbatches.
 
 Weights: parallax's layout-free init of ``--seed`` rounded to bf16 (so a bf16 forward of the
 fp32 masters is the same in every row), handed to the natives and Hugging Face under the
-llava-hf names (:class:`parallax.models.llava_hf.CheckpointLayout`).
+llava-hf names (:class:`parallax.families.llava_next.checkpoint.CheckpointLayout`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from parallax.models import LlavaNext, LlavaNextConfig, anyres
-from parallax.models.llava_flops import sample_flops
-from parallax.models.llava_hf import LLAVA_HF, CheckpointLayout
+from parallax.families.llava_next import anyres
+from parallax.families.llava_next.checkpoint import LLAVA_HF, CheckpointLayout
+from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.families.llava_next.flops import sample_flops
+from parallax.families.llava_next.model import LlavaNext
 
 # (height, width) and weight: 2,302 image tokens per sample on average
 IMAGE_MIX = (
@@ -112,7 +114,7 @@ def padding_fraction(mbs: list[dict]) -> float:
 
 
 def step_flops(config: LlavaNextConfig, mbs: list[dict], *, labelled_logits: bool) -> float:
-    """Model FLOPs of one step (:mod:`parallax.models.llava_flops`, padding not counted)."""
+    """Model FLOPs of one step (:mod:`parallax.families.llava_next.flops`, padding not counted)."""
     total = 0.0
     for mb in mbs:
         rows = (mb["labels"][:, 1:] != -100).sum(1).tolist()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallax.models import OpenVLAConfig
+from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.vit import ViTConfig
 
 

@@ -61,7 +61,7 @@ from benchmarks.common import PEAK_BF16_TFLOPS, append_records, env_info, median
 from benchmarks.lora_report import report
 from benchmarks.native import split_batch, synthetic_batch
 from benchmarks.openvla_timing import free_memory, time_steps
-from parallax.models import OpenVLAConfig
+from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.compile import CHECKPOINT_SCOPES, memory_budget
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
@@ -181,8 +181,8 @@ class Row:
 
 def lora_flops_per_sample(config: OpenVLAConfig, text: int, logit_positions: int) -> float:
     """:func:`openvla_lora_flops` of the recipe on the whole model (meta, no values)."""
-    from parallax.models import OpenVLA
-    from parallax.models.lora_flops import openvla_lora_flops
+    from parallax.families.openvla.lora_flops import openvla_lora_flops
+    from parallax.families.openvla.model import OpenVLA
     from parallax.tensor.lora_apply import apply_lora
 
     model = OpenVLA(config, None, device="meta")

@@ -21,7 +21,8 @@ import torch
 
 from benchmarks.common import append_results, print_table
 from parallax import comm, init_parallel
-from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
 from parallax.models.meta import materialize
 from parallax.tensor import gather_from_tp
 

@@ -26,7 +26,7 @@ steps updates on the same batch: it falls fast and is not comparable across rows
 
 Per configuration: the median step time over ``--steps`` (>= 10) after ``--warmup``, tokens/s
 per GPU (tokens = the 297-token sequence the language model sees), samples/s, model TFLOP/s per
-GPU and MFU (``parallax.models.openvla_flops``: 6 x params x tokens per component plus
+GPU and MFU (``parallax.families.openvla.flops``: 6 x params x tokens per component plus
 attention, against 989 TFLOP/s), peak memory per GPU (max over ranks) and, for parallax
 pipelines, the bubble measured on a Timeline next to the one simulated from the measured stage
 times. The table's ``x best native`` is tokens/s per GPU over the best PyTorch-native
@@ -92,8 +92,8 @@ from benchmarks.openvla_runs import (
 )
 from benchmarks.openvla_table import report, summarise
 from parallax import ParallelContext
-from parallax.models import OpenVLAConfig
-from parallax.models.openvla_flops import openvla_flops_per_sample
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.flops import openvla_flops_per_sample
 from parallax.train.config import TrainConfig
 
 

@@ -198,7 +198,8 @@ def report(b, rows: list[dict]) -> None:
         print(notes)
     if not args.no_write:
         how = (
-            "MFU = model FLOPs as each row runs them (parallax.models.openvla_flops: 6 x params x "
+            "MFU = model FLOPs as each row runs them (parallax.families.openvla.flops: 6 x params "
+            "x "
             "tokens per component plus attention; lm_head on the labelled positions for parallax "
             "opt, "
             f"on all for the others) / (step x GPUs x {PEAK_TFLOPS:g} TFLOP/s); natives "

@@ -83,7 +83,7 @@ def lora(argv: list[str]) -> str:
     from benchmarks import lora_step
     from benchmarks.native import synthetic_batch
     from parallax import ParallelContext
-    from parallax.models import OpenVLAConfig
+    from parallax.families.openvla.config import OpenVLAConfig
 
     args = lora_step.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -99,7 +99,8 @@ def lora(argv: list[str]) -> str:
 def siglip(argv: list[str]) -> str:
     from benchmarks import contrastive_step
     from benchmarks.contrastive_systems import SYSTEMS, make_batch
-    from parallax.models import Siglip, SiglipConfig
+    from parallax.families.siglip.config import SiglipConfig
+    from parallax.families.siglip.model import Siglip
 
     system, b, rest = argv[0], int(argv[1]), argv[2:]
     args = contrastive_step.parse_args(rest)

@@ -24,7 +24,7 @@ from benchmarks.native import Workload, split_batch, synthetic_batch
 from benchmarks.native.base import dp_share
 from benchmarks.openvla_runs import Layout, parallax_config
 from parallax import init_parallel
-from parallax.models import OpenVLAConfig
+from parallax.families.openvla.config import OpenVLAConfig
 
 
 def main() -> None:

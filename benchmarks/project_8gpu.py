@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import PEAK_BF16_TFLOPS, append_results, print_table
-from parallax.models import OpenVLA, OpenVLAConfig
-from parallax.models.openvla_flops import openvla_flops_per_sample
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.flops import openvla_flops_per_sample
+from parallax.families.openvla.model import OpenVLA
 from parallax.pipeline import one_f_one_b, simulate, split
 
 SEQ = 297  # BOS + 256 patches + 40 text tokens

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallax
-from parallax.models import StageBlock, tp_argmax
+from parallax.models import StageBlock
 from parallax.pipeline import TensorMeta
+from parallax.recipe import MetricSpec, ModelSpec, Recipe
 from parallax.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,8 +35,7 @@ from parallax.tensor import (
     resolve_tp,
     vocab_parallel_cross_entropy,
 )
-from parallax.train import registry
-from parallax.train.recipe import MetricSpec, ModelSpec, Recipe
+from parallax.tensor.loss import tp_argmax
 
 
 @dataclass(frozen=True)
@@ -180,12 +180,14 @@ class CountingRecipe(Recipe):
         return sum(mb["input_ids"].numel() for mb in microbatches)
 
 
-registry.register("counting", CountingRecipe())
+parallax.register("counting", CountingRecipe())
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return parallax.train.main(["--model", "counting", "--steps", "60", *argv])
+    from parallax.train import main as train  # the trainer, once the family is registered
+
+    return train(["--model", "counting", "--steps", "60", *argv])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallax.models import OpenVLA, OpenVLAConfig, vla_loss
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
+from parallax.families.openvla.objectives import vla_loss
 from parallax.pipeline import split
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 

@@ -36,8 +36,8 @@ from benchmarks.native.base import (
     dense_openvla,
     make_adamw,
 )
-from parallax.models import OpenVLAConfig
-from parallax.models.objectives import expand_labels
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.objectives import expand_labels
 
 
 def interleave_qkv(t: torch.Tensor, tp: int) -> torch.Tensor:

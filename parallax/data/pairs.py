@@ -4,7 +4,7 @@ A pair source is a list of *shards* with random access inside each (a folder is 
 WebDataset tar file is one shard): the loader (:mod:`parallax.data.pair_loader`) shuffles shards
 and the samples of a few shards at a time, and reads only the samples of its own rank. A raw
 sample is ``{"image": (H, W, 3) uint8 numpy array, "caption": str, "key": str}``; the model side
-tokenises and preprocesses it (:func:`parallax.models.siglip_inputs.pair_batch`).
+tokenises and preprocesses it (:func:`parallax.families.siglip.inputs.pair_batch`).
 
 Folder layout::
 

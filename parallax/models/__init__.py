@@ -1,78 +1,76 @@
-"""Models built from parallax tensor layers: a generic ViT, Llama blocks, OpenVLA, LLaVA-NeXT and
-the SigLIP / CLIP dual encoders."""
+"""What any model uses: the ViT and Llama blocks, the vision-language base, pipeline blocks,
+compilation and checkpointing of blocks, and Hugging Face checkpoint I/O.
 
-from parallax.models.action_tokenizer import (
-    ActionTokenizer,
-    normalize_actions,
-    unnormalize_actions,
-)
-from parallax.models.config import OpenVLAConfig
+The families (OpenVLA, LLaVA-NeXT, SigLIP/CLIP) live in :mod:`parallax.families`. Their names
+were once importable from here; they still are, for one release, through :func:`__getattr__`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
 from parallax.models.llama import KVCache, LlamaConfig, LlamaLM
-from parallax.models.llava_config import LlavaNextConfig
-from parallax.models.llava_next import LlavaNext
-from parallax.models.llava_processor import LlavaNextProcessor
-from parallax.models.llava_template import LlavaTinyTokenizer
-from parallax.models.llava_vision import llava_init_fn
-from parallax.models.objectives import (
-    action_metrics,
-    expand_labels,
-    loss_token_count,
-    tp_argmax,
-    vla_loss,
-)
-from parallax.models.openvla import OpenVLA, openvla_init_fn
-from parallax.models.predict import generate, predict_action
-from parallax.models.preprocess import pixel_values, preprocess_image
-from parallax.models.siglip import Siglip, SiglipOutput, siglip_init_fn
-from parallax.models.siglip_config import SiglipConfig, TextConfig
 from parallax.models.stages import StageBlock, partition
-from parallax.models.tokenizer import (
-    HFTokenizer,
-    TinyTokenizer,
-    build_prompt,
-    get_tokenizer,
-    prompt_ids,
-    training_example,
-)
+from parallax.models.tokenizer import HFTokenizer
 from parallax.models.vit import VisionTransformer, ViTConfig
 
 __all__ = [
-    "ActionTokenizer",
     "HFTokenizer",
     "KVCache",
     "LlamaConfig",
     "LlamaLM",
-    "LlavaNext",
-    "LlavaNextConfig",
-    "LlavaNextProcessor",
-    "LlavaTinyTokenizer",
-    "OpenVLA",
-    "OpenVLAConfig",
-    "Siglip",
-    "SiglipConfig",
-    "SiglipOutput",
     "StageBlock",
-    "TextConfig",
-    "TinyTokenizer",
     "ViTConfig",
     "VisionTransformer",
-    "action_metrics",
-    "build_prompt",
-    "expand_labels",
-    "generate",
-    "get_tokenizer",
-    "llava_init_fn",
-    "loss_token_count",
-    "normalize_actions",
-    "openvla_init_fn",
     "partition",
-    "pixel_values",
-    "predict_action",
-    "preprocess_image",
-    "prompt_ids",
-    "siglip_init_fn",
-    "training_example",
-    "tp_argmax",
-    "unnormalize_actions",
-    "vla_loss",
 ]
+
+# Deprecated aliases, kept for one release (0.2): the names that moved into a family package.
+MOVED = {
+    "ActionTokenizer": "parallax.families.openvla",
+    "normalize_actions": "parallax.families.openvla",
+    "unnormalize_actions": "parallax.families.openvla",
+    "OpenVLA": "parallax.families.openvla",
+    "OpenVLAConfig": "parallax.families.openvla",
+    "openvla_init_fn": "parallax.families.openvla",
+    "action_metrics": "parallax.families.openvla",
+    "expand_labels": "parallax.families.openvla",
+    "loss_token_count": "parallax.families.openvla",
+    "vla_loss": "parallax.families.openvla",
+    "generate": "parallax.families.openvla",
+    "predict_action": "parallax.families.openvla",
+    "pixel_values": "parallax.families.openvla",
+    "preprocess_image": "parallax.families.openvla",
+    "TinyTokenizer": "parallax.families.openvla",
+    "build_prompt": "parallax.families.openvla",
+    "get_tokenizer": "parallax.families.openvla",
+    "prompt_ids": "parallax.families.openvla",
+    "training_example": "parallax.families.openvla",
+    "LlavaNext": "parallax.families.llava_next",
+    "LlavaNextConfig": "parallax.families.llava_next",
+    "LlavaNextProcessor": "parallax.families.llava_next",
+    "LlavaTinyTokenizer": "parallax.families.llava_next",
+    "llava_init_fn": "parallax.families.llava_next",
+    "anyres": "parallax.families.llava_next",
+    "Siglip": "parallax.families.siglip",
+    "SiglipConfig": "parallax.families.siglip",
+    "SiglipOutput": "parallax.families.siglip",
+    "TextConfig": "parallax.families.siglip",
+    "siglip_init_fn": "parallax.families.siglip",
+    "tp_argmax": "parallax.tensor.loss",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A name that moved into a family, imported from there (lazily: a family is imported only
+    when one of its names is asked for) with a ``FutureWarning``."""
+    if name not in MOVED:
+        raise AttributeError(f"module 'parallax.models' has no attribute {name!r}")
+    warnings.warn(
+        f"parallax.models.{name} moved to {MOVED[name]}.{name}; the old name goes in 0.2",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(MOVED[name]), name)

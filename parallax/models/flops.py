@@ -3,7 +3,7 @@
 A component is a set of parameters applied to each of its tokens, plus the attention products.
 Per sample, a training step costs forward + backward = 3 x the forward (1 x for a frozen part
 that needs no backward): ``3 x (2 x N x T + attention)``. Families add their parts up
-(:mod:`parallax.models.openvla_flops`, :mod:`parallax.models.llava_flops`).
+(:mod:`parallax.families.openvla.flops`, :mod:`parallax.families.llava_next.flops`).
 """
 
 from __future__ import annotations

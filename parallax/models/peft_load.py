@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from parallax import comm
-from parallax.models.hf import CheckpointReader, LoadStats, _read_param
+from parallax.models.hf_io import CheckpointReader, LoadStats
+from parallax.models.hf_io import read_param as _read_param
 from parallax.models.peft import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,

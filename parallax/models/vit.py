@@ -34,7 +34,7 @@ class ViTConfig:
     after it (timm's DINOv2); otherwise it covers prefix and patches. ``pool`` only describes
     the head that the checkpoint carries ("token", "map" for SigLIP's attention pool, "none");
     the feature extractor never runs it. ``patch_bias`` and ``causal`` serve the dual encoders
-    (:mod:`parallax.models.siglip`): CLIP's bias-free patch conv and its causal text blocks.
+    (:mod:`parallax.families.siglip.model`): CLIP's bias-free patch conv and its causal text blocks.
     """
 
     image_size: int = 224

@@ -9,7 +9,9 @@ compilation, freezing the towers and saving are written once here.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,15 +19,17 @@ from torch import nn
 from parallax.context import ParallelContext
 from parallax.init import InitFn, init_parameters, param_seed
 from parallax.models.compile import checkpoint_parts
+from parallax.models.hf_io import hf_names
 from parallax.models.llama import LlamaLM
 from parallax.models.stages import StageBlock, check_block_range, partition
+
+log = logging.getLogger(__name__)
 
 
 def unfused_init(init: InitFn, seed: int) -> InitFn:
     """``init`` for fused projections (``qkv_proj``, ``gate_up_proj``) drawn as the separate
     Hugging Face tensors they stand for, each from its own name's seed, then stacked: fused and
     separate projections start from the same logical weights."""
-    from parallax.models.hf import hf_names
 
     def fused_aware(name: str, shape: tuple[int, ...], gen: torch.Generator, device):
         parts = hf_names(name, shape)
@@ -183,7 +187,22 @@ class VisionLanguageModel(nn.Module):
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the family's Hugging Face layout as published: see
-        :func:`parallax.models.hf_save.save_pretrained`."""
-        from parallax.models.hf_save import save_pretrained
+        :func:`parallax.models.hf_export.save_pretrained`."""
+        from parallax.models.hf_export import save_pretrained
 
         save_pretrained(self, path, **kwargs)
+
+
+def with_fusion(config: Any, fused: bool) -> Any:
+    """A VLM's ``config`` (OpenVLA's, LLaVA-NeXT's) with fused q/k/v and gate/up projections
+    as asked, where the model allows them (grouped-query attention keeps them separate)."""
+    text = config.text
+    if fused and text.kv_heads != text.num_attention_heads:
+        log.info(
+            "fused projections need as many key/value heads as query heads (%d != %d): "
+            "keeping separate projections",
+            text.kv_heads,
+            text.num_attention_heads,
+        )
+        fused = False
+    return config.with_options(fused_projections=fused)

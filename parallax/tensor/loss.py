@@ -83,3 +83,25 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum()
+
+
+def tp_argmax(logits: torch.Tensor, ctx: TPLike, vocab_size: int | None = None) -> torch.Tensor:
+    """Global argmax ids ``(...)`` of logits whose last dim is this rank's vocab shard.
+
+    Each rank takes its own maximum and index; a max-reduction finds the winning value and a
+    min-reduction over the ranks holding it picks the lowest id, as ``torch.argmax`` would.
+    """
+    group, tp_rank, tp_size = resolve_tp(ctx)
+    local_v = logits.shape[-1]
+    start = tp_rank * local_v
+    z = logits
+    if vocab_size is not None and start + local_v > vocab_size:
+        cols = torch.arange(start, start + local_v, device=z.device)
+        z = z.masked_fill(cols >= vocab_size, float("-inf"))  # tp padding never wins
+    idx = z.argmax(dim=-1)  # (...)
+    if tp_size == 1:
+        return idx
+    val = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).float()
+    best = comm.all_reduce(val.clone(), group, op="max")
+    cand = torch.where(val == best, idx + start, torch.full_like(idx, torch.iinfo(idx.dtype).max))
+    return comm.all_reduce(cand, group, op="min")

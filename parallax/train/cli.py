@@ -30,7 +30,8 @@ from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.data import DatasetError, write_statistics
 from parallax.data.episodes import STATISTICS
 from parallax.dims import ParallelDims
-from parallax.train import lora, registry, state
+from parallax.recipe import registry
+from parallax.train import lora, state
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held

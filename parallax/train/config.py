@@ -21,7 +21,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 def default_lr(model: str, finetune: str = "full") -> float:
     """The peak learning rate of ``--model`` when ``--lr`` is not given (its recipe's)."""
-    from parallax.train import registry
+    from parallax.recipe import registry
 
     try:
         recipe = registry.find(model)

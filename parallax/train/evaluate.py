@@ -17,8 +17,8 @@ import torch
 
 from parallax import comm
 from parallax.data import BatchLoader
+from parallax.recipe.protocol import batch_args, metric_values
 from parallax.train.inputs import InputError
-from parallax.train.recipe import batch_args, metric_values
 
 log = logging.getLogger("parallax.train")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from parallax.train import registry
+from parallax.recipe import registry
 from parallax.train.config import (
     CHECKPOINT_SCOPES,
     FINETUNES,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
-from parallax.models.hf import fused_parts
+from parallax.models.hf_io import fused_parts
 
 
 def split_globs(value: str | Sequence[str] | None) -> list[str]:

@@ -9,7 +9,7 @@ other collective of the step, and a problem anywhere raises :class:`InputError` 
 from __future__ import annotations
 
 from parallax import comm
-from parallax.train.recipe import Microbatch
+from parallax.recipe.protocol import Microbatch
 
 
 class InputError(ValueError):

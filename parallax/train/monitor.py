@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from parallax.train.recipe import Recipe, metric_values
+from parallax.recipe.protocol import Recipe, metric_values
 from parallax.train.trainer import StepOutput
 
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator

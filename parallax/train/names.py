@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from parallax.checkpoint import Checkpoint, TensorSource
-from parallax.models.hf import fused_parts
+from parallax.models.hf_io import fused_parts
 
 
 def split_fused(sources: list[TensorSource]) -> list[TensorSource]:

@@ -17,9 +17,10 @@ from parallax.context import ParallelContext
 from parallax.dims import ParallelDims
 from parallax.pipeline import format_schedule, simulate, split
 from parallax.pipeline.simulate import peak_activations
-from parallax.train import groups, lora, registry
+from parallax.recipe import registry
+from parallax.recipe.protocol import fill_lr_defaults, whole_model
+from parallax.train import groups, lora
 from parallax.train.config import TrainConfig
-from parallax.train.recipe import fill_lr_defaults, whole_model
 from parallax.train.trainer import _strip_family, make_schedule, num_microbatches
 
 GIB = 2**30

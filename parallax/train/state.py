@@ -38,8 +38,9 @@ from parallax.checkpoint import (
 )
 from parallax.optim.state import FORMAT as OPTIM_FORMAT
 from parallax.optim.state import state_kinds
+from parallax.recipe import registry
 from parallax.tensor import logical_shape
-from parallax.train import lora, registry
+from parallax.train import lora
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
 
 log = logging.getLogger(__name__)

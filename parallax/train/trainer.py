@@ -1,7 +1,7 @@
 """The composition: one model, split over pp, sharded over tp, trained with ZeRO-1 over dp.
 
 :class:`Trainer` builds this rank's model chunks through the model family's recipe
-(:mod:`parallax.train.recipe`), the pipeline schedule, the optimizer (with the run's parameter
+(:mod:`parallax.recipe.protocol`), the pipeline schedule, the optimizer (with the run's parameter
 groups and frozen parameters, :mod:`parallax.train.groups`) and the learning-rate schedule from a
 :class:`~parallax.train.config.TrainConfig`, and runs one optimizer step per
 :meth:`Trainer.train_step` without waiting for the device: the one agreement of a step (every
@@ -29,14 +29,15 @@ from parallax.models.compile import memory_budget
 from parallax.optim import ZeroOptimizer
 from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
-from parallax.train import groups, inputs, lora, registry
+from parallax.recipe import registry
+from parallax.train import groups, inputs, lora
 from parallax.train.config import TrainConfig
 from parallax.train.inputs import InputError
 from parallax.train.optimizer import build_optimizer
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
 __all__ = ["InputError", "StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
-from parallax.train.recipe import Microbatch, Recipe, fill_lr_defaults, whole_model
+from parallax.recipe.protocol import Microbatch, Recipe, fill_lr_defaults, whole_model
 
 
 @dataclass

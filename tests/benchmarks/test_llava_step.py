@@ -9,7 +9,7 @@ import pytest
 from benchmarks.common import RESULTS_JSONL, RESULTS_MD
 from benchmarks.llava_step import main, parse_args
 from benchmarks.llava_workload import microbatches, padding_fraction, samples
-from parallax.models import LlavaNextConfig
+from parallax.families.llava_next.config import LlavaNextConfig
 
 
 def test_smoke_rows_agree_and_write_nothing():

@@ -7,8 +7,8 @@ import math
 from benchmarks.common import RESULTS_JSONL
 from benchmarks.lora_report import COLUMNS, table
 from benchmarks.lora_step import lora_flops_per_sample, main
-from parallax.models import OpenVLAConfig
-from parallax.models.openvla_flops import openvla_flops_per_sample
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.flops import openvla_flops_per_sample
 
 FAST = ["--smoke", "--batch", "2", "--steps", "1", "--warmup", "0"]
 

@@ -24,7 +24,8 @@ from benchmarks.native import (
     synthetic_batch,
 )
 from benchmarks.native.base import accumulate, loss_of
-from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
 from parallax.testing import context, run_ranks
 
 MULTI = {

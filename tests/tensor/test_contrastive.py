@@ -13,14 +13,14 @@ microbatches per rank, the step goes through GradCache.
 import pytest
 import torch
 
-from parallax.models import Siglip
-from parallax.models.contrastive import contrastive_step
+from parallax.families.siglip.model import Siglip
+from parallax.families.siglip.step import contrastive_step
 from parallax.optim import ZeroOptimizer
 from parallax.tensor import full_tensor
 from parallax.tensor.contrastive import sigmoid_loss
 from parallax.testing import context, run_ranks
-from tests.models.helpers import assert_rel_close
-from tests.models.siglip_helpers import SEED, make_pairs, perturbed_init, reference_loss, tiny
+from tests.families.openvla.helpers import assert_rel_close
+from tests.families.siglip.helpers import SEED, make_pairs, perturbed_init, reference_loss, tiny
 
 LR = 100.0
 LOCAL = 2  # pairs per dp rank

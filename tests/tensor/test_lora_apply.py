@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from parallax import ParallelContext, ParallelDims
-from parallax.models import LlavaNext, LlavaNextConfig, OpenVLA
-from parallax.models.lora_flops import openvla_lora_flops
+from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.families.llava_next.model import LlavaNext
+from parallax.families.openvla.lora_flops import openvla_lora_flops
+from parallax.families.openvla.model import OpenVLA
 from parallax.tensor.fingerprint import base_fingerprint, fingerprint_mismatches
 from parallax.tensor.lora_apply import (
     apply_lora,
@@ -17,7 +19,7 @@ from parallax.tensor.lora_apply import (
     unfreeze,
 )
 from parallax.testing import context, run_ranks
-from tests.models.helpers import SEED, make_batch, perturbed_init, tiny_config
+from tests.families.openvla.helpers import SEED, make_batch, perturbed_init, tiny_config
 from tests.tensor.test_lora_model import lora_model
 
 LM = "language_model.model.layers."

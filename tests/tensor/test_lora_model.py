@@ -5,13 +5,19 @@ touches (bitwise). Each rank builds the tp=1 reference in-process (the model is 
 
 import torch
 
-from parallax.models import OpenVLA
+from parallax.families.openvla.model import OpenVLA
 from parallax.optim import ZeroOptimizer
 from parallax.tensor import shard_tensor, sync_sequence_parallel_grads, unshard_tensor
 from parallax.tensor.lora import add_adapter
 from parallax.tensor.lora_apply import adapter_parameters, apply_lora, lora_layers
 from parallax.testing import context, run_ranks
-from tests.models.helpers import SEED, assert_rel_close, make_batch, perturbed_init, tiny_config
+from tests.families.openvla.helpers import (
+    SEED,
+    assert_rel_close,
+    make_batch,
+    perturbed_init,
+    tiny_config,
+)
 
 RANK, ALPHA, CLIP = 4, 8.0, 0.05
 # SGD with momentum: unlike Adam, its step keeps the gradient's scale (a wrong dp average or

@@ -16,7 +16,7 @@ from parallax.models.peft_load import load_adapter
 from parallax.tensor import full_tensor
 from parallax.tensor.lora_apply import adapter_parameters
 from parallax.testing import context, run_ranks
-from tests.models.helpers import assert_rel_close, tiny_config
+from tests.families.openvla.helpers import assert_rel_close, tiny_config
 from tests.tensor.test_lora_model import ALPHA, RANK, lora_model
 
 P = "base_model.model."

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from parallax.data.stats import compute_statistics
-from parallax.models import OpenVLA, OpenVLAConfig
-from parallax.models.tokenizer import IGNORE_INDEX, TinyTokenizer
-from parallax.recipes.openvla_batches import BatchBuilder
+from parallax.families.openvla.batches import BatchBuilder
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
+from parallax.families.openvla.prompt import TinyTokenizer
+from parallax.models.tokenizer import IGNORE_INDEX
 
 
 def _samples(dim: int, n: int = 3) -> tuple[list[dict], dict]:

@@ -7,7 +7,10 @@ import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
-from parallax.models import OpenVLA, OpenVLAConfig, Siglip, SiglipConfig
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
+from parallax.families.siglip.config import SiglipConfig
+from parallax.families.siglip.model import Siglip
 from parallax.models.compile import checkpoint_parts
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.plan import _dims, rank_plan

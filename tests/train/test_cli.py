@@ -467,7 +467,8 @@ def test_export_hf_matches_the_trained_weights(tmp_path):
     import torch
 
     from parallax.checkpoint import Checkpoint, latest_checkpoint, load_module
-    from parallax.models import OpenVLA, OpenVLAConfig
+    from parallax.families.openvla.config import OpenVLAConfig
+    from parallax.families.openvla.model import OpenVLA
     from parallax.testing import run_ranks
 
     out = tmp_path / "exp"

@@ -3,8 +3,9 @@ the parameter counts they use against the modules the model actually builds."""
 
 import pytest
 
-from parallax.models import OpenVLA, OpenVLAConfig
-from parallax.models.openvla_flops import openvla_components, openvla_flops_per_sample
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.flops import openvla_components, openvla_flops_per_sample
+from parallax.families.openvla.model import OpenVLA
 from parallax.train.flops import (
     mfu,
     model_tflops_per_gpu,

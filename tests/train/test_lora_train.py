@@ -200,8 +200,8 @@ def test_checkpoints_hold_what_trains_resume_elsewhere_and_refuse_another_base(t
 def test_export_writes_the_merged_model_and_the_peft_adapter(tmp_path):
     from safetensors import safe_open
 
-    from parallax.models import OpenVLA
-    from parallax.models.hf import CheckpointReader
+    from parallax.families.openvla.model import OpenVLA
+    from parallax.models.hf_io import CheckpointReader
     from parallax.models.peft_load import load_adapter
     from parallax.tensor.lora_apply import apply_lora, merged_state
     from parallax.train.trainer import Trainer

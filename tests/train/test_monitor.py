@@ -7,7 +7,7 @@ import re
 import torch
 from rich.console import Console
 
-from parallax.train import registry
+from parallax.recipe import registry
 from parallax.train.monitor import Monitor
 from parallax.train.trainer import StepOutput
 

@@ -1,14 +1,14 @@
 """The whole trainer at tp2 pp2 dp2 (8 gloo ranks) against plain torch on one process.
 
-The reference shares nothing with parallax but its initial weights and its input tensors: the
-tiny OpenVLA written from the architecture in plain tensor ops (``ref_openvla`` in
-``tests/models/helpers.py``: manual softmax attention, RMSNorm, RoPE, LayerScale), the loss
-written out below (next-token cross-entropy summed over the labelled tokens of the whole global
+The reference shares nothing with parallax but its initial weights and its input tensors: the tiny
+OpenVLA written from the architecture in plain tensor ops (``ref_openvla`` in
+``tests/families/openvla/helpers.py``: manual softmax attention, RMSNorm, RoPE, LayerScale), the
+loss written out below (next-token cross-entropy summed over the labelled tokens of the whole global
 batch, divided by their count), ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW`` with
 weight decay on tensors of two or more dimensions, and the learning-rate warm-up written out by
-hand. The trainer runs with its defaults (1F1B, the head on the labelled rows only, fused
-q/k/v and gate/up, gradient reduction overlapped with the backward). Two steps: losses,
-gradient norms and learning rates on every rank, and every weight after them.
+hand. The trainer runs with its defaults (1F1B, the head on the labelled rows only, fused q/k/v and
+gate/up, gradient reduction overlapped with the backward). Two steps: losses, gradient norms and
+learning rates on every rank, and every weight after them.
 """
 
 import pytest
@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from parallax.data import BatchLoader, SyntheticTask
-from parallax.models import OpenVLA, OpenVLAConfig
-from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
+from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
-from tests.models.helpers import ref_openvla
+from tests.families.openvla.helpers import ref_openvla
 from tests.train.test_trainer import separate
 
 STEPS, DP = 2, 2

@@ -10,9 +10,9 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import SyntheticTask
+from parallax.recipe import registry
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train import registry
 from parallax.train.config import TrainConfig
 from parallax.train.groups import param_groups, parse_lr_groups
 from parallax.train.trainer import Trainer

@@ -185,8 +185,8 @@ def test_bad_data_exits_with_status_2(tmp_path):
 def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
     from parallax.data import Mixture
     from parallax.data.mixture import parse_data_spec
-    from parallax.recipes.openvla import OpenVLARecipe
-    from parallax.recipes.openvla_data import is_streamed
+    from parallax.families.openvla.data import is_streamed
+    from parallax.families.openvla.recipe import OpenVLARecipe
     from parallax.train.config import parse_args
     from tests.data.lerobot_writer import write_lerobot
     from tests.data.writers import make_episodes
@@ -214,7 +214,7 @@ def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
 
 
 def test_toml_data_list_and_key_configs(rlds, tmp_path):
-    from parallax.recipes.openvla import OpenVLARecipe
+    from parallax.families.openvla.recipe import OpenVLARecipe
     from parallax.train.config import parse_args
 
     keys = tmp_path / "keys.toml"
@@ -247,8 +247,9 @@ def test_predict_action_reads_the_runs_statistics_and_crops_the_centre(reference
     import torch
 
     from parallax.data.augment import center_crop
-    from parallax.models import OpenVLA, OpenVLAConfig
-    from parallax.models.preprocess import pixel_values
+    from parallax.families.openvla.config import OpenVLAConfig
+    from parallax.families.openvla.model import OpenVLA
+    from parallax.families.openvla.preprocess import pixel_values
 
     out, _ = reference
     model = OpenVLA(OpenVLAConfig.preset("tiny"), seed=0)

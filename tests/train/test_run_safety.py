@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from parallax.recipes.openvla import OpenVLARecipe
+from parallax.families.openvla.recipe import OpenVLARecipe
 from parallax.testing import run_ranks
 
 _DATASETS: dict = {}  # per worker process
@@ -63,8 +63,9 @@ class _Poisoned(OpenVLARecipe):
 
 def _train(out: str, *args: str, poison_step: int | None = None):
     """``run`` on this rank: ``None`` when it finished, else the UserError's message."""
+    from parallax.recipe import registry
     from parallax.testing import context
-    from parallax.train import cli, registry
+    from parallax.train import cli
     from parallax.train.config import parse_args
 
     recipe = _Poisoned()

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from parallax.dims import ParallelDims
-from parallax.recipes.siglip import SiglipRecipe
-from parallax.recipes.siglip_data import PairCollator
+from parallax.families.siglip.data import PairCollator
+from parallax.families.siglip.recipe import SiglipRecipe
 from parallax.testing import run_ranks
 from parallax.train.trainer import Trainer
-from tests.models.siglip_helpers import tiny
+from tests.families.siglip.helpers import tiny
 from tests.train.test_siglip_train import _batch, _cfg, _ctx, _local
 
 

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from parallax import ParallelContext
-from parallax.models import Siglip
-from parallax.recipes.siglip import SiglipRecipe
+from parallax.families.siglip.model import Siglip
+from parallax.families.siglip.recipe import SiglipRecipe
+from parallax.recipe import registry
 from parallax.tensor import full_tensor
 from parallax.tensor.sharding import unshard_tensor
 from parallax.testing import context, run_ranks
-from parallax.train import registry
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
-from tests.models.siglip_helpers import tiny
+from tests.families.siglip.helpers import tiny
 
 GLOBAL, STEPS = 8, 3
 

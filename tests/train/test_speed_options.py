@@ -10,9 +10,10 @@ from benchmarks.native import synthetic_batch
 from parallax import ParallelContext
 from parallax.checkpoint import Checkpoint
 from parallax.data import BatchLoader, SyntheticTask
-from parallax.models import OpenVLA, OpenVLAConfig
+from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
 from parallax.pipeline import executor, p2p
-from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import state

@@ -6,8 +6,8 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import BatchLoader, SyntheticTask
-from parallax.models.hf import fused_parts
-from parallax.recipes.openvla_batches import BatchBuilder, text_tokenizer
+from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
+from parallax.models.hf_io import fused_parts
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train.config import TrainConfig

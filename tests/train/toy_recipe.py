@@ -17,8 +17,8 @@ from torch import nn
 from parallax import comm
 from parallax.init import init_parameters
 from parallax.models.stages import StageBlock
+from parallax.recipe.protocol import MetricSpec, ModelSpec, Recipe
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear
-from parallax.train.recipe import MetricSpec, ModelSpec, Recipe
 
 DIM, HIDDEN, EMBED = 6, 16, 8
 

@@ -1,0 +1,330 @@
+"""LlavaNextConfig: LLaVA-NeXT's architecture from a checkpoint's config.json, and presets.
+
+Two config.json formats exist. The llava-hf one (``model_type "llava_next"``, also what transformers
+5.x writes) nests a CLIP ``vision_config`` and a Llama ``text_config`` that list only what differs
+from the transformers defaults. The original ``liuhaotian/llava-v1.6-*`` one is a Llama config with
+``mm_*`` keys; it names the CLIP tower by hub id and its vocabulary (32000) lacks ``<image>`` and
+``<pad>``: parallax maps it onto the llava-hf vocabulary as the Hugging Face converter does
+(``<image>`` = 32000, ``<pad>`` = 32001, rows up to a multiple of 64, i.e. 32064; see
+:mod:`parallax.families.llava_next.vocab`). Pinpoints are kept as (height, width), the transformers
+convention; the original file lists them as (width, height) and they are swapped on reading.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from parallax.models.llama import LlamaConfig
+from parallax.models.llama_hf import LLAMA_DEFAULTS, text_config_from_hf
+from parallax.models.vit import ViTConfig
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+VICUNA_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+CLIP_L_336 = ViTConfig(
+    image_size=336,
+    patch_size=14,
+    width=1024,
+    depth=24,
+    num_heads=16,
+    mlp_hidden=4096,
+    class_token=True,
+    ln_eps=1e-5,
+    act="quick_gelu",
+    pre_norm=True,
+    feature_layer=-2,
+    pool="none",
+    patch_bias=False,
+)
+KNOWN_TOWERS = {"openai/clip-vit-large-patch14-336": CLIP_L_336}
+# transformers' CLIPVisionConfig() defaults, for keys a vision_config leaves out
+_CLIP_DEFAULTS = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    image_size=224,
+    patch_size=32,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+)
+ADDED_TOKENS = 2  # <image>, <pad>
+VOCAB_MULTIPLE = 64
+
+
+@dataclass
+class LlavaNextConfig:
+    """Everything that shapes a LLaVA-NeXT model. ``vision`` is the CLIP tower (``feature_layer``
+    is LLaVA's ``vision_feature_layer``), ``text`` the Llama, ``image_grid_pinpoints`` the AnyRes
+    canvases as (height, width). ``checkpoint_vocab_size`` is the vocabulary of an original-layout
+    checkpoint when it is smaller than ``text.vocab_size`` (the rows that get added)."""
+
+    vision: ViTConfig
+    text: LlamaConfig
+    image_grid_pinpoints: tuple[tuple[int, int], ...]
+    image_token_index: int = 32000
+    pad_token_id: int = 32001
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    max_length: int = 4096
+    tokenizer: str = "llama2"
+    checkpoint_vocab_size: int | None = None
+    hf_config: dict = field(default_factory=dict, repr=False)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        self.image_grid_pinpoints = tuple(
+            tuple(int(v) for v in p) for p in self.image_grid_pinpoints
+        )
+        s = self.tile_size
+        bad = [p for p in self.image_grid_pinpoints if len(p) != 2 or p[0] % s or p[1] % s]
+        if not self.image_grid_pinpoints or bad:
+            raise ValueError(
+                f"image_grid_pinpoints must be (height, width) pairs that are multiples of the "
+                f"{s}px tile, got {list(self.image_grid_pinpoints)}"
+            )
+        for name, value in (
+            ("image_token_index", self.image_token_index),
+            ("pad_token_id", self.pad_token_id),
+        ):
+            if not 0 <= value < self.text.vocab_size:
+                raise ValueError(
+                    f"{name} {value} is outside the vocabulary of {self.text.vocab_size}"
+                )
+        if self.vision.keep_prefix or not self.vision.class_token:
+            raise ValueError("the CLIP tower must have a class token that the features drop")
+
+    # -- derived sizes -------------------------------------------------------------------------
+    @property
+    def tile_size(self) -> int:
+        return self.vision.image_size
+
+    @property
+    def tile_side(self) -> int:
+        """Feature rows (and columns) per tile: 336 / 14 = 24."""
+        return self.vision.image_size // self.vision.patch_size
+
+    @property
+    def tile_tokens(self) -> int:
+        return self.tile_side**2
+
+    @property
+    def max_tiles(self) -> int:
+        """Tiles of the largest canvas plus the base image (5 for LLaVA-v1.6)."""
+        s = self.tile_size
+        return 1 + max((h // s) * (w // s) for h, w in self.image_grid_pinpoints)
+
+    @property
+    def max_image_tokens(self) -> int:
+        """The most image tokens one image can give (2,928 for LLaVA-v1.6: a 48 x 48 map)."""
+        side, s = self.tile_side, self.tile_size
+        grid = max((h // s * side) * (w // s * side + 1) for h, w in self.image_grid_pinpoints)
+        return side * side + grid
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    def with_options(self, **changes) -> LlavaNextConfig:
+        """A copy with text options changed, e.g. ``fused_projections=True``."""
+        return replace(self, text=replace(self.text, **changes))
+
+    # -- presets ---------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> LlavaNextConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown LLaVA-NeXT preset {name!r}; choose one of {sorted(PRESETS)}")
+        return copy.deepcopy(PRESETS[name])
+
+    # -- config.json -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> LlavaNextConfig:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+        return cls.from_dict(json.loads(file.read_text()), source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str | None = None) -> LlavaNextConfig:
+        if d.get("model_type") == "llava_next" or ("vision_config" in d and "text_config" in d):
+            return _from_llava_hf(d, source)
+        if "mm_vision_tower" in d or d.get("model_type") in ("llava", "llava_llama"):
+            return _from_original(d, source)
+        raise ValueError(
+            f"config.json of {source or 'the checkpoint'} is neither a llava-hf LLaVA-NeXT config "
+            f"(model_type 'llava_next') nor an original LLaVA one (mm_vision_tower); it has "
+            f"model_type {d.get('model_type')!r}"
+        )
+
+    def to_dict(self) -> dict:
+        """config.json in the llava-hf format (what ``save_pretrained`` writes)."""
+        if self.hf_config and self.checkpoint_vocab_size is None:
+            return copy.deepcopy(self.hf_config)
+        v, t = self.vision, self.text
+        d = {
+            "architectures": ["LlavaNextForConditionalGeneration"],
+            "model_type": "llava_next",
+            "ignore_index": -100,
+            "image_token_index": self.image_token_index,
+            "image_grid_pinpoints": [list(p) for p in self.image_grid_pinpoints],
+            "projector_hidden_act": "gelu",
+            "use_image_newline_parameter": True,
+            "vision_feature_layer": v.feature_layer,
+            "vision_feature_select_strategy": "default",
+            "tie_word_embeddings": False,
+            "pad_token_id": self.pad_token_id,
+            "vocab_size": t.vocab_size,
+            "torch_dtype": "bfloat16",
+            "text_config": {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": t.vocab_size,
+                "hidden_size": t.hidden_size,
+                "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_hidden_layers,
+                "num_attention_heads": t.num_attention_heads,
+                "num_key_value_heads": t.num_key_value_heads,
+                "rms_norm_eps": t.rms_norm_eps,
+                "rope_theta": t.rope_theta,
+                "max_position_embeddings": t.max_position_embeddings,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+            },
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                "hidden_size": v.width,
+                "intermediate_size": v.mlp_hidden,
+                "num_hidden_layers": v.depth,
+                "num_attention_heads": v.num_heads,
+                "image_size": v.image_size,
+                "patch_size": v.patch_size,
+                "hidden_act": v.act,
+                "layer_norm_eps": v.ln_eps,
+            },
+            "parallax_max_length": self.max_length,
+        }
+        if self.tokenizer != "llama2":
+            d["parallax_tokenizer"] = self.tokenizer
+        return d
+
+
+def _vision_from_clip(vc: dict, feature_layer: int) -> ViTConfig:
+    c = {**_CLIP_DEFAULTS, **{k: v for k, v in vc.items() if v is not None}}
+    if c["hidden_act"] not in ("quick_gelu", "gelu"):
+        raise ValueError(f"vision_config.hidden_act={c['hidden_act']!r} is not supported")
+    return replace(
+        CLIP_L_336,
+        image_size=int(c["image_size"]),
+        patch_size=int(c["patch_size"]),
+        width=int(c["hidden_size"]),
+        depth=int(c["num_hidden_layers"]),
+        num_heads=int(c["num_attention_heads"]),
+        mlp_hidden=int(c["intermediate_size"]),
+        ln_eps=float(c["layer_norm_eps"]),
+        act=c["hidden_act"],
+        feature_layer=int(feature_layer),
+    )
+
+
+def _require(d: dict, key: str, allowed: tuple, default) -> None:
+    value = d.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not supported (only {allowed})")
+
+
+def _from_llava_hf(d: dict, source: str | None) -> LlavaNextConfig:
+    _require(d, "vision_feature_select_strategy", ("default",), "default")
+    _require(d, "projector_hidden_act", ("gelu",), "gelu")
+    _require(d, "use_image_newline_parameter", (True,), True)
+    _require(d, "multimodal_projector_bias", (True,), True)
+    layer = d.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer={layer!r}: only one feature layer is supported")
+    vc = d.get("vision_config") or {}
+    if vc.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise ValueError(f"vision_config.model_type={vc['model_type']!r}: only CLIP is supported")
+    return LlavaNextConfig(
+        vision=_vision_from_clip(vc, layer),
+        text=text_config_from_hf(d.get("text_config") or {}),
+        image_grid_pinpoints=d.get("image_grid_pinpoints", VICUNA_PINPOINTS),
+        image_token_index=int(d.get("image_token_index", 32000)),
+        pad_token_id=int(32001 if d.get("pad_token_id") is None else d["pad_token_id"]),
+        max_length=int(d.get("parallax_max_length", 4096)),
+        tokenizer=d.get("parallax_tokenizer", "llama2"),
+        hf_config=copy.deepcopy(d),
+        source=source,
+    )
+
+
+def _from_original(d: dict, source: str | None) -> LlavaNextConfig:
+    _require(d, "mm_projector_type", ("mlp2x_gelu",), None)
+    _require(d, "mm_patch_merge_type", ("spatial_unpad",), None)
+    _require(d, "image_aspect_ratio", ("anyres",), None)
+    _require(d, "mm_vision_select_feature", ("patch",), "patch")
+    tower = d["mm_vision_tower"]
+    layer = int(d.get("mm_vision_select_layer", -2))
+    if d.get("parallax_vision_config"):
+        vision = _vision_from_clip(d["parallax_vision_config"], layer)
+    elif tower in KNOWN_TOWERS:
+        vision = replace(KNOWN_TOWERS[tower], feature_layer=layer)
+    else:
+        raise ValueError(
+            f"unknown mm_vision_tower {tower!r}: known towers are {sorted(KNOWN_TOWERS)} (or "
+            "describe it in 'parallax_vision_config' as a CLIP vision_config)"
+        )
+    text = text_config_from_hf(d)
+    old = text.vocab_size
+    new = -(-(old + ADDED_TOKENS) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    pinpoints = [(h, w) for w, h in d.get("image_grid_pinpoints", VICUNA_PINPOINTS)]
+    return LlavaNextConfig(
+        vision=vision,
+        text=replace(text, vocab_size=new),
+        image_grid_pinpoints=pinpoints,
+        image_token_index=old,
+        pad_token_id=old + 1,
+        max_length=int(d.get("tokenizer_model_max_length") or 4096),
+        tokenizer=d.get("parallax_tokenizer", "llama2"),
+        checkpoint_vocab_size=old,
+        hf_config=copy.deepcopy(d),
+        source=source,
+    )
+
+
+def _presets() -> dict[str, LlavaNextConfig]:
+    vicuna_7b = replace(
+        LLAMA_DEFAULTS, vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096
+    )
+    tiny_clip = replace(
+        CLIP_L_336, image_size=28, patch_size=14, width=32, depth=3, num_heads=4, mlp_hidden=128
+    )
+    tiny_llama = LlamaConfig(
+        vocab_size=192,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+    )
+    return {
+        "llava-v1.6-vicuna-7b": LlavaNextConfig(
+            vision=CLIP_L_336, text=vicuna_7b, image_grid_pinpoints=VICUNA_PINPOINTS
+        ),
+        # tiles of 28 px (2 x 2 patches); the pinpoints are LLaVA-v1.6's divided by 12; the
+        # character tokenizer's 128 ids, then <image> 128 and <pad> 129, in 192 rows
+        "llava-tiny": LlavaNextConfig(
+            vision=tiny_clip,
+            text=tiny_llama,
+            image_grid_pinpoints=((28, 56), (56, 28), (56, 56), (84, 28), (28, 84)),
+            image_token_index=128,
+            pad_token_id=129,
+            max_length=512,
+            tokenizer="tiny",
+        ),
+    }
+
+
+PRESETS = _presets()

@@ -1,0 +1,113 @@
+"""Read and write the Hugging Face OpenVLA checkpoint layout (safetensors, bf16, sharded).
+
+Parameter names are the checkpoint names, except fused projections: ``qkv_proj`` is stored as
+``q_proj``/``k_proj``/``v_proj`` and ``gate_up_proj`` as ``gate_proj``/``up_proj``. Loading: every
+rank checks the whole checkpoint's names and shapes from the file headers (so a bad checkpoint
+fails identically everywhere, before any collective), then reads only its own stage's tensors
+and only its tp slice of each (``safe_open(...).get_slice``), so no rank ever holds the full
+model. Tensors the model never uses (the towers' final ``norm``, SigLIP's ``attn_pool``, blocks
+after the feature layer) are skipped on purpose; rank 0 keeps them to write them back.
+
+Saving is in :mod:`parallax.models.hf_export`; the generic reading in
+:mod:`parallax.models.hf_io`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.models.hf_io import CheckpointReader, fit_problems, hf_names, read_param
+from parallax.models.meta import materialize
+from parallax.models.vit import checkpoint_only_tensors
+from parallax.tensor import logical_shape
+
+
+def expected_tensors(config: OpenVLAConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the whole model reads, with its shape (built on meta, tp=1)."""
+    from parallax.families.openvla.model import OpenVLA
+
+    model = OpenVLA(config, None, device="meta")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, p in model.named_parameters():
+        out.update(hf_names(name, tuple(p.shape)))
+    return out
+
+
+def unused_tensors(config: OpenVLAConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensors the model skips (and writes back for tools that load strictly)."""
+    out = {}
+    for prefix, cfg in zip(
+        ("vision_backbone.featurizer.", "vision_backbone.fused_featurizer."), config.vision
+    ):
+        out.update({prefix + k: v for k, v in checkpoint_only_tensors(cfg).items()})
+    return out
+
+
+def validate_checkpoint(reader: CheckpointReader, config: OpenVLAConfig) -> dict:
+    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
+    present = reader.shapes()
+    problems = fit_problems(present, expected_tensors(config), unused_tensors(config))
+    if problems:
+        raise ValueError(f"checkpoint {reader.path} does not fit the model: " + "; ".join(problems))
+    return present
+
+
+class OpenVLATensors:
+    """OpenVLA's checkpoint names: what :func:`parallax.models.hf_export.save_pretrained` writes."""
+
+    def __init__(self, config: OpenVLAConfig) -> None:
+        self.config = config
+
+    def tensors(self, name: str, shape) -> list:
+        return hf_names(name, shape)
+
+    def unused(self) -> dict:
+        return unused_tensors(self.config)
+
+    def expected(self) -> dict:
+        return expected_tensors(self.config)
+
+
+def load_pretrained(
+    cls,
+    path: str | Path,
+    ctx=None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    blocks: range | None = None,
+    device: torch.device | str | None = None,
+    fused_projections: bool = False,
+    config: OpenVLAConfig | None = None,
+    **model_kwargs,
+):
+    """Build ``cls(config, ctx, blocks=...)`` on meta and fill it from the checkpoint at ``path``.
+
+    The result's ``load_stats`` tells what this rank read. ``model_kwargs`` go to the model
+    (``activation_checkpointing``, ``freeze_vision``).
+    """
+    t0 = time.perf_counter()
+    config = config or OpenVLAConfig.from_pretrained(path)
+    if fused_projections:
+        config = config.with_options(fused_projections=True)
+    reader = CheckpointReader(path)
+    present = validate_checkpoint(reader, config)
+    model = cls(config, ctx, blocks=blocks, dtype=dtype, device="meta", **model_kwargs)
+    if device is None:
+        device = ctx.device if ctx is not None else torch.device("cpu")
+    materialize(model, device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            sources = hf_names(name, logical_shape(param))
+            param.copy_(read_param(reader, sources, getattr(param, "tp_shard", None)))
+    if model.has_vision and (ctx is None or ctx.rank == 0):
+        before = reader.stats.bytes_read
+        model.hf_unused = {n: reader.read(n) for n in unused_tensors(config) if n in present}
+        reader.stats.unused_bytes = reader.stats.bytes_read - before
+        reader.stats.bytes_read = before
+    reader.stats.seconds = time.perf_counter() - t0
+    model.load_stats = reader.stats
+    return model

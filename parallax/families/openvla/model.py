@@ -1,0 +1,203 @@
+"""OpenVLA: DINOv2 + SigLIP towers, a fused GELU projector and Llama-2, as pipeline-stage blocks.
+
+Module paths equal the Hugging Face checkpoint names (``vision_backbone.featurizer.blocks.3...``,
+``projector.fc1``, ``language_model.model.layers.17...``, ``language_model.lm_head``). The model
+is the ordered block list ``["vision", "llm.0", ..., "llm.{L-1}", "head"]``: "vision" is both
+towers, the projector, the token embedding and the multimodal merge; "head" the final norm and
+lm_head. ``OpenVLA(config, ctx, blocks=range(a, b))`` builds only blocks ``a..b-1`` (a pipeline
+stage), named as in the whole model. A stage's forward takes the previous stage's output
+positionally: the first stage ``(pixel_values (b, 6, S, S), input_ids (b, t))``, every other
+stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits ``(b, P + t, V/tp)``
+(or, with ``return_hidden`` set for training, the hidden states: the loss then applies
+:meth:`head` to the few labelled positions only).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallax.context import ParallelContext
+from parallax.families.openvla import objectives
+from parallax.families.openvla.action_tokenizer import ActionTokenizer
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.prompt import get_tokenizer
+from parallax.init import InitFn
+from parallax.models.stages import StageBlock
+from parallax.models.vit import VisionTransformer
+from parallax.models.vlm import VisionLanguageModel, unfused_init
+from parallax.tensor import ColumnParallelLinear, RowParallelLinear
+
+# unfused_init lives in models/vlm.py now; its old import path stays
+__all__ = ["FusedMLPProjector", "OpenVLA", "VisionBackbone", "openvla_init_fn", "unfused_init"]
+
+
+class VisionBackbone(nn.Module):
+    """Channels 0-2 through DINOv2, 3-5 through SigLIP; features concatenated per patch."""
+
+    def __init__(self, config: OpenVLAConfig, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.featurizer = VisionTransformer(config.vision[0], ctx, **kw)
+        self.fused_featurizer = VisionTransformer(config.vision[1], ctx, **kw)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        img, img_fused = torch.split(pixel_values, [3, 3], dim=1)  # (b, 3, S, S) each
+        a, b = self.featurizer(img), self.fused_featurizer(img_fused)  # (b, P, w1), (b, P, w2)
+        return torch.cat([a, b], dim=2)  # (b, P, w1 + w2)
+
+
+class FusedMLPProjector(nn.Module):
+    """``fc3(gelu(fc2(gelu(fc1(x)))))``: fc1 column-, fc2 and fc3 row-parallel."""
+
+    def __init__(self, vision_dim: int, llm_dim: int, ctx, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(ctx=ctx, device=device, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(vision_dim, 4 * vision_dim, True, **kw)
+        self.fc2 = RowParallelLinear(4 * vision_dim, llm_dim, True, **kw)
+        self.fc3 = RowParallelLinear(llm_dim, llm_dim, True, input_is_parallel=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.fc1(x))  # (b, P, 4d/tp)
+        x = F.gelu(self.fc2(x))  # (b, P, h)
+        return self.fc3(x)  # (b, P, h)
+
+
+def openvla_init_fn(config: OpenVLAConfig, std: float = 0.02) -> InitFn:
+    """OpenVLA's layout-free init: N(0, std) for matrices and embeddings, zeros for biases, ones
+    for norm weights, LayerScale at its configured value."""
+    scales = {
+        "vision_backbone.featurizer.": config.vision[0].layer_scale,
+        "vision_backbone.fused_featurizer.": config.vision[1].layer_scale,
+    }
+
+    def init(name: str, shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor:
+        if name.endswith("bias"):
+            return torch.zeros(shape, device=device)
+        if name.endswith("scale_factor"):
+            value = next(v for k, v in scales.items() if name.startswith(k))
+            return torch.full(shape, float(value), device=device)
+        if len(shape) == 1:
+            return torch.ones(shape, device=device)
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+    return init
+
+
+class OpenVLA(VisionLanguageModel):
+    """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds (the
+    constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
+
+    first_inputs = ("pixel_values", "input_ids")
+
+    def build_vision(self, device, dtype) -> None:
+        config, kw = self.config, dict(device=device, dtype=dtype)
+        self.vision_backbone = VisionBackbone(config, self.ctx, **kw)
+        self.projector = FusedMLPProjector(
+            config.vision_dim, config.text.hidden_size, self.ctx, **kw
+        )
+
+    @functools.cached_property
+    def action_tokenizer(self) -> ActionTokenizer:
+        """Action bins <-> token ids (every stage: the last one's metrics read it)."""
+        return ActionTokenizer.from_config(self.config)
+
+    def vision_towers(self) -> list[nn.Module]:
+        return [self.vision_backbone.featurizer, self.vision_backbone.fused_featurizer]
+
+    def load_tokenizer(self):
+        return get_tokenizer(self.config)
+
+    def default_init_fn(self) -> InitFn:
+        return openvla_init_fn(self.config)
+
+    # -- the block list ---------------------------------------------------------------------------
+    @staticmethod
+    def stage_blocks(config: OpenVLAConfig, text_tokens: int = 32) -> list[StageBlock]:
+        """The ordered stage-able blocks with forward FLOPs per sample as their cost, for a
+        sequence of ``P`` patches and ``text_tokens`` text tokens."""
+        seq, p, d, h = (
+            config.num_patches + text_tokens,
+            config.num_patches,
+            config.vision_dim,
+            config.text.hidden_size,
+        )
+        projector = 2 * p * (4 * d * d + 4 * d * h + h * h)
+        vision = sum(v.flops() for v in config.vision) + projector
+        llm = config.text.layer_flops(seq)
+        return (
+            [StageBlock("vision", vision)]
+            + [StageBlock(f"llm.{i}", llm) for i in range(config.text.num_hidden_layers)]
+            + [StageBlock("head", config.text.head_flops(seq))]
+        )
+
+    # -- forward pieces ---------------------------------------------------------------------------
+    def embed(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Image patches inserted right after BOS: ``(b, 1 + P + t - 1, h)``."""
+        s = self.config.image_size
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (6, s, s):
+            raise ValueError(
+                f"pixel_values must be (b, 6, {s}, {s}), got {tuple(pixel_values.shape)}"
+            )
+        if input_ids.dim() != 2 or input_ids.shape[0] != pixel_values.shape[0]:
+            raise ValueError(
+                f"input_ids must be (b, t) with b = {pixel_values.shape[0]}, "
+                f"got {tuple(input_ids.shape)}"
+            )
+        dtype = self.projector.fc1.weight.dtype
+        patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
+        tokens = self.language_model.embed(input_ids)  # (b, t, h)
+        return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)
+
+    # -- training helpers -------------------------------------------------------------------------
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
+        """Cross-entropy of this (last) stage's logits against text labels ``(b, t)``."""
+        return objectives.vla_loss(
+            logits,
+            labels,
+            self.ctx,
+            num_patches=self.config.num_patches,
+            vocab_size=self.config.text.vocab_size,
+            reduction=reduction,
+        )
+
+    def action_metrics(self, logits: torch.Tensor, labels: torch.Tensor) -> dict:
+        return objectives.action_metrics(
+            logits,
+            labels,
+            self.ctx,
+            num_patches=self.config.num_patches,
+            vocab_size=self.config.text.vocab_size,
+            action_tokenizer=self.action_tokenizer,
+        )
+
+    # -- checkpoints and inference ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        ctx: ParallelContext | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **kwargs,
+    ) -> OpenVLA:
+        """Load a Hugging Face OpenVLA checkpoint (:func:`parallax.models.hf.load_pretrained`)."""
+        from parallax.families.openvla.checkpoint import load_pretrained
+
+        return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
+
+    def checkpoint_layout(self):
+        """The Hugging Face checkpoint's tensor names for this model's parameters (fused
+        projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""
+        from parallax.families.openvla.checkpoint import OpenVLATensors
+
+        return OpenVLATensors(self.config)
+
+    def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):
+        """One image -> continuous action (:func:`.predict.predict_action`)."""
+        from parallax.families.openvla.predict import predict_action
+
+        return predict_action(self, image, instruction, unnorm_key, **kwargs)

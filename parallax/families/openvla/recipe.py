@@ -1,0 +1,228 @@
+"""OpenVLA as a recipe: the first model family the one Trainer runs.
+
+Blocks are ``["vision", "llm.0", ..., "head"]`` (:meth:`parallax.models.OpenVLA.stage_blocks`);
+the first stage takes ``(pixel_values, input_ids)``, later ones the hidden states
+``(b, P + t, h)``. The loss is the next-token cross-entropy summed over the labelled tokens (the
+7 action tokens and EOS of each sample); with ``--logits labelled`` the last stage returns hidden
+states and the loss applies the final norm and lm_head to the labelled rows only. Metrics are
+OpenVLA's action-token accuracy and the L1 error of the decoded actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallax.families.openvla.config import PRESETS, OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
+from parallax.families.openvla.objectives import (
+    action_metrics,
+    labelled_rows,
+    loss_token_count,
+    rows_action_metrics,
+    rows_loss,
+    vla_loss,
+)
+from parallax.models.stages import StageBlock
+from parallax.models.vlm import with_fusion
+from parallax.pipeline import TensorMeta
+from parallax.recipe.protocol import MetricSpec, Microbatch, ModelSpec, Recipe
+
+log = logging.getLogger(__name__)
+
+# Peak learning rates that train each preset well from scratch on the synthetic task; a 7B
+# model (preset or checkpoint) gets OpenVLA's full fine-tuning rate.
+DEFAULT_LR = {"tiny": 1e-3, "small": 3e-4}
+DEFAULT_LR_7B = 2e-5
+
+
+class OpenVLARecipe(Recipe):
+    name = "openvla"
+    metric_sums = ("action_correct", "action_l1_sum", "action_tokens")
+    metrics = (
+        MetricSpec("action_accuracy", "action_correct", "action_tokens", "acc"),
+        MetricSpec("l1", "action_l1_sum", "action_tokens", "l1"),
+    )
+    freeze_aliases = {"vision": ("vision_backbone.*",)}
+    input_keys = ("pixel_values", "input_ids", "labels")
+
+    # -- model ---------------------------------------------------------------------------------
+    def presets(self) -> Sequence[str]:
+        return tuple(PRESETS)
+
+    def reads_checkpoint(self, config_json: Mapping[str, Any]) -> bool:
+        return config_json.get("model_type") in ("openvla", "prismatic")
+
+    def resolve(self, spec: str) -> ModelSpec:
+        if spec in PRESETS:
+            return ModelSpec(OpenVLAConfig.preset(spec))
+        path = Path(spec)
+        if path.is_dir() and (path / "config.json").is_file():
+            return ModelSpec(OpenVLAConfig.from_pretrained(path), path)
+        raise ValueError(
+            f"--model {spec!r} is neither an OpenVLA preset ({', '.join(sorted(PRESETS))}) nor "
+            "a checkpoint directory with a config.json"
+        )
+
+    def default_lr(self, spec: str) -> float:
+        return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
+
+    def configure(self, config: OpenVLAConfig, cfg) -> OpenVLAConfig:
+        return with_fusion(config, cfg.fused_projections)
+
+    def blocks(self, config: OpenVLAConfig) -> list[StageBlock]:
+        return OpenVLA.stage_blocks(config)
+
+    def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint) -> nn.Module:
+        kw = dict(blocks=blocks, activation_checkpointing=cfg.checkpointing)
+        if checkpoint is not None:
+            chunk = OpenVLA.from_pretrained(
+                checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
+            )
+        else:
+            seed = None if torch.device(device).type == "meta" else cfg.seed  # shapes only
+            chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
+        chunk.return_hidden = cfg.logits == "labelled"  # the loss applies the head
+        return chunk
+
+    def export(self, chunk: OpenVLA, path: Path, statistics: Mapping | None) -> None:
+        if statistics:
+            chunk.config = dataclasses.replace(
+                chunk.config, norm_stats={**chunk.config.norm_stats, **statistics}
+            )
+        chunk.save_pretrained(path)
+
+    # -- data ----------------------------------------------------------------------------------
+    def dataset(self, spec: Any, cfg) -> Any:
+        """Robot data (RLDS, LIBERO, LeRobot, mixtures) as a scanned
+        :class:`~parallax.data.Mixture` to stream (:mod:`parallax.families.openvla.data`); the
+        synthetic task and parallax directories as random-access datasets."""
+        from parallax.data import load_dataset
+        from parallax.families.openvla.data import is_streamed, open_mixture
+
+        if is_streamed(spec):
+            return open_mixture(dataclasses.replace(cfg, data=spec))
+        return load_dataset(spec, seed=cfg.seed)
+
+    def eval_dataset(self, spec: str | None, cfg) -> Any:
+        """``--eval-data`` (read with random access, in a fixed order), or for the synthetic
+        task the episodes of another seed (scenes the run never trains on)."""
+        from parallax.data import load_dataset
+
+        if spec is None and cfg.data == "synthetic":
+            from parallax.data import SyntheticTask
+
+            return SyntheticTask(seed=cfg.seed + 1)
+        if spec is None:
+            return super().eval_dataset(spec, cfg)
+        return load_dataset(spec, seed=cfg.seed)
+
+    def loader(self, dataset: Any, cfg, ctx) -> Any:
+        """Streamed robot data: :class:`~parallax.data.StreamLoader`, its images resized to the
+        model's resolution (then augmented, as OpenVLA does at 224 px)."""
+        from parallax.data import Mixture
+        from parallax.families.openvla.data import stream_loader
+
+        if not isinstance(dataset, Mixture):
+            if cfg.augment:
+                log.info("--augment applies to streamed robot data only: not augmenting")
+            return super().loader(dataset, cfg, ctx)
+        name = cfg.model.partition(":")[2] if cfg.model.startswith("openvla:") else cfg.model
+        return stream_loader(dataset, cfg, ctx, self.resolve(name).config.image_size)
+
+    def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
+        from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
+
+        return BatchBuilder(config, dataset.statistics, text_tokenizer(config, checkpoint))
+
+    def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        return mb["pixel_values"], mb["input_ids"]
+
+    def stage_metas(self, config: OpenVLAConfig, mb: Microbatch, dtype) -> list[TensorMeta]:
+        b, t = mb["input_ids"].shape
+        return [TensorMeta((b, config.num_patches + t, config.text.hidden_size), dtype, True)]
+
+    # -- objective -----------------------------------------------------------------------------
+    def loss_units(self, mb: Microbatch) -> int:
+        return int(loss_token_count(mb["labels"]))
+
+    def loss_target(self, config: OpenVLAConfig, mb: Microbatch, cfg) -> Any:
+        if cfg.logits != "labelled":
+            return mb["labels"]
+        return labelled_rows(mb["labels"], config.num_patches)  # found on the host
+
+    def loss(self, chunk: OpenVLA, output, target, ctx, cfg):
+        mc = chunk.config
+        vocab, tok = mc.text.vocab_size, chunk.action_tokenizer
+        if cfg.logits == "labelled":
+            rows, row_targets = target
+            hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
+            logits = chunk.head(hidden)  # (n, V/tp)
+            ce = rows_loss(logits, row_targets, ctx, vocab_size=vocab)
+            m = rows_action_metrics(
+                logits, row_targets, ctx, vocab_size=vocab, action_tokenizer=tok
+            )
+        else:
+            p = mc.num_patches
+            ce = vla_loss(output, target, ctx, num_patches=p, vocab_size=vocab, reduction="sum")
+            m = action_metrics(
+                output, target, ctx, num_patches=p, vocab_size=vocab, action_tokenizer=tok
+            )
+        return ce, torch.stack([m[k] for k in self.metric_sums])
+
+    # -- reporting -----------------------------------------------------------------------------
+    def flops(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch], cfg) -> float:
+        from parallax.families.openvla.flops import batch_flops
+        from parallax.train.groups import frozen_matcher
+
+        if cfg.finetune == "lora":
+            return self._lora_flops(config, microbatches, cfg)
+
+        frozen = frozen_matcher(cfg, self)
+        return batch_flops(
+            config,
+            microbatches,
+            labelled_logits=cfg.logits == "labelled",
+            frozen_vision=frozen("vision_backbone.featurizer.patch_embed.proj.weight"),
+        )
+
+    def _lora_flops(self, config: OpenVLAConfig, microbatches, cfg) -> float:
+        """:func:`~parallax.models.lora_flops.openvla_lora_flops` (no weight gradient for the
+        frozen base: ~4 x params x tokens), its per-layer costs found once per run on the
+        whole model built on the meta device as the run adapts it."""
+        from parallax.families.openvla.lora_flops import openvla_linear_costs, openvla_lora_flops
+        from parallax.train import groups, lora
+
+        key = (id(config), id(cfg))
+        cached = getattr(self, "_lora_costs", None)
+        if cached is None or cached[0] != key:
+            model = OpenVLA(config, None, device="meta")
+            lora.prepare(model, cfg, self)
+            groups.apply_freeze([model], cfg, self)
+            cached = self._lora_costs = (key, model, openvla_linear_costs(model))
+        _, model, costs = cached
+        total = 0.0
+        for mb in microbatches:
+            b, t = mb["input_ids"].shape
+            rows = loss_token_count(mb["labels"]) / b if cfg.logits == "labelled" else None
+            total += b * openvla_lora_flops(model, t, rows, costs)
+        return total
+
+    def activation_bytes(self, config, block_names, micro_batch_size, tp) -> float:
+        """Megatron's ``34 s b h`` bytes per decoder layer at 16-bit (the towers not counted),
+        for the patches and a typical prompt and action (48 tokens)."""
+        layers = sum(1 for n in block_names if n.startswith("llm."))
+        seq = config.num_patches + 48
+        return 34.0 * seq * micro_batch_size * config.text.hidden_size * layers / tp
+
+    def tokens(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch]) -> int:
+        return sum(
+            mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.num_patches
+            for mb in microbatches
+        )

@@ -1,0 +1,291 @@
+"""SiglipConfig: the architecture of a SigLIP or CLIP dual encoder, from config.json or a preset.
+
+One config describes both families, since their towers are the same blocks and differ only in
+options: SigLIP (``family="siglip"``) pools images with an attention head (MAP) and texts at the
+last position, scores pairs with a sigmoid and has a ``logit_bias``; CLIP (``family="clip"``)
+pools the class token and the end-of-text token, projects both towers, attends causally in the
+text tower and scores with a softmax. A Hugging Face ``config.json`` lists only what differs
+from the ``SiglipConfig()`` / ``CLIPConfig()`` defaults of transformers; those defaults fill the
+rest here too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from parallax.models.vit import ViTConfig
+
+SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+FAMILIES = ("siglip", "clip")
+POOLS = ("last", "eos", "argmax")
+_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
+_HF_ACT = {v: k for k, v in _ACTS.items()}
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The text tower: token + position embeddings, pre-LN blocks, final LayerNorm, pooling.
+
+    ``pool``: "last" takes the last position (SigLIP pads every caption to ``max_length``);
+    "eos" the first ``eos_id``; "argmax" the largest id (CLIP checkpoints whose config says
+    ``eos_token_id=2``, where transformers does the same, since the end-of-text id is the
+    largest). ``bos_id`` is prepended by the tokenizer when set (CLIP).
+    """
+
+    vocab_size: int = 32000
+    width: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_hidden: int = 3072
+    max_length: int = 64
+    act: str = "gelu_tanh"
+    ln_eps: float = 1e-6
+    causal: bool = False
+    pool: str = "last"
+    pad_id: int = 1
+    eos_id: int = 1
+    bos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOLS:
+            raise ValueError(f"TextConfig: pool must be one of {POOLS}, got {self.pool!r}")
+        if self.width % self.num_heads:
+            raise ValueError(
+                f"TextConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
+            )
+
+    def block_config(self) -> ViTConfig:
+        """The options of these text blocks (:class:`~parallax.models.vit.ViTBlock` s)."""
+        return ViTConfig(
+            width=self.width,
+            depth=self.depth,
+            num_heads=self.num_heads,
+            mlp_hidden=self.mlp_hidden,
+            ln_eps=self.ln_eps,
+            act=self.act,
+            causal=self.causal,
+        )
+
+    def flops(self, length: int | None = None) -> float:
+        """Forward FLOPs of the blocks per caption (2 per multiply-add; causal attention half)."""
+        n, w = length or self.max_length, self.width
+        attn = (2 if self.causal else 4) * n * n * w
+        return self.depth * (2 * n * (4 * w * w + 2 * w * self.mlp_hidden) + attn)
+
+
+@dataclass
+class SiglipConfig:
+    """Both towers, the embedding width they meet in, and how pairs are scored.
+
+    ``embed_dim``: SigLIP's MAP head gives the vision width and the text head maps to it; CLIP
+    projects both towers to ``embed_dim`` without bias. ``logit_bias_init=None``: no bias (CLIP).
+    ``resize``: "squash" (SigLIP: resize to the square, aspect ratio not kept) or "crop" (CLIP:
+    shortest side to the image size, then a centre crop).
+    """
+
+    vision: ViTConfig
+    text: TextConfig
+    family: str = "siglip"
+    embed_dim: int | None = None
+    logit_scale_init: float = math.log(10.0)
+    logit_bias_init: float | None = -10.0
+    image_mean: tuple[float, ...] = SIGLIP_MEAN
+    image_std: tuple[float, ...] = SIGLIP_STD
+    resize: str = "squash"
+    tokenizer: str = "sentencepiece"
+    hf_config: dict = field(default_factory=dict, repr=False)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.embed_dim is None:
+            self.embed_dim = self.vision.width
+        if self.family == "siglip" and self.embed_dim != self.vision.width:
+            raise ValueError(
+                f"SigLIP's MAP head gives vision width {self.vision.width}, so the text head "
+                f"must map to it too, not to {self.embed_dim}"
+            )
+        if self.family == "siglip" and (self.vision.class_token or not self.vision.final_norm):
+            raise ValueError("a SigLIP vision tower has no class token and a final LayerNorm")
+        if self.family == "clip" and not (self.vision.class_token and self.vision.keep_prefix):
+            raise ValueError("a CLIP vision tower pools its class token: class_token, keep_prefix")
+
+    @property
+    def loss(self) -> str:
+        """The contrastive loss the family trains with: "sigmoid" or "softmax"."""
+        return "sigmoid" if self.family == "siglip" else "softmax"
+
+    @property
+    def image_size(self) -> int:
+        return self.vision.image_size
+
+    def vision_flops(self) -> float:
+        """Forward FLOPs per image: patches, blocks and the pooling head (or projection)."""
+        v, w = self.vision, self.vision.width
+        if self.family == "clip":
+            return v.flops() + 2 * w * self.embed_dim
+        n = v.num_patches
+        head = 2 * w * w + 4 * n * w * w + 4 * n * w + 2 * w * w + 4 * w * v.mlp_hidden
+        return v.flops() + head
+
+    def text_flops(self) -> float:
+        return self.text.flops() + 2 * self.text.width * self.embed_dim
+
+    def flops_per_sample(self, global_batch: int, train: bool = True) -> float:
+        """Model FLOPs per image-text pair: both towers, plus the loss's logits against the
+        ``global_batch`` embeddings of the other side (sigmoid: one direction; softmax: both),
+        times 3 for training (forward and backward; no recomputation counted)."""
+        logits = 2 * global_batch * self.embed_dim * (1 if self.loss == "sigmoid" else 2)
+        return (3 if train else 1) * (self.vision_flops() + self.text_flops() + logits)
+
+    # -- presets ---------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> SiglipConfig:
+        if name not in PRESETS:
+            raise ValueError(
+                f"unknown dual-encoder preset {name!r}; choose one of {sorted(PRESETS)}"
+            )
+        return copy.deepcopy(PRESETS[name])
+
+    # -- config.json -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> SiglipConfig:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+        return cls.from_dict(json.loads(file.read_text()), source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str | None = None) -> SiglipConfig:
+        from parallax.families.siglip.hf_config import config_from_hf
+
+        return config_from_hf(cls, d, source)
+
+    def to_dict(self) -> dict:
+        """config.json: the checkpoint's own file when there was one, else the HF layout."""
+        if self.hf_config:
+            return copy.deepcopy(self.hf_config)
+        from parallax.families.siglip.hf_config import config_to_hf
+
+        return config_to_hf(self)
+
+    def to_json_dict(self) -> dict:
+        """Every field, for run metadata."""
+        d = asdict(self)
+        d.pop("hf_config")
+        return d
+
+
+def hf_act(act: str) -> str:
+    return _HF_ACT[act]
+
+
+def parallax_act(hf: str) -> str:
+    if hf not in _ACTS:
+        raise ValueError(f"hidden_act {hf!r} is not supported (one of {sorted(_ACTS)})")
+    return _ACTS[hf]
+
+
+def _siglip(image: int, patch: int, w: int, depth: int, heads: int, mlp: int, **text) -> dict:
+    vision = ViTConfig(
+        image_size=image,
+        patch_size=patch,
+        width=w,
+        depth=depth,
+        num_heads=heads,
+        mlp_hidden=mlp,
+        class_token=False,
+        act="gelu_tanh",
+        ln_eps=1e-6,
+        final_norm=True,
+        pool="map",
+    )
+    t = dict(width=w, depth=depth, num_heads=heads, mlp_hidden=mlp)
+    t.update(text)
+    return dict(vision=vision, text=TextConfig(**t))
+
+
+def _clip_vision(image: int, patch: int, w: int, depth: int, heads: int, mlp: int) -> ViTConfig:
+    return ViTConfig(
+        image_size=image,
+        patch_size=patch,
+        width=w,
+        depth=depth,
+        num_heads=heads,
+        mlp_hidden=mlp,
+        class_token=True,
+        act="quick_gelu",
+        ln_eps=1e-5,
+        pre_norm=True,
+        keep_prefix=True,
+        patch_bias=False,
+    )
+
+
+def _clip_text(**kw) -> TextConfig:
+    base = dict(act="quick_gelu", ln_eps=1e-5, causal=True, pool="eos")
+    return TextConfig(**{**base, **kw})
+
+
+def _presets() -> dict[str, SiglipConfig]:
+    clip = dict(
+        family="clip",
+        logit_scale_init=2.6592,  # log(1 / 0.07), as CLIP starts
+        logit_bias_init=None,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+        resize="crop",
+    )
+    tiny_text = dict(vocab_size=128, max_length=40, pad_id=1, eos_id=1)  # characters
+    return {
+        "siglip-large-patch16-256": SiglipConfig(**_siglip(256, 16, 1024, 24, 16, 4096)),
+        "siglip-base-patch16-224": SiglipConfig(**_siglip(224, 16, 768, 12, 12, 3072)),
+        # the bias starts at -ln 32, the prior of one positive among a CPU-sized batch of 32
+        # captions: SigLIP's -10 suits batches of ~32k, and a tiny model trained from scratch
+        # on small batches sits on its collapsed plateau (every pair alike) for hundreds of steps
+        "siglip-tiny": SiglipConfig(
+            **_siglip(32, 8, 64, 2, 4, 128, **tiny_text),
+            tokenizer="tiny",
+            logit_bias_init=-math.log(32),
+        ),
+        "clip-vit-large-patch14": SiglipConfig(
+            vision=_clip_vision(224, 14, 1024, 24, 16, 4096),
+            text=_clip_text(
+                vocab_size=49408,
+                width=768,
+                depth=12,
+                num_heads=12,
+                mlp_hidden=3072,
+                max_length=77,
+                pad_id=49407,
+                eos_id=49407,
+                bos_id=49406,
+                pool="argmax",
+            ),
+            embed_dim=768,
+            tokenizer="tokenizers",
+            **clip,
+        ),
+        "clip-tiny": SiglipConfig(
+            vision=_clip_vision(32, 8, 64, 2, 4, 128),
+            text=_clip_text(width=64, depth=2, num_heads=4, mlp_hidden=128, bos_id=2, **tiny_text),
+            embed_dim=48,
+            tokenizer="tiny",
+            **clip,
+        ),
+    }
+
+
+PRESETS = _presets()
+
+
+def with_text(config: SiglipConfig, **changes) -> SiglipConfig:
+    """A copy with text-tower options changed."""
+    return replace(config, text=replace(config.text, **changes), hf_config={})
