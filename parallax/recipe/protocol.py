@@ -50,16 +50,6 @@ def batch_args(cfg, ctx: ParallelContext) -> dict[str, int]:
     )
 
 
-def fill_lr_defaults(recipe: Recipe, name: str, cfg) -> None:
-    """``--lr`` and ``--lr-groups`` left unset take the family's defaults for ``name`` (LoRA's
-    rate with ``--finetune lora``): the same for a run and for its ``--dry-run``."""
-    if cfg.lr is None:
-        lora = cfg.finetune == "lora"
-        cfg.lr = recipe.default_lora_lr(name) if lora else recipe.default_lr(name)
-    if cfg.lr_groups is None:
-        cfg.lr_groups = recipe.default_lr_groups(name, cfg.lr)
-
-
 def whole_model(recipe: Recipe, config: Any, cfg, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The whole model on the meta device at tp = 1: every global name and shape, no memory
     and no collective (the same on every rank)."""

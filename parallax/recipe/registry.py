@@ -1,56 +1,89 @@
 """The one place that names model families: ``--model`` -> the recipe that builds it.
 
-A family is registered as ``"name": "module:Class"`` and imported only when asked for, so a run
-of one family never imports another's code (or its optional dependencies). ``--model`` is a
-preset of some family, a checkpoint directory whose ``config.json`` one family reads, or
-``family:spec`` to pick the family explicitly (``openvla:path/to/ckpt``). A user's own family is
-added with :func:`register`.
+A family is declared as a :class:`Family`: where its recipe lives (``"module:Class"``) and the
+preset names it takes. The recipe is imported only when a run asks for that family, so a run of
+one family never imports another's code (or its optional dependencies), and ``--help`` imports
+none. ``--model`` is a preset of some family, a checkpoint directory whose ``config.json`` one
+family reads, or ``family:spec`` to pick the family explicitly (``openvla:path/to/ckpt``). A
+user's own family is added with :func:`register`.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from parallax.recipe.protocol import ModelSpec, Recipe
 
-FAMILIES: dict[str, str] = {
-    "openvla": "parallax.families.openvla.recipe:OpenVLARecipe",
-    "llava": "parallax.families.llava_next.recipe:LlavaRecipe",
-    "siglip": "parallax.families.siglip.recipe:SiglipRecipe",
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family's recipe lives and the presets it takes (kept equal to the recipe's own
+    ``presets()`` by a test, so listing them imports nothing)."""
+
+    recipe: str  # "module:Class"
+    presets: tuple[str, ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    "openvla": Family(
+        "parallax.families.openvla.recipe:OpenVLARecipe", ("tiny", "small", "openvla-7b")
+    ),
+    "llava": Family(
+        "parallax.families.llava_next.recipe:LlavaRecipe", ("llava-tiny", "llava-v1.6-vicuna-7b")
+    ),
+    "siglip": Family(
+        "parallax.families.siglip.recipe:SiglipRecipe",
+        (
+            "siglip-tiny",
+            "siglip-base-patch16-224",
+            "siglip-large-patch16-256",
+            "clip-tiny",
+            "clip-vit-large-patch14",
+        ),
+    ),
 }
 FIRST = "openvla"  # the family checkpoints written before recipes belong to
 _LOADED: dict[str, Recipe] = {}
 
 
-def register(name: str, recipe: Recipe | str) -> None:
-    """Add (or replace) family ``name``: a recipe object or its ``"module:Class"`` path."""
+def register(name: str, recipe: Recipe | str, presets: tuple[str, ...] | None = None) -> None:
+    """Add (or replace) family ``name``: a recipe object, or its ``"module:Class"`` path with
+    the presets it takes (imported when first asked for)."""
     if isinstance(recipe, str):
-        FAMILIES[name] = recipe
+        FAMILIES[name] = Family(recipe, tuple(presets or ()))
         _LOADED.pop(name, None)
     else:
-        FAMILIES[name] = f"<object {type(recipe).__name__}>"
+        listed = tuple(presets if presets is not None else recipe.presets())
+        FAMILIES[name] = Family(f"<object {type(recipe).__name__}>", listed)
         _LOADED[name] = recipe
 
 
 def recipe(name: str) -> Recipe:
-    """The recipe of family ``name``."""
+    """The recipe of family ``name`` (importing its package on first use)."""
     if name not in _LOADED:
         if name not in FAMILIES:
             raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(FAMILIES))}")
-        module, cls = FAMILIES[name].split(":")
+        module, cls = FAMILIES[name].recipe.split(":")
         _LOADED[name] = getattr(importlib.import_module(module), cls)()
     return _LOADED[name]
 
 
 def families() -> list[Recipe]:
+    """Every family's recipe (imports them all: for a checkpoint whose family is unknown)."""
     return [recipe(name) for name in FAMILIES]
 
 
 def presets() -> dict[str, str]:
-    """Every preset name -> its family."""
-    return {p: r.name for r in families() for p in r.presets()}
+    """Every preset name -> its family, from the declarations (no import)."""
+    return {p: name for name, fam in FAMILIES.items() for p in fam.presets}
+
+
+def preset_names() -> list[str]:
+    """The presets ``--model`` takes, sorted."""
+    return sorted(presets())
 
 
 def _config_json(path: Path) -> dict | None:
@@ -69,9 +102,9 @@ def find(spec: str) -> Recipe:
     family, sep, rest = spec.partition(":")
     if sep and family in FAMILIES and rest:
         return recipe(family)
-    for r in families():
-        if spec in r.presets():
-            return r
+    by_preset = presets()
+    if spec in by_preset:
+        return recipe(by_preset[spec])
     config = _config_json(Path(spec))
     if config is not None:
         for r in families():
@@ -83,15 +116,18 @@ def find(spec: str) -> Recipe:
             f"(families: {', '.join(sorted(FAMILIES))})"
         )
     raise ValueError(
-        f"--model {spec!r} is neither a preset ({', '.join(sorted(presets()))}) nor a "
+        f"--model {spec!r} is neither a preset ({', '.join(preset_names())}) nor a "
         "checkpoint directory with a config.json"
     )
+
+
+def strip_family(spec: str, r: Recipe) -> str:
+    """``--model`` without an explicit ``FAMILY:`` prefix naming ``r``'s family."""
+    family, sep, rest = spec.partition(":")
+    return rest if sep and family == r.name and rest else spec
 
 
 def resolve(spec: str) -> tuple[Recipe, ModelSpec]:
     """``--model spec`` -> (its recipe, the resolved model)."""
     r = find(spec)
-    family, sep, rest = spec.partition(":")
-    if sep and family == r.name and rest:
-        spec = rest
-    return r, r.resolve(spec)
+    return r, r.resolve(strip_family(spec, r))

@@ -30,12 +30,13 @@ from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.data import DatasetError, write_statistics
 from parallax.data.episodes import STATISTICS
 from parallax.dims import ParallelDims
-from parallax.recipe import registry
 from parallax.train import lora, state
-from parallax.train.config import TrainConfig, parse_args
+from parallax.train.args import parse_args
+from parallax.train.config import TrainConfig
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
+from parallax.train.run import Run, resolve
 from parallax.train.trainer import InputError, Trainer
 
 log = logging.getLogger("parallax.train")
@@ -62,8 +63,11 @@ def agree(ctx: ParallelContext, what: str, fn: Callable[[], T]) -> T:
     return value
 
 
-def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -> dict[str, float]:
-    """Train as ``cfg`` says on this rank; returns the last step's metrics.
+def run(
+    cfg: TrainConfig | Run, ctx: ParallelContext, stop_after: int | None = None
+) -> dict[str, float]:
+    """Train as ``cfg`` (the resolved run, or a config resolved here) says on this rank;
+    returns the last step's metrics.
 
     Refused before training (:class:`UserError`, exit status 2): an ``--out`` that holds
     another run (without ``--resume`` or ``--overwrite``), a ``--resume`` with no steps left,
@@ -74,22 +78,21 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     ``stop_after`` ends this invocation after that many steps (after saving a checkpoint), as a
     preemption would: a later ``--resume`` carries on with the same schedule.
     """
-    out = Path(cfg.out)
+    cfg = agree(ctx, "--model", lambda: resolve(cfg))
+    out, recipe = Path(cfg.out), cfg.recipe
     agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
-    recipe, spec = agree(ctx, "--model", lambda: registry.resolve(cfg.model))
-    model_config, checkpoint_dir = spec.config, spec.checkpoint
     data = open_data(ctx, recipe, cfg)
     loader = agree(ctx, "batch sizes", lambda: recipe.loader(data, cfg, ctx))
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
         ctx,
         "building the model",
-        lambda: Trainer(cfg, ctx, model_config, checkpoint_dir, recipe=recipe),
+        lambda: Trainer(cfg, ctx),
     )
     builder = agree(
         ctx,
         "data and model",
-        lambda: recipe.collator(trainer.model_config, data, checkpoint_dir),
+        lambda: recipe.collator(cfg.model_config, data, cfg.checkpoint),
     )
     evaluator = None
     if cfg.eval_interval:
@@ -171,7 +174,7 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
     return monitor.last
 
 
-def open_data(ctx: ParallelContext, recipe, cfg: TrainConfig):
+def open_data(ctx: ParallelContext, recipe, cfg: Run):
     """The recipe's dataset on every rank: rank 0 opens it first (scanning robot data and
     writing its index), then the others (reading that index). An error on any rank, such as
     bad data found by the scan, is raised on all of them."""
@@ -190,7 +193,7 @@ def next_microbatches(loader, builder) -> tuple[list, str | None]:
         return [], str(err)
 
 
-def _find_resume(cfg: TrainConfig):
+def _find_resume(cfg: Run):
     ckpt = state.find_resume(cfg.out)
     if ckpt is not None:
         state.check_steps_left(ckpt, cfg.steps)
@@ -239,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cfg = parse_args(argv)
                 if cfg.dry_run:
-                    from parallax.train.plan import print_plan
+                    from parallax.train.plan import print_plan  # only a dry run needs it
 
                     print_plan(cfg, file=None if ending.rank == 0 else io.StringIO())
                     return ending.end(0)
                 ParallelDims.from_world(ending.world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-            except ValueError as err:
+                cfg = resolve(cfg)  # once: every rank alike, before any process group
+            except USER_ERRORS as err:
                 return ending.user_error(err, agreed=True)
         ctx = init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, timeout=cfg.timeout)
         if ctx.rank != 0:

@@ -1,222 +1,320 @@
-"""Training flags: one dataclass, filled from an optional TOML file and then the command line.
+"""Training options: one frozen dataclass, each field declared once with :func:`opt`.
 
-Every flag has a TOML key of the same name with underscores (``--global-batch-size`` ->
-``global_batch_size``); command-line flags override the file. Defaults do not depend on the
-layout, so the same command trains the same model at every ``dp x tp x pp``.
+A field's declaration is its flag (``--global-batch-size``), its TOML key (``global_batch_size``
+or ``global-batch-size`` in a ``--config`` file; flags given on the command line win), its
+default, help text, ``--help`` group and checks (:mod:`parallax.train.options`). Cross-option
+rules are :data:`RULES` in :mod:`parallax.train.rules`. Defaults do not depend on the layout, so
+the same command trains the same model at every ``dp x tp x pp``. ``None`` means "the family
+decides" (the learning rate, its schedule, the lr groups): :func:`parallax.train.run.resolve`
+fills those in, once, into the frozen :class:`~parallax.train.run.Run` the rest of a run reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from parallax.models.compile import CHECKPOINT_SCOPES
-from parallax.train.values import convert, field_kinds, out_problems, read_toml, show
+from parallax.recipe.registry import preset_names
+from parallax.train.options import at_least, opt, positive, within
+from parallax.train.rules import config_problems
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def default_lr(model: str, finetune: str = "full") -> float:
-    """The peak learning rate of ``--model`` when ``--lr`` is not given (its recipe's)."""
-    from parallax.recipe import registry
-
-    try:
-        recipe = registry.find(model)
-    except ValueError:
-        return 2e-5  # an unknown model fails later, with its own message
-    family, sep, rest = model.partition(":")
-    spec = rest if sep and family == recipe.name and rest else model
-    return recipe.default_lora_lr(spec) if finetune == "lora" else recipe.default_lr(spec)
-
-
-def lora_problems(cfg) -> list[str]:
-    """What is wrong with the LoRA flags (the layout-dependent checks come with the model)."""
-    if cfg.finetune != "lora":
-        given = [f"--{n.replace('_', '-')}" for n in ("train", "lora_init") if getattr(cfg, n)]
-        return [f"{', '.join(given)} need --finetune lora"] if given else []
-    problems = []
-    if cfg.lora_rank < 1:
-        problems.append(f"--lora-rank must be >= 1, got {cfg.lora_rank}")
-    if cfg.lora_alpha <= 0:
-        problems.append(f"--lora-alpha must be > 0, got {cfg.lora_alpha:g}")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        problems.append(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout:g}")
-    if not cfg.lora_targets.strip(", "):
-        problems.append("--lora-targets must be 'all-linear' or module-name globs")
-    if cfg.lora_init and not Path(cfg.lora_init).is_dir():
-        problems.append(f"--lora-init {cfg.lora_init}: no such adapter directory")
-    if cfg.lora_dropout > 0 and cfg.tp > 1:
-        problems.append(
-            f"--lora-dropout {cfg.lora_dropout:g} at --tp {cfg.tp}: the column-parallel adapters "
-            "need one dropout mask on every tp rank; use 0 (OpenVLA's recipe) or --tp 1"
-        )
-    if cfg.lora_init and cfg.chunks > 1:
-        problems.append("--lora-init needs one model chunk per pipeline rank (--chunks 1)")
-    return problems
-
-
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
-CHOICES = {
-    "checkpoint_scope": CHECKPOINT_SCOPES,
-    "schedule": SCHEDULES,
-    "precision": PRECISIONS,
-    "lr_schedule": LR_SCHEDULES,
-    "logits": LOGITS,
-    "finetune": FINETUNES,
-}
 # what ``None`` means for the optimisation flags: full fine-tuning's defaults, and OpenVLA's LoRA
-# recipe (5e-4 constant, no warm-up, no clipping; ``lr`` from the recipe, see Recipe.default_lr)
+# recipe (5e-4 constant, no warm-up, no clipping; ``lr`` from the recipe, Recipe.default_lr)
 FULL_DEFAULTS = {"warmup_steps": 20, "lr_schedule": "cosine", "grad_clip": 1.0}
 LORA_DEFAULTS = {"warmup_steps": 0, "lr_schedule": "constant", "grad_clip": 0.0}
 
+LAYOUT, DATA, LORA, SCHEDULE = "layout", "model and data", "LoRA", "schedule"
+OPTIM, MEMORY, SPEED, RUN, EVAL = (
+    "optimisation",
+    "memory",
+    "speed (same results either way)",
+    "run",
+    "evaluation",
+)
+ONE = at_least(1)
+LORA_ONLY = {"needs": ("finetune", "lora")}  # the LoRA options mean nothing without it
 
-@dataclass
+
+def _adapter_dir(path: str) -> str | None:
+    return None if Path(path).is_dir() else "no such adapter directory"
+
+
+def _nonempty_globs(text: str) -> str | None:
+    return None if text.strip(", ") else "must be 'all-linear' or module-name globs"
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run needs to know; saved into every checkpoint."""
+    """Everything a training run is told; saved into every checkpoint (``to_dict``)."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None
-    model: str = "tiny"
-    data: Any = "synthetic"  # a --data spec, or the [[data]] list of a TOML config
-    data_config: str | None = None  # TOML of per-dataset key configs
-    workers: int | None = None  # None: as many as the host's cores allow (auto_workers)
-    augment: bool | None = None  # None: on for robot datasets, off for the synthetic task
-    steps: int = 150
-    global_batch_size: int = 32
-    micro_batch_size: int = 4
-    seed: int = 0
-    out: str = "runs/parallax"
-    resume: bool = False
-    overwrite: bool = False
-    schedule: str = "1f1b"
-    chunks: int = 1
-    lr: float | None = None  # None: the model's default (DEFAULT_LR; with LoRA 5e-4)
-    min_lr: float = 0.0
-    warmup_steps: int | None = None  # None: 20, with LoRA 0 (FULL_DEFAULTS, LORA_DEFAULTS)
-    lr_schedule: str | None = None  # None: cosine, with LoRA constant
-    weight_decay: float = 0.01
-    grad_clip: float | None = None  # None: 1.0, with LoRA 0 (off)
-    precision: str = "fp32"
-    activation_checkpointing: bool = False
-    checkpoint_scope: str = "all"  # which blocks --activation-checkpointing recomputes
-    activation_memory_budget: float = 1.0
-    freeze_vision: bool = False
-    freeze: str | None = None  # globs of global parameter names (parallax.train.groups)
-    finetune: str = "full"  # "lora": adapters on the frozen base (parallax.train.lora)
-    lora_rank: int = 32
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: str = "all-linear"  # or module-name globs, comma separated
-    train: str | None = None  # globs of modules trained fully beside the adapters
-    lora_init: str | None = None  # a PEFT adapter directory to start from
-    lr_groups: Any = None  # "glob=lr,...", a TOML file, or a [lr_groups] table
-    save_interval: int = 100
-    keep_last: int = 2
-    log_interval: int = 10
-    eval_interval: int = 0  # 0: no evaluation
-    eval_batches: int = 2
-    eval_data: str | None = None
-    timeout: float = 300.0
-    overlap_grad_reduce: bool = True
-    logits: str = "labelled"
-    fused_projections: bool = True
-    compile: bool = False
-    cuda_graphs: bool = False
-    pipeline_syncs: bool = False
-    overlap_param_gather: bool = True
-    export_hf: bool = False
-    dry_run: bool = False
-    config: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    config: str | None = opt(
+        None, "TOML file of flag values (keys as flags, '-' or '_')", RUN, metavar="FILE"
+    )
+    # -- layout
+    tp: int = opt(1, "tensor-parallel size", LAYOUT, check=ONE)
+    pp: int = opt(1, "pipeline stages", LAYOUT, check=ONE)
+    dp: int | None = opt(
+        None, "data-parallel size", LAYOUT, check=ONE, default_text="world/(tp*pp)"
+    )
+    # -- model and data
+    model: str = opt(
+        "tiny",
+        f"a preset ({', '.join(preset_names())}), a checkpoint directory (its family found from "
+        "its config.json), or FAMILY:SPEC",
+        DATA,
+    )
+    data: Any = opt(
+        "synthetic",
+        "synthetic, a dataset directory (format detected), FORMAT:PATH (rlds, lerobot, libero, "
+        "parallax) or a mixture FORMAT:A@0.7,FORMAT:B@0.3 (in --config, a [[data]] list)",
+        DATA,
+        table=True,
+    )
+    data_config: str | None = opt(
+        None,
+        "TOML of per-dataset key configs ([name] tables: cameras, state, action keys, "
+        "transforms) for datasets the built-in configs do not know",
+        DATA,
+        metavar="FILE",
+    )
+    workers: int | None = opt(
+        None,
+        "processes per rank that decode and augment robot data (0: in the training process)",
+        DATA,
+        check=at_least(0, " (0: decode in the training process)"),
+        default_text="what the host's cores allow, at most 8",
+    )
+    augment: bool | None = opt(
+        None,
+        "OpenVLA's training-time image augmentation (random 90% crop, brightness, contrast, "
+        "saturation, hue)",
+        DATA,
+        switch="both",
+        default_text="on for robot data, off for the synthetic task",
+    )
+    freeze: str | None = opt(
+        None,
+        "GLOB,...: freeze the parameters whose global names match (or a family's alias, such as "
+        "'vision'): no gradients, no optimizer state, no reduction",
+        DATA,
+    )
+    freeze_vision: bool = opt(
+        False, "freeze the vision tower(s): --freeze vision", DATA, switch="on"
+    )
+    lr_groups: Any = opt(
+        None,
+        "GLOB=LR,... or a TOML file of glob = lr (or an [lr_groups] table in --config): peak "
+        "learning rates by parameter name; the first match wins, the rest get --lr",
+        DATA,
+        table=True,
+        default_text="the family's (LLaVA-NeXT: the vision tower at lr/10)",
+    )
+    precision: str = opt(
+        "fp32", "bf16: bf16 weights and compute, fp32 masters", DATA, choices=PRECISIONS
+    )
+    # -- LoRA
+    finetune: str = opt(
+        "full",
+        "full: train every parameter not frozen; lora: low-rank adapters on the frozen base "
+        "(lr 5e-4 constant, no warm-up, no clipping unless given)",
+        LORA,
+        choices=FINETUNES,
+    )
+    lora_rank: int = opt(32, "adapter rank r", LORA, check=ONE, **LORA_ONLY)
+    lora_alpha: float = opt(16.0, "adapter scale alpha / r", LORA, check=positive, **LORA_ONLY)
+    lora_dropout: float = opt(
+        0.0, "dropout on the adapters' input", LORA, check=within(0, 1, "[)"), **LORA_ONLY
+    )
+    lora_targets: str = opt(
+        "all-linear",
+        "'all-linear' (every linear but the output head) or GLOB,... of module names, parallax's "
+        "or the HF checkpoint's, whole or as a dotted tail",
+        LORA,
+        check=_nonempty_globs,
+        **LORA_ONLY,
+    )
+    train: str | None = opt(
+        None,
+        "GLOB,...: modules (or parameters) trained fully beside the adapters, e.g. "
+        "projector,*norm (PEFT's modules_to_save)",
+        LORA,
+        **LORA_ONLY,
+    )
+    lora_init: str | None = opt(
+        None,
+        "DIR: start from this PEFT adapter (adapter_config.json)",
+        LORA,
+        check=_adapter_dir,
+        **LORA_ONLY,
+    )
+    # -- schedule
+    steps: int = opt(150, "optimizer steps", SCHEDULE, check=ONE)
+    global_batch_size: int = opt(32, "samples per step", SCHEDULE, check=ONE)
+    micro_batch_size: int = opt(
+        4,
+        "samples per microbatch; each dp rank runs global / (micro x dp) microbatches a step",
+        SCHEDULE,
+        check=ONE,
+    )
+    schedule: str = opt("1f1b", "pipeline schedule", SCHEDULE, choices=SCHEDULES)
+    chunks: int = opt(
+        1,
+        "model chunks per pipeline rank",
+        SCHEDULE,
+        check=ONE,
+        needs=("schedule", "interleaved"),
+    )
+    # -- optimisation
+    lr: float | None = opt(
+        None,
+        "peak AdamW learning rate",
+        OPTIM,
+        check=positive,
+        default_text="the model's: tiny 1e-3, small 3e-4, 7B 2e-5; LoRA 5e-4",
+    )
+    min_lr: float = opt(0.0, "final lr of the cosine schedule", OPTIM, check=at_least(0))
+    warmup_steps: int | None = opt(
+        None, "linear warm-up steps", OPTIM, check=at_least(0), default_text="20, LoRA 0"
+    )
+    lr_schedule: str | None = opt(
+        None,
+        "after the warm-up: constant, or cosine to --min-lr",
+        OPTIM,
+        choices=LR_SCHEDULES,
+        default_text="cosine, LoRA constant",
+    )
+    weight_decay: float = opt(
+        0.01, "AdamW weight decay, on matrices only", OPTIM, check=at_least(0)
+    )
+    grad_clip: float | None = opt(
+        None,
+        "global gradient-norm clip over dp, tp and pp; 0: off (the norm is still logged)",
+        OPTIM,
+        check=at_least(0),
+        default_text="1, LoRA off",
+    )
+    overlap_grad_reduce: bool = opt(
+        True,
+        "reduce gradients after the backward instead of during it",
+        OPTIM,
+        spellings=("--no-overlap",),
+        inverted=True,
+        default_text="overlapped",
+    )
+    # -- memory
+    activation_checkpointing: bool = opt(
+        False, "recompute each block's activations in the backward pass", MEMORY, switch="on"
+    )
+    checkpoint_scope: str = opt(
+        "all",
+        "which blocks --activation-checkpointing recomputes: all, vision (the towers alone: under "
+        "LoRA much of the memory for little of the compute) or text",
+        MEMORY,
+        choices=CHECKPOINT_SCOPES,
+        needs=("activation_checkpointing", True, "it says which blocks recompute"),
+    )
+    activation_memory_budget: float = opt(
+        1.0,
+        "the share of a compiled block's saved activations the compiler keeps; below 1 it "
+        "recomputes the cheapest of the rest in the backward",
+        MEMORY,
+        check=within(0, 1, "(]"),
+        metavar="FRACTION",
+        needs=("compile", True, "it tells the compiler what to recompute"),
+    )
+    # -- speed
+    logits: str = opt(
+        "labelled",
+        "where the last stage applies the final norm and lm_head: at the labelled positions, "
+        "inside the loss, or at every position",
+        SPEED,
+        choices=LOGITS,
+    )
+    fused_projections: bool = opt(
+        True,
+        "q/k/v and gate/up as one weight each (checkpoints keep the separate tensors)",
+        SPEED,
+        switch="both",
+    )
+    compile: bool = opt(False, "torch.compile each ViT block and decoder layer", SPEED, switch="on")
+    cuda_graphs: bool = opt(
+        False,
+        "with --compile on GPUs: replay each compiled block as a CUDA graph (reduce-overhead)",
+        SPEED,
+        switch="on",
+        needs=("compile", True, "it replays the compiled blocks"),
+    )
+    pipeline_syncs: bool = opt(
+        False,
+        "agree on the pipeline program every step and size received activations from their "
+        "metadata (host syncs); default: agree once, sizes from the batch",
+        SPEED,
+        switch="on",
+    )
+    overlap_param_gather: bool = opt(
+        True,
+        "at dp > 1, all-gather the updated weights under the next forward, each block waiting "
+        "for its own",
+        SPEED,
+        switch="both",
+    )
+    # -- run
+    seed: int = opt(0, "seed of the weights (layout-free) and the data order", RUN)
+    out: str = opt("runs/parallax", "output directory: metrics.jsonl, checkpoints/, hf/", RUN)
+    resume: bool = opt(
+        False, "continue from the newest checkpoint in --out, at any layout", RUN, switch="on"
+    )
+    overwrite: bool = opt(
+        False,
+        "delete another run's checkpoints and metrics in --out first",
+        RUN,
+        switch="on",
+    )
+    save_interval: int = opt(
+        100, "checkpoint every N steps and at the end", RUN, check=at_least(0, " (0: never)")
+    )
+    keep_last: int = opt(2, "checkpoints to keep", RUN, check=ONE)
+    log_interval: int = opt(
+        10, "print every N steps (metrics.jsonl gets every step)", RUN, check=ONE
+    )
+    timeout: float = opt(300.0, "seconds a collective may wait", RUN, check=positive)
+    export_hf: bool = opt(
+        False,
+        "also write the final weights in the family's Hugging Face layout to --out/hf",
+        RUN,
+        switch="on",
+    )
+    dry_run: bool = opt(
+        False, "print the plan (layout, stages, memory, schedule) and exit", RUN, switch="on"
+    )
+    # -- evaluation
+    eval_interval: int = opt(
+        0,
+        "evaluate on the held-out split every N steps and at the end",
+        EVAL,
+        check=at_least(0, " (0: never)"),
+    )
+    eval_batches: int = opt(
+        2, "global batches per evaluation, the same ones each time", EVAL, check=ONE
+    )
+    eval_data: str | None = opt(
+        None,
+        "the held-out split of a dataset (synthetic tasks use episodes of another seed)",
+        EVAL,
+    )
 
     def check(self) -> None:
-        """Raise ``ValueError`` for values no layout could run (layout checks come later);
-        fills in what defaults to the model's (the learning rate)."""
-        problems = []
-        for name, kind in FLAG_KINDS.items():  # types first: the checks below compare values
-            value = getattr(self, name)
-            try:
-                value = convert(
-                    f"{name} = {show(value)}", value, kind, CHOICES.get(name), text=False
-                )
-            except ValueError as err:
-                problems.append(str(err))
-            setattr(self, name, value)
-        if problems:
-            raise ValueError("; ".join(problems))
-        if self.lr is None:
-            self.lr = default_lr(self.model, self.finetune)
-        for name, value in (LORA_DEFAULTS if self.finetune == "lora" else FULL_DEFAULTS).items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        problems += lora_problems(self)
-        problems += out_problems(self.out)
-        for name in (
-            "steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "chunks",
-            "tp",
-            "pp",
-            "log_interval",
-            "keep_last",
-            "eval_batches",
-        ):
-            if getattr(self, name) < 1:
-                problems.append(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.eval_interval < 0:
-            problems.append(f"--eval-interval must be >= 0 (0: never), got {self.eval_interval}")
-        if self.save_interval < 0:
-            problems.append(
-                f"--save-interval must be >= 0 (0: no checkpoints), got {self.save_interval}"
-            )
-        problems += data_problems(self.data)
-        if self.workers is not None and self.workers < 0:
-            problems.append(
-                f"--workers must be >= 0 (0: decode in the training process), got {self.workers}"
-            )
-        if self.dp is not None and self.dp < 1:
-            problems.append(f"--dp must be >= 1, got {self.dp}")
-        if self.export_hf and self.chunks > 1:
-            problems.append("--export-hf needs one model chunk per pipeline rank (--chunks 1)")
-        if not 0.0 < self.activation_memory_budget <= 1.0:
-            problems.append(
-                f"--activation-memory-budget must be in (0, 1], got {self.activation_memory_budget}"
-            )
-        elif self.activation_memory_budget < 1.0 and not self.compile:
-            problems.append(
-                "--activation-memory-budget tells the compiler what to recompute: it needs "
-                "--compile"
-            )
-        if self.checkpoint_scope != "all" and not self.activation_checkpointing:
-            problems.append(
-                f"--checkpoint-scope {self.checkpoint_scope} says which blocks recompute: it "
-                "needs --activation-checkpointing"
-            )
-        if self.cuda_graphs and not self.compile:
-            problems.append("--cuda-graphs replays the compiled blocks: it needs --compile")
-        # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only).
-        # tp > 1 with checkpointing: the recomputation runs outside the compiled pieces
-        # (models/compile.py), and torch's checkpoint rejects it on a GPU: two int64 scalars
-        # saved on the CPU in the forward come back on the GPU in the recomputation
-        if self.cuda_graphs and self.pp > 1:
-            problems.append("--cuda-graphs does not support --pp > 1 yet")
-        if self.cuda_graphs and self.activation_checkpointing and self.tp > 1:
-            problems.append(
-                "--cuda-graphs with --activation-checkpointing needs --tp 1 (at tp > 1 the "
-                "recomputation runs outside the compiled graphs)"
-            )
-        if self.chunks > 1 and self.schedule != "interleaved":
-            problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
+        """Raise one ``ValueError`` naming every problem no layout could run: the types, each
+        option's own checks and the rules between options (the layout is checked later)."""
+        problems = config_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -230,79 +328,6 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
-# every flag's type, from the annotations above (``extra`` is not a flag)
-FLAG_KINDS = field_kinds(TrainConfig)
-TABLE_FIELDS = ("lr_groups", "data")  # also a TOML table (or [[data]] list) in --config
-
-
-def data_problems(data: Any) -> list[str]:
-    """Why ``data`` is neither a ``--data`` spec nor a ``[[data]]`` list (the datasets
-    themselves are checked when they are opened)."""
-    if isinstance(data, str):
-        return [] if data.strip() else ["--data is empty: give synthetic or a dataset"]
-    if isinstance(data, list) and data and all(isinstance(d, dict) for d in data):
-        missing = [i for i, d in enumerate(data) if "path" not in d]
-        if missing:
-            return [f"[[data]] entries {missing} need a path (FORMAT:PATH or a directory)"]
-        return []
-    return [
-        f"data = {show(data)}: expected a --data spec (a string) or a [[data]] list of tables "
-        "with a path each"
-    ]
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    """The flag values of a TOML file (keys as flags, ``-`` or ``_``), each type-checked."""
-    kinds = {k: v for k, v in FLAG_KINDS.items() if k != "config"}
-    return read_toml(path, kinds, CHOICES, tables=TABLE_FIELDS)
-
-
-def _flag_value(key: str, value: Any) -> Any:
-    """A command-line value (text, or a switch's bool: always valid) as its field's type."""
-    if key in TABLE_FIELDS:
-        return value  # text; its own parser checks it (parallax.train.groups)
-    label = f"--{key.replace('_', '-')} {value}"
-    return convert(label, value, FLAG_KINDS[key], CHOICES.get(key), text=True)
-
-
-def _flags_parser():
-    from parallax.train.flags import parser
-
-    return parser()
-
-
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file, then the flags given on the command line."""
-    args = _flags_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = TrainConfig()
-    if args.config:
-        for key, value in load_toml(args.config).items():
-            setattr(cfg, key, value)
-        cfg.config = args.config
-    for key, value in vars(args).items():
-        if value is not None and key != "config":
-            setattr(cfg, key, _flag_value(key, value))
-    cfg.check()
-    return cfg
-
-
-def load_toml_table(path: Path, what: str) -> dict[str, Any]:
-    """A TOML file given to ``what`` as a table: its ``[lr_groups]``-style table named after
-    the flag if present, else the whole file."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    if not path.is_file():
-        raise ValueError(f"{what} {path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{what} {path}: {err}") from err
-    key = what.lstrip("-").replace("-", "_")
-    table = data.get(key, data)
-    if not isinstance(table, dict):
-        raise ValueError(f"{what} {path}: expected a table of glob = value")
-    return table
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` (the config is frozen)."""
+        return dataclasses.replace(self, **changes)

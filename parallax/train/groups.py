@@ -22,6 +22,7 @@ from pathlib import Path
 from torch import nn
 
 from parallax.models.hf_io import fused_parts
+from parallax.train.values import load_toml_table
 
 
 def split_globs(value: str | Sequence[str] | None) -> list[str]:
@@ -102,8 +103,6 @@ def parse_lr_groups(value) -> list[tuple[str, float]]:
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, str) and value.endswith(".toml"):
-        from parallax.train.config import load_toml_table
-
         items = list(load_toml_table(Path(value), "--lr-groups").items())
     elif isinstance(value, str):
         items = []

@@ -17,11 +17,11 @@ from parallax.context import ParallelContext
 from parallax.dims import ParallelDims
 from parallax.pipeline import format_schedule, simulate, split
 from parallax.pipeline.simulate import peak_activations
-from parallax.recipe import registry
-from parallax.recipe.protocol import fill_lr_defaults, whole_model
+from parallax.recipe.protocol import whole_model
 from parallax.train import groups, lora
 from parallax.train.config import TrainConfig
-from parallax.train.trainer import _strip_family, make_schedule, num_microbatches
+from parallax.train.run import Run, resolve
+from parallax.train.steps import make_schedule, num_microbatches
 
 GIB = 2**30
 
@@ -37,11 +37,9 @@ def _dims(cfg: TrainConfig) -> ParallelDims:
     return ParallelDims(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or 1)
 
 
-def rank_plan(cfg: TrainConfig, dims: ParallelDims, pp_rank: int) -> dict:
+def rank_plan(cfg: Run, dims: ParallelDims, pp_rank: int) -> dict:
     """Blocks, parameters and memory of one (dp 0, tp 0) rank of pipeline rank ``pp_rank``."""
-    recipe, spec = registry.resolve(cfg.model)
-    config = recipe.configure(spec.config, cfg)
-    fill_lr_defaults(recipe, _strip_family(cfg.model, recipe), cfg)
+    recipe, config = cfg.recipe, cfg.model_config
     recipe.check_layout(config, cfg, dims)
     blocks = recipe.blocks(config)
     ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=recipe.pin_first)
@@ -120,7 +118,7 @@ def launch_note(cfg: TrainConfig, dims: ParallelDims) -> str | None:
     )
 
 
-def _groups_table(cfg: TrainConfig, plans: list[dict]):
+def _groups_table(cfg: Run, plans: list[dict]):
     """Trainable parameters per optimizer group (peak lr) and pipeline rank, and what the
     freeze flags leave untrained."""
     from rich.table import Table
@@ -135,20 +133,21 @@ def _groups_table(cfg: TrainConfig, plans: list[dict]):
         table.add_row(label, f"{rates[i // 2]:g}", *(f"{pl['groups'][i]:,}" for pl in plans))
     frozen = [pl["params"] - pl["trainable"] for pl in plans]
     table.add_row(
-        f"frozen ({', '.join(groups.freeze_globs(cfg, registry.find(cfg.model))) or '-'})",
+        f"frozen ({', '.join(groups.freeze_globs(cfg, cfg.recipe)) or '-'})",
         "-",
         *(f"{f:,}" for f in frozen),
     )
     return table
 
 
-def print_plan(cfg: TrainConfig, file=None) -> None:
+def print_plan(cfg: TrainConfig | Run, file=None) -> None:
     """Print (to ``file``, default stdout) the layout, the blocks of each stage, parameters and
     memory per rank, and the schedule table; raises ``ValueError`` for anything a real run
     would refuse."""
     from rich.console import Console
     from rich.table import Table
 
+    cfg = resolve(cfg)
     dims = _dims(cfg)
     plans = [rank_plan(cfg, dims, p) for p in range(dims.pp)]
     schedule = plans[0]["schedule"]

@@ -29,15 +29,15 @@ from parallax.models.compile import memory_budget
 from parallax.optim import ZeroOptimizer
 from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
-from parallax.recipe import registry
+from parallax.recipe.protocol import Microbatch, Recipe, whole_model
 from parallax.train import groups, inputs, lora
 from parallax.train.config import TrainConfig
 from parallax.train.inputs import InputError
 from parallax.train.optimizer import build_optimizer
+from parallax.train.run import Run, resolve
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
 __all__ = ["InputError", "StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
-from parallax.recipe.protocol import Microbatch, Recipe, fill_lr_defaults, whole_model
 
 
 @dataclass
@@ -56,27 +56,21 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        cfg: TrainConfig | Run,
         ctx: ParallelContext,
         model_config: Any | None = None,
         checkpoint_dir: Path | None = None,
         compile_options: dict | None = None,
         recipe: Recipe | None = None,
     ) -> None:
-        """``model_config`` overrides ``cfg.model`` (the recipe's options follow ``cfg``);
-        ``recipe`` overrides the family found from ``cfg.model``; ``compile_options`` go to
+        """``cfg``: the resolved run, or a config to resolve here (``model_config`` and
+        ``recipe`` then override what ``cfg.model`` names); ``compile_options`` go to
         ``torch.compile`` when ``cfg.compile``."""
-        if recipe is None:
-            recipe = registry.find(cfg.model)
-        name = _strip_family(cfg.model, recipe)
-        if model_config is None:
-            spec = recipe.resolve(name)
-            model_config, checkpoint_dir = spec.config, spec.checkpoint
-        fill_lr_defaults(recipe, name, cfg)
-        cfg.check()
-        self.cfg, self.ctx, self.recipe = cfg, ctx, recipe
-        self.model_config = recipe.configure(model_config, cfg)
-        self.checkpoint_dir = checkpoint_dir
+        run = resolve(cfg, recipe=recipe, model_config=model_config, checkpoint=checkpoint_dir)
+        self.run = self.cfg = run  # the run reads like its options: self.cfg.lr
+        self.ctx, self.recipe = ctx, run.recipe
+        self.model_config, self.checkpoint_dir = run.model_config, run.checkpoint
+        recipe, cfg, checkpoint_dir = run.recipe, run, run.checkpoint
         recipe.check_layout(self.model_config, cfg, ctx.dims)
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.num_microbatches = num_microbatches(cfg, ctx.dp_size)
@@ -319,11 +313,6 @@ class Trainer:
     def tokens(self, microbatches: list[Microbatch]) -> int:
         """Tokens these microbatches process (image and text)."""
         return self.recipe.tokens(self.model_config, microbatches)
-
-
-def _strip_family(spec: str, recipe: Recipe) -> str:
-    family, sep, rest = spec.partition(":")
-    return rest if sep and family == recipe.name and rest else spec
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -108,21 +108,7 @@ def read_toml(
 ) -> dict:
     """``{field: value}`` of a TOML file of flag values; names the file in every error.
     ``tables`` are fields that also take a TOML table or array (their own parser checks it)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError as err:
-            raise ValueError("--config needs Python >= 3.11 or `pip install tomli`") from err
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
-    try:
-        with open(file, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"--config {path}: not a valid TOML file: {err}") from None
+    data = read_toml_file(Path(path), "--config")
     values = {k.replace("-", "_"): v for k, v in data.items()}
     tabled: dict[str, Any] = {}
     known = set(kinds) | set(tables)
@@ -164,3 +150,32 @@ def out_problems(out: str) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"--out {out}: no permission to write in {existing}"]
     return []
+
+
+def read_toml_file(path: Path, what: str) -> dict[str, Any]:
+    """A TOML file's contents; a ``ValueError`` that starts with ``what`` (the flag) otherwise."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError as err:
+            raise ValueError(f"{what} needs Python >= 3.11 or `pip install tomli`") from err
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{what} {path}: not a valid TOML file: {err}") from None
+
+
+def load_toml_table(path: Path, what: str) -> dict[str, Any]:
+    """A TOML file given to ``what`` as a table: its ``[lr_groups]``-style table named after
+    the flag if present, else the whole file."""
+    data = read_toml_file(path, what)
+    key = what.lstrip("-").replace("-", "_")
+    table = data.get(key, data)
+    if not isinstance(table, dict):
+        raise ValueError(f"{what} {path}: expected a table of glob = value")
+    return table

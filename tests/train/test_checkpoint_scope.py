@@ -12,7 +12,7 @@ from parallax.families.openvla.model import OpenVLA
 from parallax.families.siglip.config import SiglipConfig
 from parallax.families.siglip.model import Siglip
 from parallax.models.compile import checkpoint_parts
-from parallax.train.config import TrainConfig, parse_args
+from parallax.train import TrainConfig, parse_args, resolve
 from parallax.train.plan import _dims, rank_plan
 from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _cfg, train_steps
@@ -114,8 +114,7 @@ def test_checkpoint_scope_flag():
 
 def test_plan_counts_the_activations_that_stay():
     def activations(**kw):
-        cfg = TrainConfig(model="tiny", dp=1, **kw)
-        cfg.check()
+        cfg = resolve(TrainConfig(model="tiny", dp=1, **kw))
         return rank_plan(cfg, _dims(cfg), 0)["activations_gib"]
 
     kept = activations()

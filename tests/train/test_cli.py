@@ -103,7 +103,7 @@ def test_default_command_learns_and_logs(reference):
 def _run_in_pool(tp, pp, dp, out, stop_after=None, resume=False):
     from parallax.testing import context
     from parallax.train.cli import run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     cfg = parse_args(
@@ -344,7 +344,7 @@ def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path)
 def _resume_expecting_error(tp, pp, dp, out, steps):
     from parallax.testing import context
     from parallax.train.cli import UserError, run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN]
@@ -391,7 +391,7 @@ def test_dry_run_prints_the_plan():
 def test_dry_run_outside_torchrun_says_it_plans_one_process(monkeypatch):
     import io
 
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
     from parallax.train.plan import print_plan
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -402,7 +402,7 @@ def test_dry_run_outside_torchrun_says_it_plans_one_process(monkeypatch):
 
 
 def test_toml_config_and_flag_override(tmp_path):
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     path = tmp_path / "run.toml"
     path.write_text('steps = 7\nglobal-batch-size = 64\nschedule = "gpipe"\n')
@@ -426,7 +426,7 @@ def test_toml_config_and_flag_override(tmp_path):
     ],
 )
 def test_toml_values_are_checked_against_their_flags(tmp_path, toml, message):
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     path = tmp_path / "run.toml"
     path.write_text(toml + "\n")
@@ -436,7 +436,7 @@ def test_toml_values_are_checked_against_their_flags(tmp_path, toml, message):
 
 
 def test_command_line_values_and_config_fields_are_checked():
-    from parallax.train.config import TrainConfig, parse_args
+    from parallax.train import TrainConfig, parse_args
 
     for argv, message in (
         (["--tp", "1.5"], "--tp 1.5: expected an integer"),
@@ -456,7 +456,7 @@ def test_command_line_values_and_config_fields_are_checked():
 def _export_in_pool(out):
     from parallax.testing import context
     from parallax.train.cli import run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     ctx = context(pp=2)
     run(parse_args(["--pp", "2", "--out", out, *RUN, "--steps", "2", "--export-hf"]), ctx)

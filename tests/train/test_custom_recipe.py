@@ -27,7 +27,7 @@ def _example():
 
 def _train(out: str, tp: int, pp: int) -> list[dict]:
     from parallax.train import cli
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     _example()
     torch.set_num_threads(1)

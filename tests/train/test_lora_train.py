@@ -14,7 +14,7 @@ from parallax import ParallelContext
 from parallax.checkpoint import Checkpoint, latest_checkpoint
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
+from parallax.train import TrainConfig, resolve
 from tests.train.test_trainer import _batches, separate
 
 STEPS = 3
@@ -31,6 +31,8 @@ def _cfg(**kw):
         seed=3,
         **LORA,
     )
+    if kw.get("finetune") == "full":  # the adapters' options mean nothing then, and are refused
+        base = {k: v for k, v in base.items() if k not in LORA or k == "finetune"}
     return TrainConfig(**{**base, **kw})
 
 
@@ -89,18 +91,16 @@ def reference():
 
 
 def test_lora_defaults_are_openvlas():
-    cfg = TrainConfig(finetune="lora")
-    cfg.check()
+    cfg = resolve(TrainConfig(finetune="lora"))  # the family's defaults filled in, once
     assert (cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.grad_clip) == (5e-4, "constant", 0, 0)
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == (32, 16.0, 0.0)
-    full = TrainConfig()
-    full.check()
+    full = resolve(TrainConfig())
     assert (full.lr_schedule, full.warmup_steps, full.grad_clip) == ("cosine", 20, 1.0)
-    given = TrainConfig(finetune="lora", lr=1e-4, warmup_steps=5, grad_clip=1.0)
-    given.check()
+    given = resolve(TrainConfig(finetune="lora", lr=1e-4, warmup_steps=5, grad_clip=1.0))
     assert (given.lr, given.warmup_steps, given.grad_clip) == (1e-4, 5, 1.0)
     for bad, msg in (
-        (dict(train="norm"), "need --finetune lora"),
+        (dict(train="norm"), "--train norm needs --finetune lora"),
+        (dict(lora_rank=8), "--lora-rank 8 needs --finetune lora"),
         (dict(finetune="lora", lora_rank=0), "--lora-rank"),
         (dict(finetune="lora", lora_dropout=0.1, tp=2), "one dropout mask"),
         (dict(finetune="lora", lora_init="/nonexistent"), "no such adapter"),
@@ -153,7 +153,7 @@ RUN = (
 def _cli(tp, pp, dp, out, *extra, stop_after=None):
     """``parallax.train`` in this pool's ranks; the error message of a refused run."""
     from parallax.train.cli import UserError, run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN, *extra]
@@ -261,7 +261,7 @@ LEARN = (
 
 def _learn(out, *extra):
     from parallax.train.cli import run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     args = ["--dp", "2", "--out", out, "--save-interval", "0", "--seed", "1", *LEARN, *extra]
     run(parse_args(args), context(dp=2))
@@ -284,7 +284,7 @@ def test_tiny_openvla_learns_with_lora_from_a_random_and_from_an_exported_base(t
 def test_dry_run_shows_what_trains(capsys):
     import io
 
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
     from parallax.train.plan import print_plan
 
     out = io.StringIO()
@@ -300,7 +300,7 @@ def _custom(out: str, tp: int, pp: int) -> list[float]:
     """The README's own model (examples/custom_recipe.py: no HF checkpoint layout, a fused
     qkv) with --finetune lora: adapters named after its own modules."""
     from parallax.train import cli
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
     from tests.train.test_custom_recipe import _example
 
     _example()

@@ -10,7 +10,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from parallax import ParallelContext
 from parallax.models.compile import memory_budget
-from parallax.train.config import parse_args
+from parallax.train import parse_args
 from tests.train.test_speed_options import _same
 from tests.train.test_trainer import _cfg, _run
 

@@ -246,7 +246,7 @@ def test_evaluation_is_forward_only_and_the_same_at_every_layout():
 
 
 def test_evaluation_flags_reach_the_config():
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     cfg = parse_args(["--eval-interval", "3", "--eval-batches", "1", "--eval-data", "held/out"])
     assert (cfg.eval_interval, cfg.eval_batches, cfg.eval_data) == (3, 1, "held/out")

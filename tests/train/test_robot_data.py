@@ -68,7 +68,7 @@ def _train(tp, dp, out, data, stop_after=None, resume=False, extra=()):
     """cli.run on a pool rank; a UserError comes back as its message."""
     from parallax.testing import context
     from parallax.train.cli import UserError, run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     ctx = context(tp=tp, dp=dp)
     args = ["--tp", str(tp), "--dp", str(dp), "--out", out, "--data", data, *RUN, *extra]
@@ -187,7 +187,7 @@ def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
     from parallax.data.mixture import parse_data_spec
     from parallax.families.openvla.data import is_streamed
     from parallax.families.openvla.recipe import OpenVLARecipe
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
     from tests.data.lerobot_writer import write_lerobot
     from tests.data.writers import make_episodes
 
@@ -215,7 +215,7 @@ def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
 
 def test_toml_data_list_and_key_configs(rlds, tmp_path):
     from parallax.families.openvla.recipe import OpenVLARecipe
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     keys = tmp_path / "keys.toml"
     keys.write_text("[arm]\nunnormalized = [5, 6]\n")

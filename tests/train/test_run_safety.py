@@ -66,7 +66,7 @@ def _train(out: str, *args: str, poison_step: int | None = None):
     from parallax.recipe import registry
     from parallax.testing import context
     from parallax.train import cli
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     recipe = _Poisoned()
     recipe.poison_step = poison_step

@@ -17,7 +17,7 @@ from parallax.pipeline import executor, p2p
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import state
-from parallax.train.config import parse_args
+from parallax.train import parse_args
 from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _cfg, _run, separate
 

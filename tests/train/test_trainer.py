@@ -140,8 +140,7 @@ def test_lr_schedule():
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55)
     assert f(110) == pytest.approx(0.1)
-    cfg.lr_schedule = "constant"
-    assert lr_lambda(cfg)(50) == 1.0
+    assert lr_lambda(cfg.replace(lr_schedule="constant"))(50) == 1.0
 
 
 def _bad_schedule():

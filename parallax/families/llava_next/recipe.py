@@ -117,22 +117,17 @@ class LlavaRecipe(Recipe):
         chunk.save_pretrained(path)
 
     # -- data ----------------------------------------------------------------------------------
-    def _config(self, cfg) -> LlavaNextConfig:
-        from parallax.recipe import registry
-
-        return registry.resolve(cfg.model)[1].config
-
     def dataset(self, spec: str, cfg) -> Any:
         from parallax.families.llava_next.batches import open_dataset
 
-        return open_dataset(spec, self._config(cfg), cfg.seed)
+        return open_dataset(spec, cfg.model_config, cfg.seed)
 
     def eval_dataset(self, spec: str | None, cfg) -> Any:
         """``--eval-data``, or for the synthetic task the samples of another seed."""
         if spec is None and cfg.data == "synthetic":
             from parallax.families.llava_next.batches import open_dataset
 
-            return open_dataset("synthetic", self._config(cfg), cfg.seed, eval_split=True)
+            return open_dataset("synthetic", cfg.model_config, cfg.seed, eval_split=True)
         return super().eval_dataset(spec, cfg)
 
     def collator(self, config: LlavaNextConfig, dataset: Any, checkpoint: Path | None):
@@ -152,10 +147,7 @@ class LlavaRecipe(Recipe):
         training."""
         from parallax.data import LengthGroupedLoader
         from parallax.families.llava_next.batches import sample_lengths
-        from parallax.recipe import registry
-
-        spec = registry.resolve(cfg.model)[1]
-        batches = self.collator(spec.config, dataset, spec.checkpoint)
+        batches = self.collator(cfg.model_config, dataset, cfg.checkpoint)
         lengths, images = sample_lengths(batches, dataset)
         return LengthGroupedLoader(
             dataset,

@@ -18,7 +18,7 @@ LEARN = (
 def _cli(out: str, *args: str, tp: int = 1, stop_after: int | None = None) -> str | None:
     from parallax.testing import context
     from parallax.train.cli import UserError, run
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
 
     dp = 2 // tp
     ctx = context(tp=tp, dp=dp)
@@ -111,7 +111,7 @@ def test_bad_inputs_fail_on_every_rank_before_training(image):
 
 @pytest.mark.parametrize("layout", [("2", "2", "2")])
 def test_dry_run_plans_the_7b_at_any_layout(layout, capsys):
-    from parallax.train.config import parse_args
+    from parallax.train import parse_args
     from parallax.train.plan import print_plan
 
     tp, pp, dp = layout

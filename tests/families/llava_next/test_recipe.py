@@ -44,7 +44,7 @@ def _run(tp: int, pp: int, dp: int, **kw):
     # a vocabulary that tp=2 pads (131 rows): the padding must stay out of the loss
     trainer = Trainer(cfg, ctx, model_config=tiny_config())
     recipe, data = trainer.recipe, _data()
-    loader = recipe.loader(data, cfg, ctx)
+    loader = recipe.loader(data, trainer.run, ctx)
     collate = recipe.collator(trainer.model_config, data, None)
     before = {n: full_tensor(p, ctx.tp_group).clone() for n, p in trainer.named_parameters()}
     history, widths = [], []

@@ -35,7 +35,7 @@ def test_data_folders_and_tar_shards_stream_through_the_recipe(tmp_path, layout)
     else:
         write_pair_folder(tmp_path, _pairs(12), fmt=layout)
     cfg = TrainConfig(model="siglip-tiny", data=str(tmp_path), global_batch_size=4)
-    cfg.micro_batch_size = 2
+    cfg = cfg.replace(micro_batch_size=2)
     data = recipe.dataset(cfg.data, cfg)
     assert isinstance(data, TarShards if layout == "tar" else PairFolder)
     loader = recipe.loader(data, cfg, ParallelContext.local())
@@ -59,7 +59,7 @@ def test_synthetic_eval_split_and_bad_specs():
         open_pairs("synthetic:x", 32, 0)
     with pytest.raises(Exception, match="no such file"):
         recipe.dataset("no/such/dir", cfg)
-    cfg.data = "/some/folder"
+    cfg = cfg.replace(data="/some/folder")
     with pytest.raises(ValueError, match="--eval-data"):
         recipe.eval_dataset(None, cfg)
 

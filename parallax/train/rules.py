@@ -1,0 +1,97 @@
+"""Every check of a training config, in one pass: types, each option's own checks, the options
+that need another (both declared with the option, :mod:`parallax.train.options`), and the
+few rules between options that a declaration cannot say (:data:`RULES`).
+
+Checks see the config alone (no processes, no data, no weights), so every rank reaches the same
+verdict before any collective; the layout's own checks come with the model
+(``Recipe.check_layout``) and the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from parallax.train.options import needs_problems, problems
+from parallax.train.values import convert, field_kinds, out_problems, show
+
+
+def _type_problems(cfg: Any) -> list[str]:
+    """Each simple field's value against its annotation (an int is a fine float)."""
+    from parallax.train.options import options
+
+    choices = {f.name: o.choices for f, o in options(type(cfg)) if o.choices}
+    found = []
+    for name, kind in field_kinds(type(cfg)).items():
+        value = getattr(cfg, name)
+        try:
+            convert(f"{name} = {show(value)}", value, kind, choices.get(name), text=False)
+        except ValueError as err:
+            found.append(str(err))
+    return found
+
+
+def data_problems(data: Any) -> list[str]:
+    """Why ``data`` is neither a ``--data`` spec nor a ``[[data]]`` list (the datasets
+    themselves are checked when they are opened)."""
+    if isinstance(data, str):
+        return [] if data.strip() else ["--data is empty: give synthetic or a dataset"]
+    if isinstance(data, list) and data and all(isinstance(d, dict) for d in data):
+        missing = [i for i, d in enumerate(data) if "path" not in d]
+        if missing:
+            return [f"[[data]] entries {missing} need a path (FORMAT:PATH or a directory)"]
+        return []
+    return [
+        f"data = {show(data)}: expected a --data spec (a string) or a [[data]] list of tables "
+        "with a path each"
+    ]
+
+
+def _lora_under_tp(cfg: Any) -> str | None:
+    if cfg.finetune == "lora" and cfg.lora_dropout > 0 and cfg.tp > 1:
+        return (
+            f"--lora-dropout {cfg.lora_dropout:g} at --tp {cfg.tp}: the column-parallel adapters "
+            "need one dropout mask on every tp rank; use 0 (OpenVLA's recipe) or --tp 1"
+        )
+    return None
+
+
+def _one_chunk(cfg: Any) -> str | None:
+    wanting = [
+        f for f, on in (("--lora-init", cfg.lora_init), ("--export-hf", cfg.export_hf)) if on
+    ]
+    if wanting and cfg.chunks > 1:
+        return f"{' and '.join(wanting)} need one model chunk per pipeline rank (--chunks 1)"
+    return None
+
+
+def _cuda_graphs(cfg: Any) -> str | None:
+    # pp: untested (two ranks on one GPU talk over gloo, which sends CPU tensors only).
+    # tp > 1 with checkpointing: the recomputation runs outside the compiled pieces
+    # (models/compile.py), and torch's checkpoint rejects it on a GPU: two int64 scalars saved
+    # on the CPU in the forward come back on the GPU in the recomputation
+    if cfg.cuda_graphs and cfg.pp > 1:
+        return "--cuda-graphs does not support --pp > 1 yet"
+    if cfg.cuda_graphs and cfg.activation_checkpointing and cfg.tp > 1:
+        return (
+            "--cuda-graphs with --activation-checkpointing needs --tp 1 (at tp > 1 the "
+            "recomputation runs outside the compiled graphs)"
+        )
+    return None
+
+
+RULES: tuple[Callable[[Any], str | None], ...] = (_lora_under_tp, _one_chunk, _cuda_graphs)
+
+
+def config_problems(cfg: Any) -> list[str]:
+    """Every problem of ``cfg`` (empty: it can run at some layout). Types first: the other
+    checks compare values."""
+    found = _type_problems(cfg)
+    if found:
+        return found
+    found += problems(cfg)
+    found += needs_problems(cfg)
+    found += data_problems(cfg.data)
+    found += out_problems(cfg.out)
+    found += [p for rule in RULES if (p := rule(cfg))]
+    return found
