@@ -102,8 +102,8 @@ def test_default_command_learns_and_logs(reference):
 
 def _run_in_pool(tp, pp, dp, out, stop_after=None, resume=False):
     from parallax.testing import context
-    from parallax.train.cli import run
     from parallax.train import parse_args
+    from parallax.train.cli import run
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     cfg = parse_args(
@@ -343,8 +343,8 @@ def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path)
 
 def _resume_expecting_error(tp, pp, dp, out, steps):
     from parallax.testing import context
-    from parallax.train.cli import UserError, run
     from parallax.train import parse_args
+    from parallax.train.cli import UserError, run
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN]
@@ -455,8 +455,8 @@ def test_command_line_values_and_config_fields_are_checked():
 
 def _export_in_pool(out):
     from parallax.testing import context
-    from parallax.train.cli import run
     from parallax.train import parse_args
+    from parallax.train.cli import run
 
     ctx = context(pp=2)
     run(parse_args(["--pp", "2", "--out", out, *RUN, "--steps", "2", "--export-hf"]), ctx)

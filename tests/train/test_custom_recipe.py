@@ -26,8 +26,7 @@ def _example():
 
 
 def _train(out: str, tp: int, pp: int) -> list[dict]:
-    from parallax.train import cli
-    from parallax.train import parse_args
+    from parallax.train import cli, parse_args
 
     _example()
     torch.set_num_threads(1)

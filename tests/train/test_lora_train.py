@@ -152,8 +152,8 @@ RUN = (
 
 def _cli(tp, pp, dp, out, *extra, stop_after=None):
     """``parallax.train`` in this pool's ranks; the error message of a refused run."""
-    from parallax.train.cli import UserError, run
     from parallax.train import parse_args
+    from parallax.train.cli import UserError, run
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN, *extra]
@@ -260,8 +260,8 @@ LEARN = (
 
 
 def _learn(out, *extra):
-    from parallax.train.cli import run
     from parallax.train import parse_args
+    from parallax.train.cli import run
 
     args = ["--dp", "2", "--out", out, "--save-interval", "0", "--seed", "1", *LEARN, *extra]
     run(parse_args(args), context(dp=2))
@@ -299,8 +299,7 @@ def test_dry_run_shows_what_trains(capsys):
 def _custom(out: str, tp: int, pp: int) -> list[float]:
     """The README's own model (examples/custom_recipe.py: no HF checkpoint layout, a fused
     qkv) with --finetune lora: adapters named after its own modules."""
-    from parallax.train import cli
-    from parallax.train import parse_args
+    from parallax.train import cli, parse_args
     from tests.train.test_custom_recipe import _example
 
     _example()

@@ -67,8 +67,8 @@ def rlds(tmp_path_factory) -> Path:
 def _train(tp, dp, out, data, stop_after=None, resume=False, extra=()):
     """cli.run on a pool rank; a UserError comes back as its message."""
     from parallax.testing import context
-    from parallax.train.cli import UserError, run
     from parallax.train import parse_args
+    from parallax.train.cli import UserError, run
 
     ctx = context(tp=tp, dp=dp)
     args = ["--tp", str(tp), "--dp", str(dp), "--out", out, "--data", data, *RUN, *extra]

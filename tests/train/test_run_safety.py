@@ -65,8 +65,7 @@ def _train(out: str, *args: str, poison_step: int | None = None):
     """``run`` on this rank: ``None`` when it finished, else the UserError's message."""
     from parallax.recipe import registry
     from parallax.testing import context
-    from parallax.train import cli
-    from parallax.train import parse_args
+    from parallax.train import cli, parse_args
 
     recipe = _Poisoned()
     recipe.poison_step = poison_step

@@ -16,8 +16,7 @@ from parallax.families.openvla.model import OpenVLA
 from parallax.pipeline import executor, p2p
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train import state
-from parallax.train import parse_args
+from parallax.train import parse_args, state
 from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _cfg, _run, separate
 

@@ -147,6 +147,7 @@ class LlavaRecipe(Recipe):
         training."""
         from parallax.data import LengthGroupedLoader
         from parallax.families.llava_next.batches import sample_lengths
+
         batches = self.collator(cfg.model_config, dataset, cfg.checkpoint)
         lengths, images = sample_lengths(batches, dataset)
         return LengthGroupedLoader(

@@ -17,8 +17,8 @@ LEARN = (
 
 def _cli(out: str, *args: str, tp: int = 1, stop_after: int | None = None) -> str | None:
     from parallax.testing import context
-    from parallax.train.cli import UserError, run
     from parallax.train import parse_args
+    from parallax.train.cli import UserError, run
 
     dp = 2 // tp
     ctx = context(tp=tp, dp=dp)
