@@ -9,21 +9,17 @@ not on tp, pp or dp.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from parallax.seeds import param_seed
 from parallax.tensor.sharding import TPShard, logical_shape, shard_tensor
 
+__all__ = ["InitFn", "default_init", "init_parameters", "param_seed"]
+
 InitFn = Callable[[str, tuple[int, ...], torch.Generator, torch.device], torch.Tensor | None]
-
-
-def param_seed(seed: int, name: str) -> int:
-    """A 63-bit seed derived from the run seed and a parameter's logical name."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def default_init(std: float = 0.02) -> InitFn:

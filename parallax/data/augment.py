@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 
 ORDER = ("random_resized_crop", "brightness", "contrast", "saturation", "hue")
 

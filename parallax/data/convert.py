@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from parallax.data.episodes import Episode, write_dataset
+from parallax.data.keys import load_key_configs
+from parallax.data.mixture import DataSpec, open_source
 from parallax.data.stats import DatasetError
 from parallax.data.synthetic import SyntheticTask
 
@@ -86,7 +88,7 @@ def _read_frame(path: Path) -> np.ndarray:
     if path.suffix == ".npy":
         return np.load(path, allow_pickle=False)
     try:
-        from PIL import Image
+        from PIL import Image  # optional dependency (pillow)
     except ImportError:
         raise DatasetError(
             f"{path}: reading {path.suffix} frames needs Pillow (pip install pillow); "
@@ -213,8 +215,6 @@ def read_source(source, image_size: tuple[int, int] | None = None) -> Iterator[E
 
 
 def _convert_foreign(args) -> Path:
-    from parallax.data.keys import load_key_configs
-    from parallax.data.mixture import DataSpec, open_source
 
     configs = load_key_configs(args.data_config) if args.data_config else None
     fmt = None if args.source == "auto" else args.source

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from parallax.data.stats import DatasetError
+from parallax.tomlfile import read_toml
 
 FORMATS = ("rlds", "libero", "lerobot", "parallax")
 
@@ -240,18 +241,9 @@ def load_key_configs(path: str | Path) -> dict[str, KeyConfig]:
     mixture form) is skipped."""
     path = Path(path)
     try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise DatasetError(
-                f"{path}: reading TOML on Python 3.10 needs `pip install tomli`"
-            ) from None
-    try:
-        tables = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as err:
-        raise DatasetError(f"{path}: cannot read the dataset configs ({err})") from None
+        tables = read_toml(path, str(path))
+    except ValueError as err:
+        raise DatasetError(f"cannot read the dataset configs: {err}") from None
     return {
         name: _config_from_table(name, table, str(path))
         for name, table in tables.items()

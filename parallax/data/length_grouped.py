@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from parallax.data.loader import BatchLoader, Dataset
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 
 
 def _deal(batch: list[int], lengths, images, micro: int, dp: int) -> list[int]:

@@ -87,7 +87,7 @@ def read_records(path: str | Path) -> list[dict]:
 def read_image(path: Path) -> torch.Tensor:
     """An image file as ``(H, W, 3)`` uint8 (Pillow, optional)."""
     try:
-        from PIL import Image
+        from PIL import Image  # optional dependency (pillow)
     except ImportError as err:
         raise ImportError(
             "reading image files needs the optional 'pillow' package (pip install pillow)"
@@ -138,7 +138,7 @@ class LlavaConversationDataset:
         image = self.records[index].get("image")
         if image is None:
             return None
-        from PIL import Image
+        from PIL import Image  # optional dependency (pillow)
 
         with Image.open(self.image_folder / image) as im:
             return im.height, im.width

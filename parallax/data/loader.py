@@ -22,9 +22,11 @@ from typing import Any, Protocol
 import torch
 
 from parallax.data.episodes import EpisodeDataset, Sample
+from parallax.data.mixture import detect_format, open_source, parse_data_spec
+from parallax.data.source import SourceDataset
 from parallax.data.stats import DatasetError
 from parallax.data.synthetic import SyntheticTask
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,6 @@ def load_dataset(spec: str, *, seed: int = 0, image_size: int | None = None) -> 
     :class:`~parallax.data.stream.StreamLoader` is the faster way to train on them)."""
     if spec == "synthetic":
         return SyntheticTask(seed=seed, **({"image_size": image_size} if image_size else {}))
-    from parallax.data.mixture import detect_format, open_source, parse_data_spec
-    from parallax.data.source import SourceDataset
 
     specs = parse_data_spec(spec)
     if len(specs) > 1 or specs[0].weight is not None:

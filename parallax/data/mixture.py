@@ -27,9 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from parallax.data.episodes import EpisodeDataset
+from parallax.data.indexed import IndexedSource
 from parallax.data.keys import BUILTIN, FORMATS, KeyConfig, config_from_mapping
+from parallax.data.lerobot import LeRobotSource
+from parallax.data.libero import LiberoSource
+from parallax.data.rlds import RLDSSource, find_rlds_dir
 from parallax.data.source import Source
 from parallax.data.stats import DatasetError, merge_statistics
+from parallax.data.synthetic import SyntheticTask
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,6 @@ def specs_from_toml(entries: list[dict[str, Any]], where: str = "[[data]]") -> l
 
 def detect_format(path: str | Path) -> str:
     """Which reader a directory needs (``rlds``, ``lerobot``, ``libero`` or ``parallax``)."""
-    from parallax.data.rlds import find_rlds_dir
 
     path = Path(path)
     if (path / "index.json").is_file():
@@ -135,9 +140,6 @@ def open_source(
     cache_dir: str | Path | None = None,
 ) -> Source:
     """Open (and scan, or read the scan from ``cache_dir``) one dataset."""
-    from parallax.data.episodes import EpisodeDataset
-    from parallax.data.indexed import IndexedSource
-    from parallax.data.synthetic import SyntheticTask
 
     if isinstance(spec, str):
         (spec,) = parse_data_spec(spec)
@@ -147,16 +149,10 @@ def open_source(
     fmt = spec.format or detect_format(spec.path)
     kw = {"config": spec.config, "user_configs": user_configs, "cache_dir": cache_dir}
     if fmt == "rlds":
-        from parallax.data.rlds import RLDSSource
-
         source: Source = RLDSSource(spec.path, **kw)
     elif fmt == "libero":
-        from parallax.data.libero import LiberoSource
-
         source = LiberoSource(spec.path, **kw)
     elif fmt == "lerobot":
-        from parallax.data.lerobot import LeRobotSource
-
         source = LeRobotSource(spec.path, **kw)
     else:
         source = IndexedSource(EpisodeDataset(spec.path))

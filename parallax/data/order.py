@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 
 
 def _perm(n: int, seed: int, name: str) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch
 from parallax.data.loader import check_batch_sizes
 from parallax.data.pairs import PairSample, PairSource
 from parallax.data.stats import DatasetError
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def decode_image(data: bytes, ext: str, what: str) -> np.ndarray:
         arr = np.load(io.BytesIO(data), allow_pickle=False)
         return _as_rgb(arr, what)
     try:
-        from PIL import Image
+        from PIL import Image  # optional dependency (pillow)
     except ImportError as err:
         raise ImportError(
             f"decoding {what} needs the optional Pillow package (pip install 'parallax[images]')"

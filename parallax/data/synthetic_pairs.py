@@ -18,7 +18,7 @@ import numpy as np
 
 from parallax.data.pairs import PairSample
 from parallax.data.synthetic import COLOURS
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 
 SHAPES = ("square", "circle", "triangle")
 PLACES = ("top left", "top right", "bottom left", "bottom right")

@@ -11,11 +11,14 @@ a rank then reads exactly the bytes of its own samples. Sidecar files img2datase
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import tarfile
 from collections import OrderedDict
 from pathlib import Path
+
+import numpy as np
 
 from parallax.data.pairs import IMAGE_EXTENSIONS, PairSample, decode_image
 from parallax.data.stats import DatasetError
@@ -125,10 +128,6 @@ class TarShards:
 
 def write_tar_shards(root: str | Path, pairs: list[PairSample], per_shard: int) -> list[Path]:
     """Write pairs as img2dataset-style shards (images as .npy): for tests and conversions."""
-    import io
-
-    import numpy as np
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from parallax.data.augment import (
     AugmentConfig,
@@ -100,8 +101,6 @@ class Decoder:
 
 
 def _worker_main(sources, recipe: Recipe, tasks, results) -> None:
-    import torch
-
     torch.set_num_threads(1)
     decoder = Decoder(sources, recipe)
     while True:

@@ -42,7 +42,7 @@ def memory_budget(budget: float) -> contextlib.AbstractContextManager:
     """
     if budget >= 1.0:
         return contextlib.nullcontext()
-    import torch._functorch.config as functorch_config
+    import torch._functorch.config as functorch_config  # the compiler's, loaded when used
 
     if not hasattr(functorch_config, "activation_memory_budget"):
         raise RuntimeError(
@@ -116,7 +116,7 @@ def _allow_recompiles(count: int) -> None:
     sits in (a row-parallel linear, say) compile as functions of their own, once per shape they
     meet (a ViT's and a Llama's). Before torch 2.5 the compiler also guarded on each module
     object, so every layer compiled anew."""
-    import torch._dynamo.config as config
+    import torch._dynamo.config as config  # the compiler's, loaded when used
 
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     need = 64 if torch.__version__ >= "2.5" else 2 * count + 64

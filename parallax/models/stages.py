@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from parallax.pipeline.split import split
+
 
 @dataclass(frozen=True)
 class StageBlock:
@@ -38,6 +40,5 @@ def check_block_range(blocks: range | Sequence[int] | None, num_blocks: int) -> 
 def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     """Split ``costs`` into ``num_stages`` contiguous non-empty ranges minimising the largest sum:
     :func:`parallax.pipeline.split` with one chunk per stage (the one partitioner parallax has)."""
-    from parallax.pipeline.split import split
 
     return split(costs, num_stages)

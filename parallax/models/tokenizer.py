@@ -25,7 +25,7 @@ class HFTokenizer:
         path = Path(path)
         self._tok = self._sp = None
         try:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # optional dependency (the tokenizers extra)
 
             if (path / "tokenizer.json").is_file():
                 self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -33,7 +33,7 @@ class HFTokenizer:
             pass
         if self._tok is None:
             try:
-                import sentencepiece
+                import sentencepiece  # optional dependency, the other back end
             except ImportError as err:
                 raise ImportError(
                     "reading the checkpoint's tokenizer needs the optional 'tokenizers' or "

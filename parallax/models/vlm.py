@@ -19,6 +19,7 @@ from torch import nn
 from parallax.context import ParallelContext
 from parallax.init import InitFn, init_parameters, param_seed
 from parallax.models.compile import checkpoint_parts
+from parallax.models.hf_export import save_pretrained
 from parallax.models.hf_io import hf_names
 from parallax.models.llama import LlamaLM
 from parallax.models.stages import StageBlock, check_block_range, partition
@@ -188,8 +189,6 @@ class VisionLanguageModel(nn.Module):
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the family's Hugging Face layout as published: see
         :func:`parallax.models.hf_export.save_pretrained`."""
-        from parallax.models.hf_export import save_pretrained
-
         save_pretrained(self, path, **kwargs)
 
 

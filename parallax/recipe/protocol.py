@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
+from parallax.data import BatchLoader
 from parallax.dims import ParallelDims
 from parallax.models.stages import StageBlock
 from parallax.pipeline import TensorMeta
@@ -183,7 +184,6 @@ class Recipe:
         The sample order of each global batch must depend on ``cfg.seed`` and the position
         only, never on dp. Default: the random-access :class:`~parallax.data.BatchLoader`;
         a family whose data streams returns its own (``close()`` is called at the end)."""
-        from parallax.data import BatchLoader
 
         return BatchLoader(
             dataset,
@@ -249,8 +249,12 @@ class Recipe:
         raise NotImplementedError
 
     # -- reporting -----------------------------------------------------------------------------
-    def flops(self, config: Any, microbatches: Sequence[Microbatch], cfg) -> float:
-        """Model FLOPs of these microbatches' training step (formula in the family's docs)."""
+    def flops(
+        self, config: Any, microbatches: Sequence[Microbatch], cfg, model: nn.Module | None = None
+    ) -> float:
+        """Model FLOPs of these microbatches' training step (formula in the family's docs).
+        ``model``: the whole model on the meta device as the run adapts it (LoRA adapters,
+        frozen parameters: ``requires_grad``), for what trains and what does not."""
         return 0.0
 
     def activation_bytes(

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallax.seeds import param_seed
 from parallax.tensor import functional as tpf
 from parallax.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallax.tensor.sharding import TPShard, shard_tensor
@@ -98,8 +99,6 @@ class _LoRAMixin:
         """Layout-free init, PEFT's ``init_lora_weights="gaussian"``: each adapter's full A
         ``(r, in)`` from N(0, 1/r) drawn by a generator seeded with ``(seed, name.lora_A.weight)``,
         then this rank's slice; B zero. No rank's own random state is read."""
-        from parallax.init import param_seed
-
         b = self.lora_B
         b.zero_()
         if b.is_meta:

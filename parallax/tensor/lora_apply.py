@@ -87,7 +87,7 @@ def unbuilt_linears(model: nn.Module) -> list[str]:
     return [n[: -len(".weight")] for n in weights]
 
 
-def _patterns(targets: str | Sequence[str]) -> tuple[str, ...] | None:
+def target_patterns(targets: str | Sequence[str]) -> tuple[str, ...] | None:
     if isinstance(targets, str):
         if targets == ALL_LINEAR:
             return None
@@ -98,7 +98,7 @@ def _patterns(targets: str | Sequence[str]) -> tuple[str, ...] | None:
     return out
 
 
-def _match(pattern: str, name: str) -> bool:
+def matches_target(pattern: str, name: str) -> bool:
     """A glob over the whole name, or over a dot-separated tail (``q_proj``, ``attn.*``), as
     PEFT's ``target_modules`` match name suffixes."""
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
@@ -110,7 +110,7 @@ def _selected(
     """Which of ``names`` (a module's own name first, then its checkpoint names) are targets."""
     if patterns is None:
         return {n for n in names if n.rsplit(".", 1)[-1] not in exclude}
-    return {n for n in names if any(_match(p, n) for p in patterns)}
+    return {n for n in names if any(matches_target(p, n) for p in patterns)}
 
 
 def apply_lora(
@@ -135,7 +135,7 @@ def apply_lora(
     ``freeze``: every other parameter stops training (``requires_grad=False``). Apply it after
     the model has its device and dtype, before building the optimizer and compiling.
     """
-    patterns = _patterns(targets)
+    patterns = target_patterns(targets)
     names = names or checkpoint_module_names(model)
     plan: list[tuple[str, nn.Module, tuple[str, ...]]] = []
     hit: set[str] = set()
@@ -145,7 +145,7 @@ def apply_lora(
         own = tuple(names(mname, logical_shape(module.weight)))
         chosen = _selected(patterns, exclude, (mname, *own))
         if patterns is not None:
-            hit.update(p for p in patterns for n in (mname, *own) if _match(p, n))
+            hit.update(p for p in patterns for n in (mname, *own) if matches_target(p, n))
         if mname in chosen:
             chosen = set(own)
         if not chosen:
@@ -165,7 +165,7 @@ def apply_lora(
         plan.append((mname, module, own))
     skipped = tuple(n for n in unbuilt_linears(model) if _selected(patterns, exclude, (n,)))
     if patterns is not None:
-        hit.update(p for p in patterns for n in skipped if _match(p, n))
+        hit.update(p for p in patterns for n in skipped if matches_target(p, n))
     report = LoRAReport(rank, float(alpha), float(dropout), seed, targets, skipped=skipped)
     report.unmatched = () if patterns is None else tuple(p for p in patterns if p not in hit)
     for mname, module, own in plan:
@@ -195,12 +195,12 @@ def unfreeze(model: nn.Module, patterns: str | Sequence[str]) -> list[str]:
     modules, PEFT's ``modules_to_save``): globs over the parameter's name or its module's name,
     whole or as a dotted tail (``norm``, ``projector.fc1``, ``*layernorm*``). Returns the names
     this rank unfroze (with pipeline stages, gather them before calling a pattern unused)."""
-    patterns = _patterns(patterns) or ()
+    patterns = target_patterns(patterns) or ()
     out = []
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
         if not is_adapter_name(name) and any(
-            _match(pat, name) or _match(pat, module) for pat in patterns
+            matches_target(pat, name) or matches_target(pat, module) for pat in patterns
         ):
             p.requires_grad_(True)
             out.append(name)

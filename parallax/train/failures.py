@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 
+import torch.distributed as dist
+
 USER_ERROR, FAILED, TERMINATED, INTERRUPTED = 2, 1, 143, 130
 PROG = "parallax.train"
 LINGER_S = 60.0  # how long a silent rank waits for torchrun to stop it (see Ending.user_error)
@@ -56,8 +58,6 @@ def short_cause(err: BaseException, limit: int = 160) -> str:
 
 def is_comm_failure(err: BaseException) -> bool:
     """A collective that failed or timed out (gloo reports these as plain RuntimeErrors)."""
-    import torch.distributed as dist
-
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     words = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer")

@@ -22,8 +22,16 @@ from pathlib import Path
 
 from torch import nn
 
+from parallax.models.peft import save_adapter
+from parallax.models.peft_load import load_adapter
 from parallax.tensor.fingerprint import Fingerprint, base_fingerprint, fingerprint_mismatches
-from parallax.tensor.lora_apply import LoRAReport, _match, _patterns, apply_lora, is_adapter_name
+from parallax.tensor.lora_apply import (
+    LoRAReport,
+    apply_lora,
+    is_adapter_name,
+    matches_target,
+    target_patterns,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +68,12 @@ def train_modules(model: nn.Module, patterns: str) -> list[str]:
     ``modules_to_save``: a glob matches a parameter's name or any module above it, whole or as
     a dotted tail (``projector`` trains ``projector.fc1.weight``, ``*norm`` every norm).
     Returns the names made trainable."""
-    globs = _patterns(patterns) or ()
+    globs = target_patterns(patterns) or ()
     out = []
     for name, p in model.named_parameters():
         parts = name.split(".")
         owners = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-        if not is_adapter_name(name) and any(_match(g, o) for g in globs for o in owners):
+        if not is_adapter_name(name) and any(matches_target(g, o) for g in globs for o in owners):
             p.requires_grad_(True)
             out.append(name)
     return out
@@ -85,7 +93,7 @@ def check_globs(whole: nn.Module, cfg, recipe) -> LoRAReport | None:
         )
     if not report.adapted:
         raise ValueError(f"--lora-targets {cfg.lora_targets}: no linear layer to adapt")
-    for glob in _patterns(cfg.train) if cfg.train else ():
+    for glob in target_patterns(cfg.train) if cfg.train else ():
         if not train_modules(whole, glob):  # already trainable: this only finds the names
             raise ValueError(f"--train {glob!r} matches no module or parameter of the model")
     return report
@@ -94,7 +102,6 @@ def check_globs(whole: nn.Module, cfg, recipe) -> LoRAReport | None:
 def load_init(chunks: Sequence[nn.Module], cfg, ctx) -> None:
     """Fill the adapters (and any ``modules_to_save`` tensors) from ``--lora-init``
     (collective; one chunk per rank, which the config checks)."""
-    from parallax.models.peft_load import load_adapter
 
     if not cfg.lora_init:
         return
@@ -158,7 +165,6 @@ def check_resume(meta: dict, trainer, path: Path) -> str | None:
 
 def export_adapter(trainer, path: Path, report: LoRAReport | None) -> None:
     """The adapters (and ``--train`` modules) alone in PEFT's format (collective)."""
-    from parallax.models.peft import save_adapter
 
     notes = {}
     if report is not None:

@@ -14,6 +14,7 @@ import os
 import torch
 
 from parallax.context import ParallelContext
+from parallax.data.workers import auto_workers
 from parallax.dims import ParallelDims
 from parallax.pipeline import format_schedule, simulate, split
 from parallax.pipeline.simulate import peak_activations
@@ -212,7 +213,6 @@ def print_plan(cfg: TrainConfig | Run, file=None) -> None:
 
 def data_note(cfg: TrainConfig) -> str:
     """What the run reads and how (not opened by a dry run), and where its data wait shows."""
-    from parallax.data.workers import auto_workers
 
     data = cfg.data if isinstance(cfg.data, str) else f"{len(cfg.data)} [[data]] datasets"
     workers = auto_workers() if cfg.workers is None else cfg.workers

@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from parallax.train.options import needs_problems, problems
+from parallax.train.options import needs_problems, options, problems
 from parallax.train.values import convert, field_kinds, out_problems, show
 
 
 def _type_problems(cfg: Any) -> list[str]:
     """Each simple field's value against its annotation (an int is a fine float)."""
-    from parallax.train.options import options
 
     choices = {f.name: o.choices for f, o in options(type(cfg)) if o.choices}
     found = []

@@ -11,6 +11,7 @@ defaults filled in.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,10 @@ class Run:
     def to_dict(self) -> dict[str, Any]:
         """The options as saved in checkpoints (the filled-in defaults included)."""
         return self.flags.to_dict()
+
+    def replace(self, **options: Any) -> Run:
+        """A copy with other option values (the model stays as resolved; the run is frozen)."""
+        return dataclasses.replace(self, flags=self.flags.replace(**options))
 
 
 def family_defaults(cfg: TrainConfig, recipe: Recipe, name: str) -> TrainConfig:

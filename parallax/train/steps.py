@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from parallax.data import check_batch_sizes
 from parallax.pipeline import Schedule, gpipe, interleaved_1f1b, one_f_one_b
 from parallax.train.config import TrainConfig
 
@@ -22,7 +23,6 @@ def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Sch
 
 def num_microbatches(cfg: TrainConfig, dp: int) -> int:
     """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""
-    from parallax.data import check_batch_sizes
 
     check_batch_sizes(cfg.global_batch_size, cfg.micro_batch_size, dp)
     return cfg.global_batch_size // (cfg.micro_batch_size * dp)

@@ -86,7 +86,9 @@ class Trainer:
         groups.check_freeze_globs(cfg, recipe, [n for n, _ in whole.named_parameters()])
         # the whole model's LoRA report (its globs checked; None for full fine-tuning)
         self.lora_report = lora.check_globs(whole, cfg, recipe)
-        del whole
+        groups.apply_freeze([whole], cfg, recipe)
+        # the whole model (meta: shapes only) as this run adapts it: adapters, frozen parameters
+        self.whole = whole
         self.chunks: list[torch.nn.Module] = []
         self.stages: list[PipelineStage] = []
         for s, rng in enumerate(self.ranges):
@@ -124,9 +126,7 @@ class Trainer:
     def parameter_names(self) -> list[str]:
         """Every global parameter name of the whole model (built on the meta device: the same
         on every rank, no collective), adapters included."""
-        whole = self._whole_model()
-        lora.prepare(whole, self.cfg, self.recipe)
-        return [n for n, _ in whole.named_parameters()]
+        return [n for n, _ in self.whole.named_parameters()]
 
     def _whole_model(self) -> torch.nn.Module:
         """The whole model on the meta device at tp = 1 (shapes and names only)."""
@@ -308,7 +308,7 @@ class Trainer:
 
     def model_flops(self, microbatches: list[Microbatch]) -> float:
         """Model FLOPs of one step over these microbatches (the recipe's formula)."""
-        return self.recipe.flops(self.model_config, microbatches, self.cfg)
+        return self.recipe.flops(self.model_config, microbatches, self.cfg, self.whole)
 
     def tokens(self, microbatches: list[Microbatch]) -> int:
         """Tokens these microbatches process (image and text)."""

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from parallax import tomlfile
+
 KINDS = (int, float, bool, str)
 Kind = tuple[type, bool]  # (int | float | bool | str, whether None is allowed)
 
@@ -154,20 +156,7 @@ def out_problems(out: str) -> list[str]:
 
 def read_toml_file(path: Path, what: str) -> dict[str, Any]:
     """A TOML file's contents; a ``ValueError`` that starts with ``what`` (the flag) otherwise."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError as err:
-            raise ValueError(f"{what} needs Python >= 3.11 or `pip install tomli`") from err
-    if not path.is_file():
-        raise ValueError(f"{what} {path}: no such file")
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except (OSError, ValueError) as err:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{what} {path}: not a valid TOML file: {err}") from None
+    return tomlfile.read_toml(path, f"{what} {path}")
 
 
 def load_toml_table(path: Path, what: str) -> dict[str, Any]:

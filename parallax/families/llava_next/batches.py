@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from parallax.data import LlavaConversationDataset, SyntheticVQA
 from parallax.data.stats import DatasetError
 from parallax.families.llava_next import anyres
 from parallax.families.llava_next.config import LlavaNextConfig
@@ -37,12 +38,9 @@ def open_dataset(spec: str, config: LlavaNextConfig, seed: int, *, eval_split: b
     """The dataset ``--data spec`` names (see the module doc); the conversation file is checked
     sample by sample when opened (a :class:`DatasetError` naming the sample)."""
     if spec == "synthetic":
-        from parallax.data import SyntheticVQA
-
         scale = max(1, config.tile_size // SYNTHETIC_TILE)
         n = SYNTHETIC_SAMPLES // 4 if eval_split else SYNTHETIC_SAMPLES
         return SyntheticVQA(seed=seed + (1 if eval_split else 0), num_samples=n, image_scale=scale)
-    from parallax.data import LlavaConversationDataset
 
     path, folder = spec, None
     head, sep, tail = spec.rpartition(":")

@@ -31,8 +31,7 @@ import torch
 
 from parallax.families.llava_next import vocab as llava_vocab
 from parallax.families.llava_next.config import LlavaNextConfig
-from parallax.models.hf_io import CheckpointReader, fit_problems, fused_parts
-from parallax.models.hf_io import read_param as _read_param
+from parallax.models.hf_io import CheckpointReader, fit_problems, fused_parts, read_param
 from parallax.models.meta import materialize
 from parallax.tensor import logical_shape
 
@@ -162,8 +161,11 @@ class CheckpointLayout:
     """Names and shapes of ``config``'s parameters in one layout (the ``checkpoint_layout`` that
     :func:`parallax.models.hf_export.save_pretrained` asks a model for)."""
 
-    def __init__(self, config: LlavaNextConfig, layout: Layout = LLAVA_HF) -> None:
+    def __init__(
+        self, config: LlavaNextConfig, layout: Layout = LLAVA_HF, model_cls: type | None = None
+    ) -> None:
         self.config, self.layout = config, layout
+        self.model_cls = model_cls  # the model class whose parameters expected() lists
         old = config.checkpoint_vocab_size if layout is ORIGINAL else None
         self.stored_vocab = old or config.vocab_size
 
@@ -192,9 +194,9 @@ class CheckpointLayout:
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the whole model reads, with its shape (built on meta, tp=1)."""
-        from parallax.families.llava_next.model import LlavaNext
-
-        model = LlavaNext(self.config, None, device="meta")
+        if self.model_cls is None:
+            raise TypeError("CheckpointLayout.expected() needs the model class (model_cls)")
+        model = self.model_cls(self.config, None, device="meta")
         out: dict[str, tuple[int, ...]] = {}
         for name, p in model.named_parameters():
             out.update(self.tensors(name, tuple(p.shape)))
@@ -251,7 +253,7 @@ def load_llava(
         config = config.with_options(fused_projections=True)
     reader = CheckpointReader(path)
     layout = CheckpointLayout(
-        config, detect_layout(reader.weight_map, config, f"checkpoint {path}")
+        config, detect_layout(reader.weight_map, config, f"checkpoint {path}"), cls
     )
     present = layout.validate(reader)
     model = cls(config, ctx, blocks=blocks, dtype=dtype, device="meta", **model_kwargs)
@@ -273,7 +275,7 @@ def load_llava(
             if added is not None and name == EMBED:
                 raw = added.embed_slice()
             else:
-                raw = _read_param(reader, layout.tensors(name, logical_shape(param)), info)
+                raw = read_param(reader, layout.tensors(name, logical_shape(param)), info)
             if added is not None and name in (EMBED, HEAD):
                 raw = added.fill(raw.float(), head=name == HEAD)
             param.copy_(raw.reshape(param.shape))

@@ -32,7 +32,11 @@ from torch import nn
 from parallax.context import ParallelContext
 from parallax.families.llava_next import anyres
 from parallax.families.llava_next import objectives as llava_objectives
+from parallax.families.llava_next.checkpoint import LLAVA_HF, CheckpointLayout, load_llava
 from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.families.llava_next.flops import vision_forward_flops
+from parallax.families.llava_next.predict import generate
+from parallax.families.llava_next.template import llava_tokenizer
 from parallax.families.llava_next.vision import (
     MultiModalProjector,
     check_inputs,
@@ -63,8 +67,6 @@ class LlavaNext(VisionLanguageModel):
         return [self.vision_tower]
 
     def load_tokenizer(self):
-        from parallax.families.llava_next.template import llava_tokenizer
-
         return llava_tokenizer(self.config)
 
     def default_init_fn(self) -> InitFn:
@@ -76,8 +78,6 @@ class LlavaNext(VisionLanguageModel):
         """The ordered stage-able blocks with forward FLOPs per sample as their cost, for the
         worst case: an image of ``max_tiles`` tiles (5) and its most image tokens, plus
         ``text_tokens`` text tokens."""
-        from parallax.families.llava_next.flops import vision_forward_flops
-
         seq = config.max_image_tokens + text_tokens
         llm = config.text.layer_flops(seq)
         return (
@@ -157,18 +157,12 @@ class LlavaNext(VisionLanguageModel):
     ) -> LlavaNext:
         """Load a llava-hf, transformers 5.x or original LLaVA-v1.6 checkpoint
         (:func:`parallax.families.llava_next.checkpoint.load_llava`)."""
-        from parallax.families.llava_next.checkpoint import load_llava
-
         return load_llava(cls, path, ctx, dtype=dtype, **kwargs)
 
     def checkpoint_layout(self):
         """How parameters map onto the llava-hf checkpoint that ``save_pretrained`` writes."""
-        from parallax.families.llava_next.checkpoint import LLAVA_HF, CheckpointLayout
-
-        return CheckpointLayout(self.config, LLAVA_HF)
+        return CheckpointLayout(self.config, LLAVA_HF, type(self))
 
     def generate(self, pixel_values, input_ids, image_sizes, max_new_tokens: int, **kwargs):
         """Greedy continuation (:func:`parallax.families.llava_next.predict.generate`)."""
-        from parallax.families.llava_next.predict import generate
-
         return generate(self, pixel_values, input_ids, image_sizes, max_new_tokens, **kwargs)

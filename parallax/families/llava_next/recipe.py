@@ -28,7 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallax.data import LengthGroupedLoader, SyntheticVQA
+from parallax.families.llava_next.batches import (
+    SYNTHETIC_SYSTEM,
+    LlavaBatches,
+    open_dataset,
+    sample_counts,
+    sample_lengths,
+    text_tokenizer,
+)
+from parallax.families.llava_next.checkpoint import detect_layout
 from parallax.families.llava_next.config import PRESETS, LlavaNextConfig
+from parallax.families.llava_next.flops import sample_flops
 from parallax.families.llava_next.model import LlavaNext
 from parallax.families.llava_next.objectives import (
     answer_metrics,
@@ -38,6 +49,8 @@ from parallax.families.llava_next.objectives import (
     rows_answer_metrics,
     rows_loss,
 )
+from parallax.families.llava_next.vision import check_inputs, image_sizes_list
+from parallax.models.hf_io import CheckpointReader
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
@@ -78,9 +91,6 @@ class LlavaRecipe(Recipe):
             return ModelSpec(LlavaNextConfig.preset(spec))
         path = Path(spec)
         if path.is_dir() and (path / "config.json").is_file():
-            from parallax.families.llava_next.checkpoint import detect_layout
-            from parallax.models.hf_io import CheckpointReader
-
             config = LlavaNextConfig.from_pretrained(path)
             detect_layout(CheckpointReader(path).weight_map, config, f"checkpoint {path}")
             return ModelSpec(config, path)
@@ -118,25 +128,16 @@ class LlavaRecipe(Recipe):
 
     # -- data ----------------------------------------------------------------------------------
     def dataset(self, spec: str, cfg) -> Any:
-        from parallax.families.llava_next.batches import open_dataset
 
         return open_dataset(spec, cfg.model_config, cfg.seed)
 
     def eval_dataset(self, spec: str | None, cfg) -> Any:
         """``--eval-data``, or for the synthetic task the samples of another seed."""
         if spec is None and cfg.data == "synthetic":
-            from parallax.families.llava_next.batches import open_dataset
-
             return open_dataset("synthetic", cfg.model_config, cfg.seed, eval_split=True)
         return super().eval_dataset(spec, cfg)
 
     def collator(self, config: LlavaNextConfig, dataset: Any, checkpoint: Path | None):
-        from parallax.data import SyntheticVQA
-        from parallax.families.llava_next.batches import (
-            SYNTHETIC_SYSTEM,
-            LlavaBatches,
-            text_tokenizer,
-        )
 
         system = SYNTHETIC_SYSTEM if isinstance(dataset, SyntheticVQA) else None
         return LlavaBatches(config, text_tokenizer(config, checkpoint), system=system)
@@ -145,8 +146,6 @@ class LlavaRecipe(Recipe):
         """Length-grouped batches (:class:`~parallax.data.LengthGroupedLoader`); every sample's
         length is computed here from its metadata, so one that cannot fit fails before
         training."""
-        from parallax.data import LengthGroupedLoader
-        from parallax.families.llava_next.batches import sample_lengths
 
         batches = self.collator(cfg.model_config, dataset, cfg.checkpoint)
         lengths, images = sample_lengths(batches, dataset)
@@ -160,7 +159,6 @@ class LlavaRecipe(Recipe):
     def input_problem(self, config: LlavaNextConfig, mb: Microbatch, cfg) -> str | None:
         """Tiles and image tokens that do not fit the image sizes, found on the host before
         the step (the model would otherwise raise on the first stage only)."""
-        from parallax.families.llava_next.vision import check_inputs, image_sizes_list
 
         try:
             b = mb["input_ids"].shape[0]
@@ -203,15 +201,18 @@ class LlavaRecipe(Recipe):
         return ce, torch.stack([m[k] for k in self.metric_sums])
 
     # -- reporting -----------------------------------------------------------------------------
-    def flops(self, config: LlavaNextConfig, microbatches: Sequence[Microbatch], cfg) -> float:
-        """:func:`parallax.families.llava_next.flops.sample_flops` of every sample's real tokens and
-        tiles (padding not counted)."""
-        from parallax.families.llava_next.batches import sample_counts
-        from parallax.families.llava_next.flops import sample_flops
-        from parallax.train.groups import frozen_matcher
-
-        frozen = frozen_matcher(cfg, self)
-        trained = not frozen("vision_tower.patch_embed.proj.weight")
+    def flops(
+        self,
+        config: LlavaNextConfig,
+        microbatches: Sequence[Microbatch],
+        cfg,
+        model: nn.Module | None = None,
+    ) -> float:
+        """:func:`~parallax.families.llava_next.flops.sample_flops` of every sample's real
+        tokens and tiles (padding not counted); the tower's backward only where ``model`` (the
+        whole model on meta as the run adapts it) trains it."""
+        patch = "vision_tower.patch_embed.proj.weight"
+        trained = model is None or model.get_parameter(patch).requires_grad
         labelled = cfg.logits == "labelled"
         total = 0.0
         for mb in microbatches:
@@ -235,6 +236,5 @@ class LlavaRecipe(Recipe):
 
     def tokens(self, config: LlavaNextConfig, microbatches: Sequence[Microbatch]) -> int:
         """Real tokens (text and image) of these microbatches, padding not counted."""
-        from parallax.families.llava_next.batches import sample_counts
 
         return sum(sum(sample_counts(config, mb)[0]) for mb in microbatches)

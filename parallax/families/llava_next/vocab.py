@@ -25,7 +25,7 @@ import math
 import torch
 
 from parallax import comm
-from parallax.init import param_seed
+from parallax.seeds import param_seed
 from parallax.tensor import TPShard
 
 SCALE = 1e-5  # the converter's covariance factor

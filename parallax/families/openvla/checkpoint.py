@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.hf_io import CheckpointReader, fit_problems, hf_names, read_param
@@ -26,11 +27,8 @@ from parallax.models.vit import checkpoint_only_tensors
 from parallax.tensor import logical_shape
 
 
-def expected_tensors(config: OpenVLAConfig) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the whole model reads, with its shape (built on meta, tp=1)."""
-    from parallax.families.openvla.model import OpenVLA
-
-    model = OpenVLA(config, None, device="meta")
+def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor a whole ``model`` (built on meta, tp=1) reads, with its shape."""
     out: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
         out.update(hf_names(name, tuple(p.shape)))
@@ -47,10 +45,11 @@ def unused_tensors(config: OpenVLAConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def validate_checkpoint(reader: CheckpointReader, config: OpenVLAConfig) -> dict:
-    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
+def validate_checkpoint(reader: CheckpointReader, model: nn.Module) -> dict:
+    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor for the
+    whole ``model`` (on meta)."""
     present = reader.shapes()
-    problems = fit_problems(present, expected_tensors(config), unused_tensors(config))
+    problems = fit_problems(present, expected_tensors(model), unused_tensors(model.config))
     if problems:
         raise ValueError(f"checkpoint {reader.path} does not fit the model: " + "; ".join(problems))
     return present
@@ -59,8 +58,8 @@ def validate_checkpoint(reader: CheckpointReader, config: OpenVLAConfig) -> dict
 class OpenVLATensors:
     """OpenVLA's checkpoint names: what :func:`parallax.models.hf_export.save_pretrained` writes."""
 
-    def __init__(self, config: OpenVLAConfig) -> None:
-        self.config = config
+    def __init__(self, config: OpenVLAConfig, cls: type[nn.Module]) -> None:
+        self.config, self.cls = config, cls  # the model class, to list its parameters
 
     def tensors(self, name: str, shape) -> list:
         return hf_names(name, shape)
@@ -69,7 +68,7 @@ class OpenVLATensors:
         return unused_tensors(self.config)
 
     def expected(self) -> dict:
-        return expected_tensors(self.config)
+        return expected_tensors(self.cls(self.config, None, device="meta"))
 
 
 def load_pretrained(
@@ -94,7 +93,7 @@ def load_pretrained(
     if fused_projections:
         config = config.with_options(fused_projections=True)
     reader = CheckpointReader(path)
-    present = validate_checkpoint(reader, config)
+    present = validate_checkpoint(reader, cls(config, None, device="meta"))
     model = cls(config, ctx, blocks=blocks, dtype=dtype, device="meta", **model_kwargs)
     if device is None:
         device = ctx.device if ctx is not None else torch.device("cpu")

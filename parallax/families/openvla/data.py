@@ -18,8 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from parallax.data.keys import load_key_configs
 from parallax.data.mixture import Mixture, detect_format, load_mixture, parse_data_spec
 from parallax.data.stats import DatasetError
+from parallax.data.stream import StreamLoader
 from parallax.data.workers import auto_workers
 from parallax.recipe.protocol import batch_args
 
@@ -56,8 +58,6 @@ def open_mixture(cfg) -> Mixture:
     with the per-dataset key configs of ``--data-config``."""
     user = None
     if cfg.data_config:
-        from parallax.data.keys import load_key_configs
-
         if not Path(cfg.data_config).is_file():
             raise DatasetError(f"--data-config {cfg.data_config}: no such file")
         user = load_key_configs(cfg.data_config)
@@ -66,7 +66,6 @@ def open_mixture(cfg) -> Mixture:
 
 def stream_loader(mixture: Mixture, cfg, ctx, image_size: int):
     """The streaming loader of one rank (see the module doc)."""
-    from parallax.data.stream import StreamLoader
 
     augment = True if cfg.augment is None else cfg.augment
     return StreamLoader(

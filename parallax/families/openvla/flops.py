@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.objectives import loss_token_count
 from parallax.models.flops import Component, llama_layer_params, vit_components
 
 
@@ -92,7 +93,6 @@ def batch_flops(
     """Training FLOPs of these microbatches (``input_ids`` and ``labels`` ``(b, t)``), with the
     lm_head over every position or, with ``labelled_logits``, over the labelled ones only (the
     count is read from the labels: keep them on the host to avoid a device sync)."""
-    from parallax.families.openvla.objectives import loss_token_count
 
     head, total = config.text.hidden_size * config.text.vocab_size, 0.0
     for mb in microbatches:

@@ -24,7 +24,9 @@ from torch import nn
 from parallax.context import ParallelContext
 from parallax.families.openvla import objectives
 from parallax.families.openvla.action_tokenizer import ActionTokenizer
+from parallax.families.openvla.checkpoint import OpenVLATensors, load_pretrained
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.predict import predict_action
 from parallax.families.openvla.prompt import get_tokenizer
 from parallax.init import InitFn
 from parallax.models.stages import StageBlock
@@ -184,20 +186,14 @@ class OpenVLA(VisionLanguageModel):
         dtype: torch.dtype = torch.bfloat16,
         **kwargs,
     ) -> OpenVLA:
-        """Load a Hugging Face OpenVLA checkpoint (:func:`parallax.models.hf.load_pretrained`)."""
-        from parallax.families.openvla.checkpoint import load_pretrained
-
+        """Load a Hugging Face OpenVLA checkpoint (:func:`.checkpoint.load_pretrained`)."""
         return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
     def checkpoint_layout(self):
         """The Hugging Face checkpoint's tensor names for this model's parameters (fused
         projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""
-        from parallax.families.openvla.checkpoint import OpenVLATensors
-
-        return OpenVLATensors(self.config)
+        return OpenVLATensors(self.config, type(self))
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):
         """One image -> continuous action (:func:`.predict.predict_action`)."""
-        from parallax.families.openvla.predict import predict_action
-
         return predict_action(self, image, instruction, unnorm_key, **kwargs)

@@ -8,10 +8,16 @@ across the vocabulary shards without gathering the logits.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from parallax.data.augment import center_crop
 from parallax.families.openvla.action_tokenizer import unnormalize_actions
+from parallax.families.openvla.batches import check_action_dim
 from parallax.families.openvla.preprocess import pixel_values as to_pixel_values
 from parallax.families.openvla.prompt import prompt_ids
 from parallax.models.llama import KVCache
@@ -108,12 +114,6 @@ def predict_action(
 
 def _with_statistics(config, statistics):
     """``config`` with ``statistics`` (a path or a ``norm_stats`` dict) as its norm_stats."""
-    import dataclasses
-    import json
-    from pathlib import Path
-
-    from parallax.families.openvla.batches import check_action_dim
-
     if isinstance(statistics, str | Path):
         path = Path(statistics)
         if path.is_dir():
@@ -133,8 +133,6 @@ def _with_statistics(config, statistics):
 
 def _center_crop(image, scale: float) -> np.ndarray:
     """The evaluation crop of :func:`parallax.data.augment.center_crop` on any image input."""
-    from parallax.data.augment import center_crop
-
     if not 0 < scale <= 1:
         raise ValueError(f"center_crop: the area fraction must be in (0, 1], got {scale}")
     if isinstance(image, torch.Tensor) and image.is_floating_point():  # (3, H, W) in [0, 1]

@@ -19,7 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallax.data import Mixture, SyntheticTask, load_dataset
+from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.families.openvla.config import PRESETS, OpenVLAConfig
+from parallax.families.openvla.data import is_streamed, open_mixture, stream_loader
+from parallax.families.openvla.flops import batch_flops
+from parallax.families.openvla.lora_flops import openvla_linear_costs, openvla_lora_flops
 from parallax.families.openvla.model import OpenVLA
 from parallax.families.openvla.objectives import (
     action_metrics,
@@ -103,21 +108,16 @@ class OpenVLARecipe(Recipe):
         """Robot data (RLDS, LIBERO, LeRobot, mixtures) as a scanned
         :class:`~parallax.data.Mixture` to stream (:mod:`parallax.families.openvla.data`); the
         synthetic task and parallax directories as random-access datasets."""
-        from parallax.data import load_dataset
-        from parallax.families.openvla.data import is_streamed, open_mixture
 
         if is_streamed(spec):
-            return open_mixture(dataclasses.replace(cfg, data=spec))
+            return open_mixture(cfg.replace(data=spec))
         return load_dataset(spec, seed=cfg.seed)
 
     def eval_dataset(self, spec: str | None, cfg) -> Any:
         """``--eval-data`` (read with random access, in a fixed order), or for the synthetic
         task the episodes of another seed (scenes the run never trains on)."""
-        from parallax.data import load_dataset
 
         if spec is None and cfg.data == "synthetic":
-            from parallax.data import SyntheticTask
-
             return SyntheticTask(seed=cfg.seed + 1)
         if spec is None:
             return super().eval_dataset(spec, cfg)
@@ -126,8 +126,6 @@ class OpenVLARecipe(Recipe):
     def loader(self, dataset: Any, cfg, ctx) -> Any:
         """Streamed robot data: :class:`~parallax.data.StreamLoader`, its images resized to the
         model's resolution (then augmented, as OpenVLA does at 224 px)."""
-        from parallax.data import Mixture
-        from parallax.families.openvla.data import stream_loader
 
         if not isinstance(dataset, Mixture):
             if cfg.augment:
@@ -137,7 +135,6 @@ class OpenVLARecipe(Recipe):
         return stream_loader(dataset, cfg, ctx, self.resolve(name).config.image_size)
 
     def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
-        from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 
         return BatchBuilder(config, dataset.statistics, text_tokenizer(config, checkpoint))
 
@@ -177,36 +174,36 @@ class OpenVLARecipe(Recipe):
         return ce, torch.stack([m[k] for k in self.metric_sums])
 
     # -- reporting -----------------------------------------------------------------------------
-    def flops(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch], cfg) -> float:
-        from parallax.families.openvla.flops import batch_flops
-        from parallax.train.groups import frozen_matcher
-
+    def flops(
+        self,
+        config: OpenVLAConfig,
+        microbatches: Sequence[Microbatch],
+        cfg,
+        model: nn.Module | None = None,
+    ) -> float:
+        """:func:`~parallax.families.openvla.flops.batch_flops`, or with LoRA
+        :func:`~parallax.families.openvla.lora_flops.openvla_lora_flops` (no weight gradient
+        for the frozen base: ~4 x params x tokens). ``model``: the whole model on meta as the
+        run adapts it (without it, every parameter trains)."""
         if cfg.finetune == "lora":
-            return self._lora_flops(config, microbatches, cfg)
-
-        frozen = frozen_matcher(cfg, self)
+            if model is None:
+                raise ValueError("LoRA FLOPs are counted on the adapted whole model: pass it")
+            return self._lora_flops(model, microbatches, cfg)
+        patch = "vision_backbone.featurizer.patch_embed.proj.weight"
+        frozen = model is not None and not model.get_parameter(patch).requires_grad
         return batch_flops(
             config,
             microbatches,
             labelled_logits=cfg.logits == "labelled",
-            frozen_vision=frozen("vision_backbone.featurizer.patch_embed.proj.weight"),
+            frozen_vision=frozen,
         )
 
-    def _lora_flops(self, config: OpenVLAConfig, microbatches, cfg) -> float:
-        """:func:`~parallax.models.lora_flops.openvla_lora_flops` (no weight gradient for the
-        frozen base: ~4 x params x tokens), its per-layer costs found once per run on the
-        whole model built on the meta device as the run adapts it."""
-        from parallax.families.openvla.lora_flops import openvla_linear_costs, openvla_lora_flops
-        from parallax.train import groups, lora
-
-        key = (id(config), id(cfg))
+    def _lora_flops(self, model: nn.Module, microbatches, cfg) -> float:
+        """The per-layer costs are found once per adapted model (one forward on meta)."""
         cached = getattr(self, "_lora_costs", None)
-        if cached is None or cached[0] != key:
-            model = OpenVLA(config, None, device="meta")
-            lora.prepare(model, cfg, self)
-            groups.apply_freeze([model], cfg, self)
-            cached = self._lora_costs = (key, model, openvla_linear_costs(model))
-        _, model, costs = cached
+        if cached is None or cached[0] is not model:
+            cached = self._lora_costs = (model, openvla_linear_costs(model))
+        costs = cached[1]
         total = 0.0
         for mb in microbatches:
             b, t = mb["input_ids"].shape

@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from parallax import comm
 from parallax.families.siglip.config import SiglipConfig
-from parallax.models.hf_io import INDEX, SINGLE, CheckpointReader, fit_problems
-from parallax.models.hf_io import read_param as _read_param
+from parallax.models.hf_io import INDEX, SINGLE, CheckpointReader, fit_problems, read_param
 from parallax.models.meta import materialize
 from parallax.models.safetensors_io import (
     Group,
@@ -117,20 +117,19 @@ def hf_sources(name: str, shape: tuple[int, ...], family: str) -> list[tuple[str
     return [(_one(name, family), _hf_shape(name, shape, family))]
 
 
-def expected_tensors(config: SiglipConfig) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the model reads, with its shape (from a meta model, tp 1)."""
-    from parallax.families.siglip.model import Siglip
-
-    model = Siglip(config, None, device="meta")
+def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor a whole ``model`` (built on meta, tp 1) reads, with its shape."""
     out = {}
     for name, p in model.named_parameters():
-        out.update(hf_sources(name, tuple(p.shape), config.family))
+        out.update(hf_sources(name, tuple(p.shape), model.config.family))
     return out
 
 
-def validate_checkpoint(reader: CheckpointReader, config: SiglipConfig) -> None:
-    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor."""
-    problems = fit_problems(reader.shapes(), expected_tensors(config), ignored=IGNORED.match)
+def validate_checkpoint(reader: CheckpointReader, model: nn.Module) -> None:
+    """Raise one ``ValueError`` naming every missing, mis-shaped or unexpected tensor for the
+    whole ``model`` (on meta)."""
+    config = model.config
+    problems = fit_problems(reader.shapes(), expected_tensors(model), ignored=IGNORED.match)
     if problems:
         raise ValueError(
             f"checkpoint {reader.path} does not fit the {config.family} model of its "
@@ -152,7 +151,7 @@ def load_pretrained(
     t0 = time.perf_counter()
     config = config or SiglipConfig.from_pretrained(path)
     reader = CheckpointReader(path)
-    validate_checkpoint(reader, config)
+    validate_checkpoint(reader, cls(config, None, device="meta"))
     model = cls(config, ctx, dtype=dtype, device="meta", **model_kwargs)
     materialize(model, device or (ctx.device if ctx is not None else "cpu"))
     with torch.no_grad():
@@ -161,7 +160,7 @@ def load_pretrained(
             if sources[0][1] == ():  # CLIP's 0-d logit_scale: safetensors cannot slice it
                 piece = reader.handle(reader.weight_map[sources[0][0]]).get_tensor(sources[0][0])
             else:
-                piece = _read_param(reader, sources, getattr(param, "tp_shard", None))
+                piece = read_param(reader, sources, getattr(param, "tp_shard", None))
             param.copy_(piece.reshape(param.shape))
     reader.stats.seconds = time.perf_counter() - t0
     model.load_stats = reader.stats

@@ -17,66 +17,30 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from parallax.families.siglip.hf_config import config_from_hf, config_to_hf
+from parallax.families.siglip.text_config import (
+    CLIP_MEAN,
+    CLIP_STD,
+    FAMILIES,
+    SIGLIP_MEAN,
+    SIGLIP_STD,
+    TextConfig,
+    hf_act,
+    parallax_act,
+)
 from parallax.models.vit import ViTConfig
 
-SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-FAMILIES = ("siglip", "clip")
-POOLS = ("last", "eos", "argmax")
-_ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
-_HF_ACT = {v: k for k, v in _ACTS.items()}
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    """The text tower: token + position embeddings, pre-LN blocks, final LayerNorm, pooling.
-
-    ``pool``: "last" takes the last position (SigLIP pads every caption to ``max_length``);
-    "eos" the first ``eos_id``; "argmax" the largest id (CLIP checkpoints whose config says
-    ``eos_token_id=2``, where transformers does the same, since the end-of-text id is the
-    largest). ``bos_id`` is prepended by the tokenizer when set (CLIP).
-    """
-
-    vocab_size: int = 32000
-    width: int = 768
-    depth: int = 12
-    num_heads: int = 12
-    mlp_hidden: int = 3072
-    max_length: int = 64
-    act: str = "gelu_tanh"
-    ln_eps: float = 1e-6
-    causal: bool = False
-    pool: str = "last"
-    pad_id: int = 1
-    eos_id: int = 1
-    bos_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.pool not in POOLS:
-            raise ValueError(f"TextConfig: pool must be one of {POOLS}, got {self.pool!r}")
-        if self.width % self.num_heads:
-            raise ValueError(
-                f"TextConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
-            )
-
-    def block_config(self) -> ViTConfig:
-        """The options of these text blocks (:class:`~parallax.models.vit.ViTBlock` s)."""
-        return ViTConfig(
-            width=self.width,
-            depth=self.depth,
-            num_heads=self.num_heads,
-            mlp_hidden=self.mlp_hidden,
-            ln_eps=self.ln_eps,
-            act=self.act,
-            causal=self.causal,
-        )
-
-    def flops(self, length: int | None = None) -> float:
-        """Forward FLOPs of the blocks per caption (2 per multiply-add; causal attention half)."""
-        n, w = length or self.max_length, self.width
-        attn = (2 if self.causal else 4) * n * n * w
-        return self.depth * (2 * n * (4 * w * w + 2 * w * self.mlp_hidden) + attn)
+__all__ = [
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "PRESETS",
+    "SIGLIP_MEAN",
+    "SIGLIP_STD",
+    "SiglipConfig",
+    "TextConfig",
+    "hf_act",
+    "parallax_act",
+]
 
 
 @dataclass
@@ -164,16 +128,12 @@ class SiglipConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> SiglipConfig:
-        from parallax.families.siglip.hf_config import config_from_hf
-
         return config_from_hf(cls, d, source)
 
     def to_dict(self) -> dict:
         """config.json: the checkpoint's own file when there was one, else the HF layout."""
         if self.hf_config:
             return copy.deepcopy(self.hf_config)
-        from parallax.families.siglip.hf_config import config_to_hf
-
         return config_to_hf(self)
 
     def to_json_dict(self) -> dict:
@@ -181,16 +141,6 @@ class SiglipConfig:
         d = asdict(self)
         d.pop("hf_config")
         return d
-
-
-def hf_act(act: str) -> str:
-    return _HF_ACT[act]
-
-
-def parallax_act(hf: str) -> str:
-    if hf not in _ACTS:
-        raise ValueError(f"hidden_act {hf!r} is not supported (one of {sorted(_ACTS)})")
-    return _ACTS[hf]
 
 
 def _siglip(image: int, patch: int, w: int, depth: int, heads: int, mlp: int, **text) -> dict:

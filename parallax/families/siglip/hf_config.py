@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import copy
 
-from parallax.families.siglip.config import (
+from parallax.families.siglip.text_config import (
     CLIP_MEAN,
     CLIP_STD,
-    SiglipConfig,
     TextConfig,
     hf_act,
     parallax_act,
@@ -121,7 +120,9 @@ def _text(t: dict, family: str) -> TextConfig:
     )
 
 
-def config_from_hf(cls, d: dict, source: str | None) -> SiglipConfig:
+def config_from_hf(cls: type, d: dict, source: str | None):
+    """``cls`` (:class:`~parallax.families.siglip.config.SiglipConfig`) from a checkpoint's
+    config.json, its missing keys filled from the transformers defaults."""
     model_type = d.get("model_type")
     if model_type not in ("siglip", "clip"):
         raise ValueError(
@@ -162,7 +163,8 @@ def config_from_hf(cls, d: dict, source: str | None) -> SiglipConfig:
     )
 
 
-def config_to_hf(config: SiglipConfig) -> dict:
+def config_to_hf(config) -> dict:
+    """A :class:`~parallax.families.siglip.config.SiglipConfig` as transformers' config.json."""
     v, t = config.vision, config.text
     vision = dict(
         hidden_size=v.width,

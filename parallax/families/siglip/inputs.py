@@ -49,7 +49,7 @@ class SentencePieceTokenizer:
 
     def __init__(self, path: str | Path) -> None:
         try:
-            import sentencepiece
+            import sentencepiece  # optional dependency (the tokenizers extra)
         except ImportError as err:
             raise ImportError(
                 "SigLIP's tokenizer needs the optional 'sentencepiece' package "
@@ -78,7 +78,7 @@ class BPETokenizer:
 
     def __init__(self, path: str | Path, eos_id: int) -> None:
         try:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # optional dependency (the tokenizers extra)
         except ImportError as err:
             raise ImportError(
                 "CLIP's tokenizer needs the optional 'tokenizers' package "

@@ -20,10 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallax.context import ParallelContext
+from parallax.families.siglip.checkpoint import load_pretrained, save_pretrained
 from parallax.families.siglip.config import SiglipConfig
+from parallax.families.siglip.inputs import text_tokenizer
 from parallax.families.siglip.towers import TextTower, VisionTower
 from parallax.init import InitFn, init_parameters
 from parallax.models.compile import checkpoint_parts
+from parallax.tensor.contrastive import contrastive_loss
 
 
 @dataclass
@@ -141,8 +144,6 @@ class Siglip(nn.Module):
     def loss(self, image_embeds: torch.Tensor, text_embeds: torch.Tensor, **kwargs):
         """This rank's contrastive loss over the global batch (see
         :func:`parallax.tensor.contrastive.contrastive_loss`): its dp mean is the global loss."""
-        from parallax.tensor.contrastive import contrastive_loss
-
         return contrastive_loss(
             self.config.loss,
             image_embeds,
@@ -176,8 +177,6 @@ class Siglip(nn.Module):
         """The text tokenizer: built in for the tiny presets, the checkpoint's own otherwise
         (needs the optional ``tokenizers`` extra); ``None`` when unavailable."""
         if not self._tokenizer_loaded:
-            from parallax.families.siglip.inputs import text_tokenizer
-
             self._tokenizer, self._tokenizer_loaded = text_tokenizer(self.config), True
         return self._tokenizer
 
@@ -196,12 +195,8 @@ class Siglip(nn.Module):
     ) -> Siglip:
         """Load a Hugging Face ``SiglipModel`` or ``CLIPModel`` checkpoint, each rank reading
         only its tp slice (:func:`parallax.families.siglip.checkpoint.load_pretrained`)."""
-        from parallax.families.siglip.checkpoint import load_pretrained
-
         return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the Hugging Face layout (:func:`.checkpoint.save_pretrained`)."""
-        from parallax.families.siglip.checkpoint import save_pretrained
-
         save_pretrained(self, path, **kwargs)

@@ -39,8 +39,12 @@ import torch
 from torch import nn
 
 from parallax import comm
+from parallax.data import PairLoader
 from parallax.families.siglip.config import PRESETS, SiglipConfig
+from parallax.families.siglip.data import IndexedPairs, PairCollator, open_pairs
+from parallax.families.siglip.evaluate import evaluate_batch
 from parallax.families.siglip.model import Siglip
+from parallax.families.siglip.step import contrastive_step
 from parallax.models.stages import StageBlock
 from parallax.recipe.protocol import MetricSpec, Microbatch, ModelSpec, Recipe, batch_args
 
@@ -163,14 +167,12 @@ class SiglipRecipe(Recipe):
         return self.resolve(spec).config.image_size
 
     def dataset(self, spec: str, cfg) -> Any:
-        from parallax.families.siglip.data import open_pairs
 
         return open_pairs(spec, self._image_size(cfg), cfg.seed)
 
     def eval_dataset(self, spec: str | None, cfg) -> Any:
         """``--eval-data``, or for the synthetic task its ``eval`` split (pairs drawn apart from
         the training ones), ``--eval-batches`` global batches of it."""
-        from parallax.families.siglip.data import IndexedPairs, open_pairs
 
         if spec is None:
             if not cfg.data.startswith("synthetic"):
@@ -183,7 +185,6 @@ class SiglipRecipe(Recipe):
         return IndexedPairs(open_pairs(spec, self._image_size(cfg), cfg.seed, split="eval"))
 
     def loader(self, dataset: Any, cfg, ctx) -> Any:
-        from parallax.data import PairLoader
 
         return PairLoader(
             dataset,
@@ -191,7 +192,6 @@ class SiglipRecipe(Recipe):
         )
 
     def collator(self, config: SiglipConfig, dataset: Any, checkpoint: Path | None):
-        from parallax.families.siglip.data import PairCollator
 
         return PairCollator(config, dataset, checkpoint)
 
@@ -225,7 +225,6 @@ class SiglipRecipe(Recipe):
         return num_microbatches  # the towers: one backward per microbatch (GradCache)
 
     def forward_backward(self, chunks, microbatches, ctx, cfg):
-        from parallax.families.siglip.step import contrastive_step
 
         (model,) = chunks
         dev = ctx.device
@@ -247,7 +246,6 @@ class SiglipRecipe(Recipe):
 
     @torch.no_grad()
     def evaluate_step(self, chunks, microbatches, ctx, cfg) -> torch.Tensor:
-        from parallax.families.siglip.evaluate import evaluate_batch
 
         return evaluate_batch(chunks[0], microbatches, ctx, KS)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from parallax import comm
 from parallax.context import ParallelContext
+from parallax.families.siglip.inputs import tokenize
 
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
 
@@ -80,7 +81,6 @@ def class_embeddings(
 ) -> torch.Tensor:
     """One embedding per class: its prompts (each template filled with the name) embedded,
     averaged and normalised again, as CLIP's zero-shot classifier does. ``(C, d)``."""
-    from parallax.families.siglip.inputs import tokenize
 
     tokenizer = tokenizer or model.tokenizer
     if tokenizer is None:

@@ -30,7 +30,7 @@ from tests.families.siglip.helpers import (
 
 def write_checkpoint(path, cfg, seed=0) -> dict:
     """A Hugging Face-layout checkpoint of random weights: config.json + model.safetensors."""
-    weights = hf_weights(expected_tensors(cfg), seed)
+    weights = hf_weights(expected_tensors(Siglip(cfg, None, device="meta")), seed)
     path.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg.to_dict()))
