@@ -114,12 +114,18 @@ class Counting:
 
 
 class CountingRecipe(Recipe):
+    """The minimum a "tokens" recipe says (parallax.recipe.REQUIRED): the model (resolve, blocks,
+    build), the data (dataset, collator, stage_inputs, stage_metas) and the objective
+    (loss_units, loss_target, loss). presets, default_lr, eval_dataset and tokens are optional
+    hooks it overrides too; every other hook is inherited (parallax/recipe/defaults.py)."""
+
     name = "counting"
     metric_sums = ("correct", "tokens")
     metrics = (MetricSpec("accuracy", "correct", "tokens", "acc"),)
     input_keys = ("input_ids", "labels")
     pin_first = 1  # the embedding opens the first stage
 
+    # -- model
     def presets(self):
         return ("counting",)
 
@@ -144,6 +150,7 @@ class CountingRecipe(Recipe):
             parallax.init_parameters(model, cfg.seed)  # layout-free: the same at every layout
         return model
 
+    # -- data (cfg: the resolved run, parallax.train.Run)
     def dataset(self, spec: str, cfg):
         return Counting(CountingConfig(), seed=cfg.seed)
 
@@ -164,6 +171,7 @@ class CountingRecipe(Recipe):
         b, s = mb["input_ids"].shape
         return [TensorMeta((b, s, c.hidden), dtype, True)]
 
+    # -- objective: a next-token loss per microbatch on the last stage
     def loss_units(self, mb) -> int:
         return mb["labels"].numel()
 

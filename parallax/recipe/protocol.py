@@ -1,24 +1,27 @@
 """Model families as recipes: everything the one Trainer needs to know about a model.
 
 The Trainer, the CLI, ``--dry-run``, checkpoints and the benchmarks own what every family shares
-(the layout, the pipeline schedule, ZeRO-1, parameter groups and freezing, the learning-rate
-schedule, checkpoints, metrics and the step loop). A :class:`Recipe` tells them the rest:
+(the layout, the pipeline schedule, ZeRO, parameter groups and freezing, the learning-rate
+schedule, checkpoints, metrics and the step loop). A :class:`Recipe` tells them the rest, in
+three groups; a family defines what :data:`REQUIRED` lists for its objective and inherits every
+other hook (:mod:`parallax.recipe.defaults`):
 
-- **model**: its presets and which checkpoints it reads (by their ``config.json``), the ordered
-  pipeline blocks with their costs, and how to build this rank's chunk for a block range
-  (layout-free init or a checkpoint, each rank reading only its slice);
-- **data**: the dataset a ``--data`` spec names, the loader that orders and reads it (random
-  access by default, or streamed), how raw samples become a microbatch (a dict of
-  host tensors), what the first stage takes and what later stages receive;
-- **objective**: ``"tokens"`` (a next-token VLM: a loss per microbatch on the last stage, summed
-  over supervised units and normalised by the units of the whole global batch, which the Trainer
-  counts) or ``"step"`` (the loss needs every microbatch of the step, e.g. a contrastive loss over
-  the dp group: the recipe runs the step's forwards and backwards itself, with pp = 1);
-- **reporting and export**: metric sums and what they mean, model FLOPs, tokens, the HF export.
+- **model**: ``resolve`` (a preset or checkpoint -> config), ``blocks`` (the ordered pipeline
+  blocks with their costs) and ``build`` (this rank's chunk for a block range, from the
+  layout-free init or a checkpoint, each rank reading only its slice);
+- **data**: ``dataset`` (what ``--data`` names), ``collator`` (raw samples -> a microbatch dict
+  of host tensors), ``stage_inputs`` (what the first stage takes) and ``stage_metas`` (what later
+  stages receive);
+- **objective**: ``"tokens"`` (a loss per microbatch on the last stage, summed over supervised
+  units and normalised by the units of the whole global batch, which the Trainer counts:
+  ``loss_units``, ``loss_target``, ``loss``) or ``"step"`` (the loss needs every microbatch of
+  the step, e.g. a contrastive loss over the dp group: ``forward_backward`` and
+  ``evaluate_step`` run the step themselves, with pp = 1).
 
-Recipes are found by name in :mod:`parallax.recipe.registry`; nothing else in ``parallax.train``
-names a family. Subclass :class:`Recipe` and override what differs: the defaults are those of a
-next-token model whose microbatches carry ``labels``.
+Every method that takes ``cfg`` receives the resolved run (:class:`parallax.train.run.Run`): the
+options with the family's defaults filled in, ``cfg.model_config`` and ``cfg.checkpoint``.
+Recipes are registered by name (:func:`parallax.register`, :mod:`parallax.recipe.registry`);
+nothing in ``parallax.train`` names a family. ``examples/custom_recipe.py`` is the minimum.
 """
 
 from __future__ import annotations
@@ -32,37 +35,21 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.data import BatchLoader
-from parallax.dims import ParallelDims
 from parallax.models.stages import StageBlock
 from parallax.pipeline import TensorMeta
+from parallax.recipe.defaults import Microbatch, RecipeDefaults, batch_args
 
-Microbatch = dict[str, Any]  # host tensors (and anything else the recipe puts there)
-
-
-def batch_args(cfg, ctx: ParallelContext) -> dict[str, int]:
-    """The batch sizes, this rank's dp share and the seed: what every loader of a run takes."""
-    return dict(
-        global_batch_size=cfg.global_batch_size,
-        micro_batch_size=cfg.micro_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_size=ctx.dp_size,
-        seed=cfg.seed,
-    )
-
-
-def whole_model(recipe: Recipe, config: Any, cfg, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The whole model on the meta device at tp = 1: every global name and shape, no memory
-    and no collective (the same on every rank)."""
-    return recipe.build(
-        config,
-        range(len(recipe.blocks(config))),
-        ParallelContext.local(device="meta"),
-        cfg=cfg,
-        dtype=dtype,
-        device="meta",
-        checkpoint=None,
-    )
+__all__ = [
+    "REQUIRED",
+    "MetricSpec",
+    "Microbatch",
+    "ModelSpec",
+    "Recipe",
+    "batch_args",
+    "metric_values",
+    "missing_methods",
+    "whole_model",
+]
 
 
 @dataclass(frozen=True)
@@ -85,10 +72,10 @@ class ModelSpec:
     checkpoint: Path | None = None
 
 
-class Recipe:
+class Recipe(RecipeDefaults):
     """A model family; see the module docstring. Class attributes are the family's constants."""
 
-    name: str = ""
+    name: str = ""  # the family, as --model FAMILY:SPEC and checkpoints name it
     objective: str = "tokens"  # "tokens" or "step"
     # names of the metric sums ``loss()`` returns, besides the loss sum itself, reduced over dp
     metric_sums: tuple[str, ...] = ()
@@ -106,39 +93,14 @@ class Recipe:
     eval_metric_sums: tuple[str, ...] | None = None
     eval_metrics: tuple[MetricSpec, ...] | None = None
 
-    # -- model ---------------------------------------------------------------------------------
+    # -- model: what a family must say ------------------------------------------------------------
     def presets(self) -> Sequence[str]:
         """Preset names ``--model`` accepts."""
         return ()
 
-    def reads_checkpoint(self, config_json: Mapping[str, Any]) -> bool:
-        """Whether a checkpoint with this ``config.json`` belongs to the family."""
-        return False
-
     def resolve(self, spec: str) -> ModelSpec:
         """A preset name or a checkpoint directory -> the config (and the checkpoint)."""
         raise NotImplementedError
-
-    def default_lr(self, spec: str) -> float:
-        """The peak learning rate when ``--lr`` is not given."""
-        return 2e-5
-
-    def default_lr_groups(self, spec: str, lr: float) -> Any:
-        """The ``--lr-groups`` of a run that gives none (``None``: every parameter at ``lr``)."""
-        return None
-
-    def default_lora_lr(self, spec: str) -> float:
-        """The peak learning rate of ``--finetune lora`` when ``--lr`` is not given: OpenVLA's
-        LoRA recipe (AdamW 5e-4, constant)."""
-        return 5e-4
-
-    def configure(self, config: Any, cfg) -> Any:
-        """The model config with the run's options applied (e.g. fused projections)."""
-        return config
-
-    def check_layout(self, config: Any, cfg, dims: ParallelDims) -> None:
-        """Raise ``ValueError`` for a layout the family cannot run (same verdict on every rank:
-        it sees only the config and the dims)."""
 
     def blocks(self, config: Any) -> list[StageBlock]:
         """The ordered pipeline blocks, each with its forward FLOPs per sample as cost."""
@@ -161,39 +123,10 @@ class Recipe:
         Parameter names must be global and layout-free."""
         raise NotImplementedError
 
-    def export(self, chunk: nn.Module, path: Path, statistics: Mapping | None) -> None:
-        """Write the chunk's part of the HF checkpoint (collective over the whole world)."""
-        raise ValueError(f"--export-hf: the {self.name} recipe has no export")
-
-    # -- data ----------------------------------------------------------------------------------
+    # -- data --------------------------------------------------------------------------------------
     def dataset(self, spec: str, cfg) -> Any:
         """The dataset ``--data spec`` names (random access: ``len`` and ``[i]``)."""
         raise NotImplementedError
-
-    def eval_dataset(self, spec: str | None, cfg) -> Any:
-        """The held-out split for ``--eval-interval``: ``--eval-data spec``, or with ``None`` the
-        family's own held-out part of ``cfg.data`` (a ``ValueError`` when it has none)."""
-        if spec is None:
-            raise ValueError("--eval-interval: give the held-out data with --eval-data")
-        return self.dataset(spec, cfg)
-
-    def loader(self, dataset: Any, cfg, ctx: ParallelContext) -> Any:
-        """What yields this dp rank's raw samples per step: ``next_batch()`` -> a list of
-        ``num_microbatches`` lists of samples, and a JSON ``state_dict()`` /
-        ``load_state_dict()`` (saved in checkpoints; a resume at any layout continues it).
-        The sample order of each global batch must depend on ``cfg.seed`` and the position
-        only, never on dp. Default: the random-access :class:`~parallax.data.BatchLoader`;
-        a family whose data streams returns its own (``close()`` is called at the end)."""
-
-        return BatchLoader(
-            dataset,
-            **batch_args(cfg, ctx),
-        )
-
-    def input_problem(self, config: Any, mb: Microbatch, cfg) -> str | None:
-        """What is wrong with one microbatch (shapes, sizes), or ``None``: checked on every rank
-        before a training step's first collective, so a bad one raises on all ranks."""
-        return None
 
     def collator(
         self, config: Any, dataset: Any, checkpoint: Path | None
@@ -210,7 +143,7 @@ class Recipe:
         on every rank, so the pipeline needs no metadata round trip)."""
         raise NotImplementedError
 
-    # -- objective "tokens" --------------------------------------------------------------------
+    # -- objective "tokens": a loss per microbatch on the last stage -------------------------------
     def loss_units(self, mb: Microbatch) -> int:
         """How many supervised units (tokens) this microbatch's loss sums over (host)."""
         raise NotImplementedError
@@ -226,12 +159,7 @@ class Recipe:
         are a float32 vector in the order of ``metric_sums``."""
         raise NotImplementedError
 
-    # -- objective "step" ----------------------------------------------------------------------
-    def backward_passes(self, num_microbatches: int) -> int:
-        """Backward passes one step runs per parameter (ZeRO-1 reduces a bucket after the last
-        one): one per microbatch for a pipeline, what ``forward_backward`` runs otherwise."""
-        return num_microbatches
-
+    # -- objective "step": the recipe runs the step's forwards and backwards (pp = 1) -------------
     def forward_backward(
         self, chunks: Sequence[nn.Module], microbatches: Sequence[Microbatch], ctx, cfg
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,25 +176,53 @@ class Recipe:
         recipe (the Trainer runs the pipeline forward for ``"tokens"`` recipes)."""
         raise NotImplementedError
 
-    # -- reporting -----------------------------------------------------------------------------
-    def flops(
-        self, config: Any, microbatches: Sequence[Microbatch], cfg, model: nn.Module | None = None
-    ) -> float:
-        """Model FLOPs of these microbatches' training step (formula in the family's docs).
-        ``model``: the whole model on the meta device as the run adapts it (LoRA adapters,
-        frozen parameters: ``requires_grad``), for what trains and what does not."""
-        return 0.0
 
-    def activation_bytes(
-        self, config: Any, block_names: Sequence[str], micro_batch_size: int, tp: int
-    ) -> float:
-        """Estimated activation bytes at 16-bit that one microbatch in flight keeps on a rank
-        holding ``block_names`` (for ``--dry-run``; 0 when the family gives no estimate)."""
-        return 0.0
+# what a family must define, by objective (the rest it inherits from RecipeDefaults)
+REQUIRED = {
+    "tokens": (
+        "resolve",
+        "blocks",
+        "build",
+        "dataset",
+        "collator",
+        "stage_inputs",
+        "stage_metas",
+        "loss_units",
+        "loss_target",
+        "loss",
+    ),
+    "step": (
+        "resolve",
+        "blocks",
+        "build",
+        "dataset",
+        "collator",
+        "forward_backward",
+        "evaluate_step",
+    ),
+}
 
-    def tokens(self, config: Any, microbatches: Sequence[Microbatch]) -> int:
-        """Tokens these microbatches process (for tokens/s): image and text tokens."""
-        return 0
+
+def missing_methods(recipe: Recipe) -> list[str]:
+    """The methods ``recipe`` must define for its objective and does not."""
+    if recipe.objective not in REQUIRED:
+        return [f"objective {recipe.objective!r} (one of {', '.join(REQUIRED)})"]
+    cls = type(recipe)
+    return [n for n in REQUIRED[recipe.objective] if getattr(cls, n) is getattr(Recipe, n)]
+
+
+def whole_model(recipe: Recipe, config: Any, cfg, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The whole model on the meta device at tp = 1: every global name and shape, no memory
+    and no collective (the same on every rank)."""
+    return recipe.build(
+        config,
+        range(len(recipe.blocks(config))),
+        ParallelContext.local(device="meta"),
+        cfg=cfg,
+        dtype=dtype,
+        device="meta",
+        checkpoint=None,
+    )
 
 
 def metric_values(

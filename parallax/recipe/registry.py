@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallax.recipe.protocol import ModelSpec, Recipe
+from parallax.recipe.protocol import ModelSpec, Recipe, missing_methods
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ def register(name: str, recipe: Recipe | str, presets: tuple[str, ...] | None = 
         FAMILIES[name] = Family(recipe, tuple(presets or ()))
         _LOADED.pop(name, None)
     else:
+        missing = missing_methods(recipe)
+        if missing:
+            raise TypeError(
+                f"family {name!r}: {type(recipe).__name__} does not define "
+                f"{', '.join(missing)} (what a {recipe.objective!r} recipe must say)"
+            )
         listed = tuple(presets if presets is not None else recipe.presets())
         FAMILIES[name] = Family(f"<object {type(recipe).__name__}>", listed)
         _LOADED[name] = recipe

@@ -24,6 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from parallax.recipe.protocol import Recipe, metric_values
 from parallax.train.trainer import StepOutput
@@ -130,15 +138,6 @@ class Monitor:
         self._t = time.perf_counter()
         self._console = self._progress = None
         if self.active:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
             self._console = console or Console()
             if self._console.is_terminal:  # a live bar for people; plain lines for logs
                 self._progress = Progress(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from parallax.context import ParallelContext
 from parallax.data.workers import auto_workers
@@ -122,7 +124,6 @@ def launch_note(cfg: TrainConfig, dims: ParallelDims) -> str | None:
 def _groups_table(cfg: Run, plans: list[dict]):
     """Trainable parameters per optimizer group (peak lr) and pipeline rank, and what the
     freeze flags leave untrained."""
-    from rich.table import Table
 
     rates = [lr for _, lr in groups.parse_lr_groups(cfg.lr_groups)] + [cfg.lr]
     table = Table(title="optimizer groups (trainable parameters per rank of each pp rank)")
@@ -145,9 +146,6 @@ def print_plan(cfg: TrainConfig | Run, file=None) -> None:
     """Print (to ``file``, default stdout) the layout, the blocks of each stage, parameters and
     memory per rank, and the schedule table; raises ``ValueError`` for anything a real run
     would refuse."""
-    from rich.console import Console
-    from rich.table import Table
-
     cfg = resolve(cfg)
     dims = _dims(cfg)
     plans = [rank_plan(cfg, dims, p) for p in range(dims.pp)]

@@ -1,0 +1,202 @@
+"""The package's shape, as the structure issue left it: layers that import only downward, no
+circles between files, no private names taken from another module, in-function imports only
+where a comment says why (an optional dependency, the compiler), and families imported only
+when a run asks for them."""
+
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+# lowest first: a module may import its own layer and those below it
+LAYERS = [
+    ("parallax._moved", "parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile"),
+    ("parallax.comm",),
+    ("parallax.context",),
+    ("parallax.tensor", "parallax.init"),
+    ("parallax.pipeline",),
+    ("parallax.optim", "parallax.checkpoint"),
+    ("parallax.models",),
+    ("parallax.data",),
+    ("parallax.recipe",),
+    ("parallax.families",),
+    ("parallax.train",),
+    ("parallax.plan", "parallax.report", "parallax.testing"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / "parallax").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def _imports(mods: dict[str, Path]):
+    """``(module, target, name, line, in a function, commented)`` of every parallax import,
+    type-checking-only blocks left out (they run no code)."""
+    for module, path in mods.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            up, inside, typing_only = node, False, False
+            while up in parents:
+                up = parents[up]
+                inside |= isinstance(up, ast.FunctionDef | ast.AsyncFunctionDef)
+                typing_only |= isinstance(up, ast.If) and "TYPE_CHECKING" in ast.unparse(up.test)
+            if typing_only:
+                continue
+            prev = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+            commented = "#" in lines[node.lineno - 1] or prev.startswith("#")
+            if isinstance(node, ast.ImportFrom):
+                if node.level or not (node.module or "").startswith("parallax"):
+                    if inside:
+                        yield module, None, None, node.lineno, inside, commented
+                    continue
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    target = full if full in mods else node.module
+                    yield module, target, alias.name, node.lineno, inside, commented
+            else:
+                for alias in node.names:
+                    target = alias.name if alias.name.startswith("parallax") else None
+                    yield module, target, None, node.lineno, inside, commented
+
+
+def _target(name: str, mods) -> str:
+    while name not in mods:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def test_the_import_graph_runs_downward_without_circles_or_private_names():
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    problems = []
+    for module, target, name, line, inside, commented in _imports(mods):
+        where = f"{mods[module].relative_to(ROOT)}:{line}"
+        if inside and not commented:
+            problems.append(f"{where}: an import inside a function without a comment saying why")
+        if target is None or module == "parallax":  # the package face exports the API
+            continue
+        target = _target(target, mods)
+        if target == module:
+            continue
+        graph[module].add(target)
+        if name and name.startswith("_") and f"{target}.{name}" not in mods:
+            problems.append(f"{where}: imports the private name {name} of {target}")
+        if _layer(target) > _layer(module):
+            problems.append(f"{where}: imports upward, {module} -> {target}")
+    problems += [f"a circle of imports: {' -> '.join(c)}" for c in _circles(graph)]
+    assert not problems, "\n".join(problems)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _loaded_after(code: str) -> set[str]:
+    """The parallax.families modules loaded after running ``code`` in a fresh interpreter."""
+    names = "','.join(m for m in sys.modules if 'families' in m)"
+    probe = f"{code}\nimport sys\nprint('LOADED=' + {names})"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("LOADED=")][-1]
+    return {m for m in line.removeprefix("LOADED=").split(",") if m}
+
+
+def test_families_are_imported_only_when_asked_for():
+    siglip = _loaded_after("import parallax.families.siglip")
+    assert siglip and not {m for m in siglip if "openvla" in m or "llava" in m}, siglip
+    helped = _loaded_after(
+        "from parallax.train import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    )
+    assert not helped, f"--help imported {sorted(helped)}"
+    planned = _loaded_after(
+        "from parallax.train import main\nmain(['--dry-run', '--model', 'siglip-tiny'])"
+    )
+    assert {m.split(".")[2] for m in planned if m.count(".") >= 2} == {"siglip"}, planned
+
+
+def test_the_registry_lists_each_familys_own_presets_and_every_recipe_is_complete():
+    from parallax.recipe import missing_methods, registry
+
+    for name, family in registry.FAMILIES.items():
+        recipe = registry.recipe(name)
+        assert sorted(recipe.presets()) == sorted(family.presets), name
+        assert missing_methods(recipe) == [], name
+
+
+def test_an_incomplete_recipe_is_refused_when_registered():
+    from parallax import Recipe, register
+
+    class Half(Recipe):
+        name = "half"
+
+        def resolve(self, spec):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="does not define blocks, build, dataset, collator"):
+        register("half", Half())
+
+
+def test_old_import_paths_still_work_with_a_warning():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        from parallax.recipes.siglip import SiglipRecipe
+        from parallax.train.recipe import Recipe as Old
+
+        from parallax.models import OpenVLA
+
+    from parallax import Recipe
+    from parallax.families.openvla import OpenVLA as New
+    from parallax.families.siglip.recipe import SiglipRecipe as NewRecipe
+
+    assert (OpenVLA, SiglipRecipe, Old) == (New, NewRecipe, Recipe)
+    assert len([w for w in seen if issubclass(w.category, FutureWarning)]) >= 3
