@@ -250,7 +250,13 @@ class SiglipRecipe(Recipe):
         return evaluate_batch(chunks[0], microbatches, ctx, KS)
 
     # -- reporting -----------------------------------------------------------------------------
-    def flops(self, config: SiglipConfig, microbatches: Sequence[Microbatch], cfg) -> float:
+    def flops(
+        self,
+        config: SiglipConfig,
+        microbatches: Sequence[Microbatch],
+        cfg,
+        model: nn.Module | None = None,
+    ) -> float:
         """``SiglipConfig.flops_per_sample``: 3 x (both towers' forward + the loss's logits
         against the global batch) per pair; GradCache's extra forward not counted."""
         n = sum(mb["pixel_values"].shape[0] for mb in microbatches)
