@@ -180,28 +180,49 @@ def init_parallel(
     else:
         world, rank = _env_int("WORLD_SIZE") or 1, _env_int("RANK") or 0
     dims = ParallelDims.from_world(world, tp=tp, pp=pp, dp=dp)  # raises before any collective
-
-    local_rank = _env_int("LOCAL_RANK") or 0
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    if use_cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-
+    device, use_cuda = _device(backend)
     if not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             return ParallelContext(dims=dims, device=device, timeout=timeout)
-        backend = backend or ("nccl" if use_cuda else "gloo")
         dist.init_process_group(
-            backend=backend,
+            backend=backend or ("nccl" if use_cuda else "gloo"),
             timeout=timeout,
             rank=rank,
             world_size=world,
             store=_launcher_store(rank, world, timeout),
         )
-    backend = dist.get_backend()
+    groups = _axis_groups(dims, rank, timeout)
+    ctx = ParallelContext(
+        dims=dims,
+        rank=rank,
+        device=device,
+        backend=dist.get_backend(),
+        tp_group=groups["tp"],
+        dp_group=groups["dp"],
+        pp_group=groups["pp"],
+        world_group=dist.group.WORLD if world > 1 else None,
+        host_group=_host_group(world, timeout),
+        timeout=timeout,
+    )
+    log.debug("parallel context ready: %s", ctx)
+    return ctx
 
+
+def _device(backend: str | None) -> tuple[torch.device, bool]:
+    """This process's device (its ``LOCAL_RANK``'s GPU when CUDA is there and the backend is
+    not gloo, else the CPU), and whether it is a GPU."""
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if not use_cuda:
+        return torch.device("cpu"), False
+    local_rank = _env_int("LOCAL_RANK") or 0
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device, True
+
+
+def _axis_groups(dims: ParallelDims, rank: int, timeout: timedelta) -> dict[str, Group]:
+    """This rank's tp, dp and pp groups (``None`` for a size-1 axis: no collectives). Every
+    rank creates every group, in the same order."""
     groups: dict[str, Group] = {}
     for axis, rank_lists in (
         ("tp", dims.tp_groups()),
@@ -210,29 +231,18 @@ def init_parallel(
     ):
         groups[axis] = None
         if len(rank_lists[0]) == 1:
-            continue  # size-1 axis: no group, no collectives
-        for ranks in rank_lists:  # every rank creates every group, in the same order
+            continue
+        for ranks in rank_lists:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[axis] = group
-    host_group = None
-    if world > 1:
-        host_group = (
-            dist.group.WORLD
-            if backend == "gloo"
-            else dist.new_group(backend="gloo", timeout=timeout)
-        )
-    ctx = ParallelContext(
-        dims=dims,
-        rank=rank,
-        device=device,
-        backend=backend,
-        tp_group=groups["tp"],
-        dp_group=groups["dp"],
-        pp_group=groups["pp"],
-        world_group=dist.group.WORLD if world > 1 else None,
-        host_group=host_group,
-        timeout=timeout,
-    )
-    log.debug("parallel context ready: %s", ctx)
-    return ctx
+    return groups
+
+
+def _host_group(world: int, timeout: timedelta) -> Group:
+    """A gloo group over the whole world for host-side agreements (the world itself on gloo)."""
+    if world == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout)

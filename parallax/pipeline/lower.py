@@ -195,6 +195,92 @@ def per_stage(value: Times, num_stages: int, what: str) -> tuple[float, ...]:
     return values
 
 
+class _Placement:
+    """One run of the schedule with reference costs, placing each message: a rank finishes what
+    ends now, exchanges with every peer that is between two actions too, then starts what it
+    can (see :func:`lower`)."""
+
+    def __init__(self, schedule: Schedule, cost: dict[str, tuple[float, ...]]) -> None:
+        self.schedule, self.cost = schedule, cost
+        ranks = range(schedule.num_ranks)
+        self.items: list[list[Item]] = [[] for _ in ranks]
+        self.pending: list[list[tuple[Channel, Action, list]]] = [[] for _ in ranks]
+        self.busy_until: list[float | None] = [None for _ in ranks]
+        self.running: list[Action | None] = [None for _ in ranks]
+        self.pc = [0 for _ in ranks]
+        self.done: set[tuple[str, int, int]] = set()
+        self.arrived: set[tuple[str, int, int]] = set()
+        self.count: dict[Channel, int] = defaultdict(int)
+
+    def run(self) -> list[list[Item]]:
+        t = 0.0
+        while True:
+            self._finish(t)
+            self._exchange(t)
+            self._start(t)
+            active = [b for b in self.busy_until if b is not None]
+            if not active:
+                break
+            t = min(active)
+        stuck = [r for r, acts in enumerate(self.schedule.actions) if self.pc[r] < len(acts)]
+        if stuck:
+            acts = self.schedule.actions
+            waits = ", ".join(f"rank {r} at {acts[r][self.pc[r]]}" for r in stuck)
+            raise ValueError(
+                f"{self.schedule.name}: the order cannot run, it waits forever: {waits}\n"
+                f"{self.schedule}"
+            )
+        return self.items
+
+    def _finish(self, t: float) -> None:
+        """What ends at ``t`` is done; its messages become pending."""
+        for r, until in enumerate(self.busy_until):
+            if until != t:
+                continue
+            action = self.running[r]
+            self.done.add((action.kind, action.stage, action.microbatch))
+            for send in sends_after(action, self.schedule):
+                first, second = _phases(send)
+                parts = []
+                for op in first + second:
+                    channel, (msg,) = comm_messages(op, self.schedule)
+                    parts.append(((t, *channel, self.count[channel]), op, msg))
+                    self.count[channel] += 1
+                self.pending[r].append((channel, send, parts))
+            self.busy_until[r], self.running[r] = None, None
+
+    def _exchange(self, t: float) -> None:
+        """Every idle rank exchanges its pending messages with the idle peers they go to."""
+        events: dict[int, list[tuple[tuple, Action]]] = defaultdict(list)
+        for r, until in enumerate(self.busy_until):
+            if until is not None:
+                continue
+            keep = []
+            for channel, send, parts in self.pending[r]:
+                if self.busy_until[channel[1]] is not None:
+                    keep.append((channel, send, parts))
+                    continue
+                for key, op, msg in parts:
+                    events[r].append(((t, *key[1:]), op))
+                    recv = Action(_RECV_KIND[msg[0]], *msg[1:])
+                    events[channel[1]].append(((t, *key[1:]), recv))
+                consumer = ("F", send.stage + 1) if send.kind == "SEND_F" else ("B", send.stage - 1)
+                self.arrived.add((*consumer, send.microbatch))
+            self.pending[r] = keep
+        for r, evs in events.items():
+            self.items[r].extend(_batches(sorted(evs, key=lambda e: e[0]), self.schedule))
+
+    def _start(self, t: float) -> None:
+        """Every idle rank starts its next action if its inputs are there."""
+        for r, acts in enumerate(self.schedule.actions):
+            free = self.busy_until[r] is None and self.pc[r] < len(acts)
+            if free and _ready(acts[self.pc[r]], self.schedule, self.done, self.arrived):
+                action = self.running[r] = acts[self.pc[r]]
+                self.busy_until[r] = t + self.cost[action.kind][action.stage]
+                self.items[r].append(action)
+                self.pc[r] += 1
+
+
 def lower(
     schedule: Schedule,
     forward_time: Times = 1.0,
@@ -229,65 +315,7 @@ def lower(
     key = tuple(cost.values())
     if key in cache:
         return cache[key]
-    ranks = range(schedule.num_ranks)
-    items: list[list[Item]] = [[] for _ in ranks]
-    pending: list[list[tuple[Channel, Action, list]]] = [[] for _ in ranks]
-    busy_until: list[float | None] = [None for _ in ranks]
-    running: list[Action | None] = [None for _ in ranks]
-    pc = [0 for _ in ranks]
-    done: set[tuple[str, int, int]] = set()
-    arrived: set[tuple[str, int, int]] = set()
-    count: dict[Channel, int] = defaultdict(int)
-    t = 0.0
-    while True:
-        for r in ranks:  # finish what ends now; its messages become pending
-            if busy_until[r] == t:
-                action = running[r]
-                done.add((action.kind, action.stage, action.microbatch))
-                for send in sends_after(action, schedule):
-                    first, second = _phases(send)
-                    parts = []
-                    for op in first + second:
-                        channel, (msg,) = comm_messages(op, schedule)
-                        parts.append(((t, *channel, count[channel]), op, msg))
-                        count[channel] += 1
-                    pending[r].append((channel, send, parts))
-                busy_until[r], running[r] = None, None
-        events: dict[int, list[tuple[tuple, Action]]] = defaultdict(list)
-        for r in ranks:  # exchange with every peer that is between two actions too
-            if busy_until[r] is not None:
-                continue
-            keep = []
-            for channel, send, parts in pending[r]:
-                if busy_until[channel[1]] is not None:
-                    keep.append((channel, send, parts))
-                    continue
-                for key, op, msg in parts:
-                    events[r].append(((t, *key[1:]), op))
-                    events[channel[1]].append(((t, *key[1:]), Action(_RECV_KIND[msg[0]], *msg[1:])))
-                consumer = ("F", send.stage + 1) if send.kind == "SEND_F" else ("B", send.stage - 1)
-                arrived.add((*consumer, send.microbatch))
-            pending[r] = keep
-        for r, evs in events.items():
-            items[r].extend(_batches(sorted(evs, key=lambda e: e[0]), schedule))
-        for r in ranks:  # start what can start
-            acts = schedule.actions[r]
-            free = busy_until[r] is None and pc[r] < len(acts)
-            if free and _ready(acts[pc[r]], schedule, done, arrived):
-                running[r] = acts[pc[r]]
-                busy_until[r] = t + cost[running[r].kind][running[r].stage]
-                items[r].append(running[r])
-                pc[r] += 1
-        active = [b for b in busy_until if b is not None]
-        if not active:
-            break
-        t = min(active)
-    stuck = [r for r in ranks if pc[r] < len(schedule.actions[r])]
-    if stuck:
-        waits = ", ".join(f"rank {r} at {schedule.actions[r][pc[r]]}" for r in stuck)
-        raise ValueError(
-            f"{schedule.name}: the order cannot run, it waits forever: {waits}\n{schedule}"
-        )
+    items = _Placement(schedule, cost).run()
     program = Program(schedule, tuple(tuple(rank_items) for rank_items in items), key)
     cache[key] = program
     return program
