@@ -70,27 +70,10 @@ def _batch_messages(program: Program) -> dict[tuple[int, int], list[tuple]]:
     return out
 
 
-def simulate(
-    schedule: Schedule | Program,
-    forward_time: Times = 1.0,
-    backward_time: Times = 2.0,
-    comm_time: float = 0.0,
-    weight_time: Times = 0.0,
-) -> SimResult:
-    """Run the lowered schedule against per-stage costs and return its timeline.
-
-    ``forward_time`` / ``backward_time`` / ``weight_time`` are a number or one value per virtual
-    stage (e.g. measured ones); ``comm_time`` is the time of one activation or gradient transfer.
-    Raises :class:`DeadlockError` (a ``ValueError``) with the stuck step of every rank.
-    """
-    program = schedule if isinstance(schedule, Program) else lower(schedule)
+def _run(program: Program, cost: dict, comm_time: float) -> tuple[list[float], list[list]]:
+    """Each rank's end time and its compute spans, running ``program`` with ``cost`` per action
+    and ``comm_time`` per data message; :class:`DeadlockError` with every stuck rank."""
     sched = program.schedule
-    cost = {
-        "F": per_stage(forward_time, sched.num_stages, "simulate: forward_time"),
-        "B": per_stage(backward_time, sched.num_stages, "simulate: backward_time"),
-        "W": per_stage(weight_time, sched.num_stages, "simulate: weight_time"),
-    }
-    comm_time = float(comm_time)
     messages = _batch_messages(program)
     posted: dict[tuple, float] = {}
     pc = [0] * sched.num_ranks
@@ -119,6 +102,12 @@ def simulate(
                     for key, other, data in msgs
                 )
                 clock[rank], pc[rank], progress = max(clock[rank], done), pc[rank] + 1, True
+    _raise_if_stuck(program, pc)
+    return clock, spans
+
+
+def _raise_if_stuck(program: Program, pc: list[int]) -> None:
+    sched = program.schedule
     stuck = [r for r in range(sched.num_ranks) if pc[r] < len(program.ranks[r])]
     if stuck:
         lines = [f"{sched.describe()} deadlocks; each unfinished rank waits at:"]
@@ -126,6 +115,29 @@ def simulate(
             done = " ".join(map(str, program.ranks[r][max(0, pc[r] - 3) : pc[r]]))
             lines.append(f"  rank {r}: ... {done} >> {program.ranks[r][pc[r]]}")
         raise DeadlockError("\n".join(lines) + f"\n{sched}")
+
+
+def simulate(
+    schedule: Schedule | Program,
+    forward_time: Times = 1.0,
+    backward_time: Times = 2.0,
+    comm_time: float = 0.0,
+    weight_time: Times = 0.0,
+) -> SimResult:
+    """Run the lowered schedule against per-stage costs and return its timeline.
+
+    ``forward_time`` / ``backward_time`` / ``weight_time`` are a number or one value per virtual
+    stage (e.g. measured ones); ``comm_time`` is the time of one activation or gradient transfer.
+    Raises :class:`DeadlockError` (a ``ValueError``) with the stuck step of every rank.
+    """
+    program = schedule if isinstance(schedule, Program) else lower(schedule)
+    sched = program.schedule
+    cost = {
+        "F": per_stage(forward_time, sched.num_stages, "simulate: forward_time"),
+        "B": per_stage(backward_time, sched.num_stages, "simulate: backward_time"),
+        "W": per_stage(weight_time, sched.num_stages, "simulate: weight_time"),
+    }
+    clock, spans = _run(program, cost, float(comm_time))
     makespan = max(clock)
     busy = tuple(sum(end - start for start, end, _ in rank_spans) for rank_spans in spans)
     bubble = 1.0 - sum(busy) / (sched.num_ranks * makespan) if makespan > 0 else 0.0

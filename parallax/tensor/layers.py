@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+"""Tensor-parallel layers: column- and row-parallel linear (the vocab-parallel embedding is in
+:mod:`parallax.tensor.embedding`).
 
 Shards follow the usual convention: a column-parallel weight holds a contiguous block of output
 rows, a row-parallel weight a contiguous block of input columns, an embedding a block of vocab
@@ -9,43 +10,26 @@ Every layer takes ``ctx``: a :class:`~parallax.ParallelContext`, a bare tp proce
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.context import ParallelContext
 from parallax.tensor import functional as tpf
+from parallax.tensor.embedding import VocabParallelEmbedding
 from parallax.tensor.sharding import TPShard, make_shard, shard_tensor, unshard_tensor
+from parallax.tensor.tp import TPLike, resolve_tp, tp_param, uniform_
 
-TPLike = ParallelContext | dist.ProcessGroup | None
-
-
-def resolve_tp(ctx: TPLike) -> tuple[Group, int, int]:
-    """``(group, tp_rank, tp_size)`` from a context, a bare group, or ``None``."""
-    if ctx is None:
-        return None, 0, 1
-    if isinstance(ctx, ParallelContext):
-        return ctx.tp_group, ctx.tp_rank, ctx.tp_size
-    if isinstance(ctx, dist.ProcessGroup):
-        return (ctx, comm.rank(ctx), comm.size(ctx)) if comm.size(ctx) > 1 else (None, 0, 1)
-    raise TypeError(f"expected a ParallelContext, a ProcessGroup or None, got {type(ctx)!r}")
-
-
-def _param(shape: tuple[int, ...], info: TPShard | None, device, dtype) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    if info is not None:
-        p.tp_shard = info
-    return p
-
-
-def _uniform_(t: torch.Tensor, fan_in: int) -> None:
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    nn.init.uniform_(t, -bound, bound)
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPLike",
+    "VocabParallelEmbedding",
+    "heads_per_rank",
+    "resolve_tp",
+    "sync_sequence_parallel_grads",
+]
 
 
 class _DenseLinear(nn.Module):
@@ -133,14 +117,14 @@ class ColumnParallelLinear(_DenseLinear):
             pad,
             what=f"ColumnParallelLinear out_features={out_features}",
         )
-        self.weight = _param((info.local_size, in_features), info, device, dtype)
-        self.bias = _param((info.local_size,), info, device, dtype) if bias else None
+        self.weight = tp_param((info.local_size, in_features), info, device, dtype)
+        self.bias = tp_param((info.local_size,), info, device, dtype) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _uniform_(self.weight, self.in_features)
+        uniform_(self.weight, self.in_features)
         if self.bias is not None:
-            _uniform_(self.bias, self.in_features)
+            uniform_(self.bias, self.in_features)
         self._zero_padding()
 
     def _zero_padding(self) -> None:
@@ -207,8 +191,8 @@ class RowParallelLinear(_DenseLinear):
             self.tp_size,
             what=f"RowParallelLinear in_features={in_features}",
         )
-        self.weight = _param((out_features, info.local_size), info, device, dtype)
-        self.bias = _param((out_features,), None, device, dtype) if bias else None
+        self.weight = tp_param((out_features, info.local_size), info, device, dtype)
+        self.bias = tp_param((out_features,), None, device, dtype) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # sees only this rank's tokens: sum grads over tp
         self.reset_parameters()
@@ -217,7 +201,7 @@ class RowParallelLinear(_DenseLinear):
         """Weight shards from this rank's generator; the bias, replicated over tp, at zero (as
         Megatron-LM does): a random draw would differ between tp ranks whose generators differ,
         and the ranks would then train different copies of one logical bias."""
-        _uniform_(self.weight, self.in_features)
+        uniform_(self.weight, self.in_features)
         if self.bias is not None:
             with torch.no_grad():
                 self.bias.zero_()
@@ -237,92 +221,6 @@ class RowParallelLinear(_DenseLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"tp={self.tp_size}, local_in={self.weight.shape[1]}, "
             f"input_is_parallel={self.input_is_parallel}"
-        )
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding table with its vocabulary rows split across tp.
-
-    The vocabulary is zero-padded up to a multiple of tp. Each rank looks up the ids that fall
-    in its rows, zeroes the rest, and the partial results are summed across tp (or
-    reduce-scattered along ``sequence_dim`` with ``sequence_parallel``).
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        *,
-        ctx: TPLike,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 1,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        info = make_shard(
-            0,
-            num_embeddings,
-            self.tp_rank,
-            self.tp_size,
-            pad=True,
-            what=f"VocabParallelEmbedding num_embeddings={num_embeddings}",
-        )
-        self.vocab_start, self.vocab_end = info.ranges()[0]
-        self.weight = _param((info.local_size, embedding_dim), info, device, dtype)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight)
-        valid = max(0, min(self.weight.shape[0], self.num_embeddings - self.vocab_start))
-        with torch.no_grad():
-            self.weight[valid:].zero_()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight)  # (..., h), partial: zero where outside
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return tpf.reduce_scatter_to_sp(out, self.group, self.sequence_dim)
-        return tpf.reduce_from_tp(out, self.group)
-
-    @classmethod
-    def from_dense(cls, module: nn.Embedding, ctx: TPLike, **kwargs) -> VocabParallelEmbedding:
-        """Shard an existing ``nn.Embedding`` exactly (same dtype and device)."""
-        layer = cls(
-            module.num_embeddings,
-            module.embedding_dim,
-            ctx=ctx,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **kwargs,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(shard_tensor(module.weight, layer.weight.tp_shard))
-        return layer
-
-    def to_dense(self) -> nn.Embedding:
-        """Gather the full ``nn.Embedding`` (on every tp rank)."""
-        dense = nn.Embedding(
-            self.num_embeddings,
-            self.embedding_dim,
-            device=self.weight.device,
-            dtype=self.weight.dtype,
-        )
-        with torch.no_grad():
-            dense.weight.copy_(unshard_tensor(self.weight, self.weight.tp_shard, self.group))
-        return dense
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "
-            f"rows=[{self.vocab_start}, {self.vocab_end})"
         )
 
 

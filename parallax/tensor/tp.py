@@ -1,0 +1,40 @@
+"""What every tensor-parallel layer needs: the tp group from whatever names it, and parameters
+that carry their shard (:class:`~parallax.tensor.sharding.TPShard`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallax import comm
+from parallax.comm import Group
+from parallax.context import ParallelContext
+from parallax.tensor.sharding import TPShard
+
+TPLike = ParallelContext | dist.ProcessGroup | None
+
+
+def resolve_tp(ctx: TPLike) -> tuple[Group, int, int]:
+    """``(group, tp_rank, tp_size)`` from a context, a bare group, or ``None``."""
+    if ctx is None:
+        return None, 0, 1
+    if isinstance(ctx, ParallelContext):
+        return ctx.tp_group, ctx.tp_rank, ctx.tp_size
+    if isinstance(ctx, dist.ProcessGroup):
+        return (ctx, comm.rank(ctx), comm.size(ctx)) if comm.size(ctx) > 1 else (None, 0, 1)
+    raise TypeError(f"expected a ParallelContext, a ProcessGroup or None, got {type(ctx)!r}")
+
+
+def tp_param(shape: tuple[int, ...], info: TPShard | None, device, dtype) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    if info is not None:
+        p.tp_shard = info
+    return p
+
+
+def uniform_(t: torch.Tensor, fan_in: int) -> None:
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(t, -bound, bound)
