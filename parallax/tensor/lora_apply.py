@@ -113,30 +113,10 @@ def _selected(
     return {n for n in names if any(matches_target(p, n) for p in patterns)}
 
 
-def apply_lora(
-    model: nn.Module,
-    targets: str | Sequence[str] = ALL_LINEAR,
-    rank: int = 32,
-    alpha: float = 16,
-    dropout: float = 0.0,
-    seed: int | None = 0,
-    *,
-    exclude: Sequence[str] = OUTPUT_HEADS,
-    names: NamesFn | None = None,
-    dtype: torch.dtype = torch.float32,
-    freeze: bool = True,
-) -> LoRAReport:
-    """Add adapters to the column- and row-parallel linears that ``targets`` selects.
-
-    ``targets``: ``"all-linear"`` (every linear whose last name part is not in ``exclude``: the
-    output head) or module-name globs (a list or a comma string) matched against the parallax
-    name or the checkpoint names, whole or as a dotted tail. A fused layer is adapted whole or
-    not at all. ``seed``: the layout-free init (``None``: zeros, e.g. to load an adapter next).
-    ``freeze``: every other parameter stops training (``requires_grad=False``). Apply it after
-    the model has its device and dtype, before building the optimizer and compiling.
-    """
-    patterns = target_patterns(targets)
-    names = names or checkpoint_module_names(model)
+def _plan(model, patterns, exclude, names: NamesFn, dropout: float) -> tuple[list, set[str]]:
+    """The linears to adapt as ``(name, module, checkpoint names)``, and the patterns that
+    selected something; a ``ValueError`` for a half-selected fused layer, or dropout under a
+    column-parallel adapter at tp > 1 (checked before any layer changes)."""
     plan: list[tuple[str, nn.Module, tuple[str, ...]]] = []
     hit: set[str] = set()
     for mname, module in model.named_modules():
@@ -161,8 +141,35 @@ def apply_lora(
                 f"LoRA dropout {dropout} at tp={module.tp_size}: a column-parallel adapter needs "
                 "the same dropout mask on every tp rank, whose random states parallax does not "
                 "keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
-            )  # checked here too, before any layer changes
+            )
         plan.append((mname, module, own))
+    return plan, hit
+
+
+def apply_lora(
+    model: nn.Module,
+    targets: str | Sequence[str] = ALL_LINEAR,
+    rank: int = 32,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    seed: int | None = 0,
+    *,
+    exclude: Sequence[str] = OUTPUT_HEADS,
+    names: NamesFn | None = None,
+    dtype: torch.dtype = torch.float32,
+    freeze: bool = True,
+) -> LoRAReport:
+    """Add adapters to the column- and row-parallel linears that ``targets`` selects.
+
+    ``targets``: ``"all-linear"`` (every linear whose last name part is not in ``exclude``: the
+    output head) or module-name globs (a list or a comma string) matched against the parallax
+    name or the checkpoint names, whole or as a dotted tail. A fused layer is adapted whole or
+    not at all. ``seed``: the layout-free init (``None``: zeros, e.g. to load an adapter next).
+    ``freeze``: every other parameter stops training (``requires_grad=False``). Apply it after
+    the model has its device and dtype, before building the optimizer and compiling.
+    """
+    patterns = target_patterns(targets)
+    plan, hit = _plan(model, patterns, exclude, names or checkpoint_module_names(model), dropout)
     skipped = tuple(n for n in unbuilt_linears(model) if _selected(patterns, exclude, (n,)))
     if patterns is not None:
         hit.update(p for p in patterns for n in skipped if matches_target(p, n))
