@@ -1,0 +1,164 @@
+"""What a machine can do, as the planner needs it: memory, compute rates, links.
+
+A profile is measured once on the machine (``python -m parallax.plan calibrate --out FILE``,
+:mod:`parallax.plan.calibrate`) and read with ``--machine FILE``; without one the planner takes a
+shipped default, marked as such (``measured: false``): an H100/H200 node with NVLink, or a PCIe
+consumer card (RTX 4090 24 GB, RTX 5090 32 GB), with the link named by ``--interconnect``.
+
+Rates are what code achieves at a model's shapes, not datasheet peaks: ``gemm_tflops`` for bf16
+matrix products of transformer-block size, ``attention_tflops`` for fused attention,
+``hbm_gbs`` for element-wise work (bytes read plus written per second), ``h2d_gbs`` for pinned
+host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters, and
+for collectives a :class:`Link` per scope: the bus bandwidth a ring achieves per GPU and a
+latency per collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parallax.atomic import atomic_write_json
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    """Collectives over one scope: ``busbw_gbs`` GB/s of bus bandwidth per GPU (a ring all-
+    reduce of ``n`` bytes over ``p`` GPUs moves ``2 (p-1)/p n`` bytes at that rate) and a fixed
+    ``latency_us`` per collective."""
+
+    busbw_gbs: float
+    latency_us: float = 20.0
+
+    def seconds(self, kind: str, nbytes: float, ranks: int) -> float:
+        """Time of one collective of ``nbytes`` (the full tensor) over ``ranks`` GPUs:
+        all-reduce moves ``2 (p-1)/p``, reduce-scatter, all-gather and all-to-all ``(p-1)/p`` of
+        it per GPU, a point-to-point send all of it."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        share = {"all_reduce": 2.0 * (ranks - 1) / ranks, "send": 1.0}.get(
+            kind, (ranks - 1) / ranks
+        )
+        return self.latency_us * 1e-6 + share * nbytes / (self.busbw_gbs * 1e9)
+
+
+# Shipped links (defaults, not measurements): NVLink 4 within an H100/H200 node; PCIe 4 x16
+# with and without peer-to-peer (through host memory); 8 x 400 Gb/s InfiniBand across nodes.
+LINKS = {
+    "nvlink": Link(busbw_gbs=360.0, latency_us=15.0),
+    "pcie": Link(busbw_gbs=22.0, latency_us=25.0),
+    "pcie-no-p2p": Link(busbw_gbs=11.0, latency_us=40.0),
+    "infiniband": Link(busbw_gbs=45.0, latency_us=30.0),
+    "ethernet": Link(busbw_gbs=10.0, latency_us=60.0),
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One node type, the same for every node (see the module docstring)."""
+
+    name: str
+    gpu_memory_gib: float
+    host_memory_gib: float  # per node, shared by its GPUs' processes
+    gpus_per_node: int
+    gemm_tflops: float
+    attention_tflops: float
+    hbm_gbs: float
+    h2d_gbs: float
+    host_adam_s: float  # fused AdamW on the host, seconds per 1e9 parameters (all cores)
+    intra: Link = field(default_factory=lambda: LINKS["nvlink"])
+    inter: Link = field(default_factory=lambda: LINKS["infiniband"])
+    cuda_context_gib: float = 0.6  # the CUDA context and the kernels' workspaces per process
+    allocator_reserve: float = 0.08  # share of the card the caching allocator cannot reuse
+    nodes: int = 1
+    measured: bool = False  # False: a shipped default
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_(self, **changes: Any) -> Machine:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Machine:
+        data = dict(data)
+        for key in ("intra", "inter"):
+            if isinstance(data.get(key), dict):
+                data[key] = Link(**data[key])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"machine profile: unknown keys {unknown}")
+        return cls(**data)
+
+
+def load(path: str | Path) -> Machine:
+    """A profile written by ``python -m parallax.plan calibrate --out FILE``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--machine {path}: cannot read the profile ({err})") from None
+    return Machine.from_json(data)
+
+
+def save(machine: Machine, path: str | Path) -> None:
+    atomic_write_json(Path(path), machine.to_json())
+
+
+# The shipped defaults. H200: 788 TFLOP/s on an 8192^3 bf16 product, about 650 at a 7B block's
+# shapes (the GEMM share of a profiled step); 4.3 TB/s device copies; 55 GB/s pinned copies and
+# fused CPU AdamW at 0.24 s per 1e9 parameters on its 16-core host (measured on the lent H200).
+H200 = Machine(
+    name="h200-node (default)",
+    gpu_memory_gib=139.8,
+    host_memory_gib=125.0,
+    gpus_per_node=8,
+    gemm_tflops=650.0,
+    attention_tflops=420.0,
+    hbm_gbs=4300.0,
+    h2d_gbs=55.0,
+    host_adam_s=0.24,
+)
+H100 = H200.with_(name="h100-node (default)", gpu_memory_gib=79.1, hbm_gbs=3000.0)
+# Consumer cards: dense bf16 at about 165 (4090) and 210 (5090) TFLOP/s, of which a 7B block
+# reaches about 70 %; PCIe 4 (4090) or 5 (5090) host copies; a workstation host.
+RTX4090 = Machine(
+    name="rtx4090 (default)",
+    gpu_memory_gib=23.6,
+    host_memory_gib=128.0,
+    gpus_per_node=1,
+    gemm_tflops=115.0,
+    attention_tflops=80.0,
+    hbm_gbs=900.0,
+    h2d_gbs=20.0,
+    host_adam_s=0.6,
+    intra=LINKS["pcie-no-p2p"],
+    inter=LINKS["ethernet"],
+    cuda_context_gib=0.5,
+)
+RTX5090 = RTX4090.with_(
+    name="rtx5090 (default)", gpu_memory_gib=31.4, gemm_tflops=150.0, hbm_gbs=1500.0, h2d_gbs=40.0
+)
+DEFAULTS = {"h200": H200, "h100": H100, "rtx4090": RTX4090, "rtx5090": RTX5090}
+
+
+def default_for(gpu_memory_gib: float | None, interconnect: str | None) -> Machine:
+    """The shipped default nearest to ``--gpu-memory`` and ``--interconnect``: a data-centre
+    node with NVLink, else a consumer card on PCIe (its memory set to what was given)."""
+    link = LINKS[interconnect] if interconnect else None
+    if gpu_memory_gib is None or gpu_memory_gib >= 70:
+        base = H200 if gpu_memory_gib is None or gpu_memory_gib > 100 else H100
+    else:
+        base = RTX5090 if gpu_memory_gib > 26 else RTX4090
+    if gpu_memory_gib is not None:
+        base = base.with_(gpu_memory_gib=float(gpu_memory_gib))
+    return base.with_(intra=link) if link is not None else base
