@@ -132,6 +132,7 @@ class TrainConfig:
     pipeline_syncs: bool = False
     overlap_param_gather: bool = True
     export_hf: bool = False
+    log_to: str | None = None  # dashboards beside metrics.jsonl: "tensorboard", "wandb" or both
     dry_run: bool = False
     config: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

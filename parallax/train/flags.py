@@ -226,6 +226,13 @@ def parser() -> argparse.ArgumentParser:
         help="also write the final weights in the family's Hugging Face layout to --out/hf",
     )
     g.add_argument(
+        "--log-to",
+        metavar="{tensorboard,wandb}",
+        help="also log every metrics.jsonl and eval.jsonl value (rank 0) to TensorBoard "
+        "(event files in --out/tb) and/or Weights & Biases (WANDB_MODE=offline works), comma "
+        "separated; optional extras tensorboard, wandb",
+    )
+    g.add_argument(
         "--dry-run",
         action="store_true",
         default=None,
