@@ -20,12 +20,14 @@ import math
 import os
 import resource
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from parallax.recipe.protocol import Recipe, metric_values
+from parallax.train.sinks import Sink
 from parallax.train.trainer import StepOutput
 
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator
@@ -117,10 +119,13 @@ class Monitor:
         total_steps: int,
         console=None,
         recipe: Recipe | None = None,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         """``console``: where rank 0 displays (a ``rich.console.Console``; default: stdout);
-        ``recipe``: the model family, whose metrics join the row."""
+        ``recipe``: the model family, whose metrics join the row; ``sinks``: dashboards that
+        get every row too (rank 0's; :mod:`parallax.train.sinks`), closed by :meth:`close`."""
         self.active = rank == 0
+        self.sinks = list(sinks)
         self.recipe = recipe
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
@@ -168,11 +173,21 @@ class Monitor:
         if pending is not None:
             self._report(*pending)
 
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """An ``eval.jsonl`` row (the Evaluator writes the file) for the dashboards."""
+        for sink in self.sinks:
+            sink.log(row)
+
     def close(self) -> None:
-        self.flush()
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        try:
+            self.flush()
+        finally:
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+            sinks, self.sinks = self.sinks, []
+            for sink in sinks:
+                sink.close()
 
     def _report(
         self,
@@ -203,6 +218,8 @@ class Monitor:
         if self.active:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            for sink in self.sinks:
+                sink.log(row)
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             raise NonFiniteError(step, row["loss"], row["grad_norm"])
         if not self.active:
