@@ -117,7 +117,8 @@ def image_header_size(path: Path, sample_id: Any = None) -> tuple[int, int]:
 
 def _bad_image(path: Path, sample_id: Any, err: Exception) -> str:
     where = "" if sample_id is None else f"sample {sample_id!r}: "
-    return f"{where}cannot decode image {path}: {err}"
+    why = str(err) if str(path) not in str(err) else "not an image file Pillow can read"
+    return f"{where}cannot decode image {path}: {why}"
 
 
 class LlavaConversationDataset:

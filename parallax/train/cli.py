@@ -107,7 +107,7 @@ def _run(
     recipe, spec = agree(ctx, "--model", lambda: registry.resolve(cfg.model))
     model_config, checkpoint_dir = spec.config, spec.checkpoint
     data = open_data(ctx, recipe, cfg)
-    loader = agree(ctx, "batch sizes", lambda: recipe.loader(data, cfg, ctx))
+    loader = agree(ctx, "--data and batch sizes", lambda: recipe.loader(data, cfg, ctx))
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
         ctx,
