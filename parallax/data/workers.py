@@ -100,7 +100,13 @@ class Decoder:
 
 
 def _worker_main(sources, recipe: Recipe, tasks, results) -> None:
+    import signal
+
     import torch
+
+    # a scheduler that preempts a job signals all its processes: the training process decides
+    # when to stop (after saving, parallax.train.failures) and closes its workers itself
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     torch.set_num_threads(1)
     decoder = Decoder(sources, recipe)

@@ -75,7 +75,7 @@ def run(
     :class:`Preempted`."""
     out = Path(cfg.out)
     agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
-    agree(ctx, "--log-to", lambda: sinks.check(cfg.log_to))
+    agree(ctx, "--log-to", lambda: sinks.check(cfg.log_to) if ctx.rank == 0 else None)
     held = agree(ctx, "--out", lambda: RunLock.acquire(out) if ctx.rank == 0 else None)
     preemption = preemption or Preemption()
     if held is not None:
@@ -159,7 +159,11 @@ def _run(
         log_interval=cfg.log_interval,
         total_steps=cfg.steps,
         recipe=recipe,
-        sinks=sinks.open_sinks(cfg, out, _layout(ctx), start) if ctx.rank == 0 else (),
+        sinks=agree(
+            ctx,
+            "--log-to",
+            lambda: sinks.open_sinks(cfg, out, _layout(ctx), start) if ctx.rank == 0 else [],
+        ),
     )
     saved = start if ckpt is not None else None
     preemption.armed, preempted = True, False
@@ -193,6 +197,8 @@ def _run(
                 monitor.flush()  # every step since the last checkpoint is finite
                 _save(trainer, step, loader, monitor, saved, out)
                 saved = step
+                if preempted:  # a later SIGTERM says so and leaves
+                    preemption.saved = step
             if stopping:
                 break
         monitor.flush()  # the last step, before any export

@@ -62,6 +62,7 @@ class Preemption:
         self.armed = False
         self.requested = False
         self.agreed = False  # the ranks agreed to stop: the save is under way
+        self.saved: int | None = None  # the step whose checkpoint the preemption wrote
         self.first_at: float | None = None
         self.cleanups: list[Callable[[], None]] = []
 
@@ -177,6 +178,9 @@ class Ending:
         leave at once (no exception at an arbitrary point, no teardown that may wait on dead
         peers)."""
         p, now = self.preemption, time.monotonic()
+        if p.saved is not None:  # the checkpoint is written: say so (rank 0) and go
+            self.preempted(p.saved)
+            self._exit_now(None)
         if p.armed and not p.requested:
             p.requested, p.first_at = True, now
             if self.under_torchrun:
@@ -201,7 +205,7 @@ class Ending:
             "last checkpoint"
         )
 
-    def _exit_now(self, message: str) -> None:
+    def _exit_now(self, message: str | None) -> None:
         self.end(TERMINATED, message)
         self.preemption.cleanup()
         with contextlib.suppress(Exception):

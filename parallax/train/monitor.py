@@ -16,6 +16,7 @@ peak: on a CPU it shows ``-`` and is ``null`` in ``metrics.jsonl``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -30,6 +31,7 @@ from parallax.recipe.protocol import Recipe, metric_values
 from parallax.train.sinks import Sink
 from parallax.train.trainer import StepOutput
 
+log = logging.getLogger("parallax.train")
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator
 # metrics.jsonl keys of every family; the recipe's own metrics come right after "loss"
 METRIC_FIELDS = (
@@ -175,8 +177,17 @@ class Monitor:
 
     def log_eval(self, row: dict[str, Any]) -> None:
         """An ``eval.jsonl`` row (the Evaluator writes the file) for the dashboards."""
-        for sink in self.sinks:
-            sink.log(row)
+        self._to_sinks(row)
+
+    def _to_sinks(self, row: dict[str, Any]) -> None:
+        """A dashboard that fails (its service died, a full disk) is dropped with a warning:
+        it must not stop the run, whose rows ``metrics.jsonl`` keeps."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(row)
+            except Exception as err:  # noqa: BLE001 - any package's own error
+                log.warning("--log-to: %s failed (%s); it gets no more rows", type(sink), err)
+                self.sinks.remove(sink)
 
     def close(self) -> None:
         try:
@@ -218,8 +229,7 @@ class Monitor:
         if self.active:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            for sink in self.sinks:
-                sink.log(row)
+            self._to_sinks(row)
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             raise NonFiniteError(step, row["loss"], row["grad_norm"])
         if not self.active:

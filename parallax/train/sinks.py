@@ -58,10 +58,15 @@ def open_sinks(cfg, out: Path, layout: dict[str, int], start: int = 0) -> list[S
     """The sinks of ``cfg.log_to`` (call on rank 0 only); ``start``: the resume step."""
     opened: list[Sink] = []
     for name in names(cfg.log_to):
-        if name == "tensorboard":
-            opened.append(TensorBoardSink(out / "tb", start))
-        elif name == "wandb":
-            opened.append(WandbSink(cfg, out, layout, start))
+        try:
+            if name == "tensorboard":
+                opened.append(TensorBoardSink(out / "tb", start))
+            elif name == "wandb":
+                opened.append(WandbSink(cfg, out, layout, start))
+        except Exception as err:  # any package's own error: one message, before training
+            for sink in opened:
+                sink.close()
+            raise ValueError(f"--log-to {name}: could not open it: {err}") from err
     return opened
 
 
