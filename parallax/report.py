@@ -91,14 +91,14 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 def draw(runs: list[Run]):
     """The figure (a ``matplotlib.figure.Figure``, no pyplot state): one panel per quantity,
     one line per run in each, evaluations as points on the loss and the main metric."""
-    try:
+    try:  # matplotlib: an optional dependency (the extra 'plots')
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(
             "parallax.report draws with matplotlib: pip install matplotlib (or the extra: "
             "pip install -e '.[plots]')"
         ) from err
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional, as above
 
     fig = Figure(figsize=(16, 8), layout="constrained")
     axes = fig.subplots(2, 4).flatten()

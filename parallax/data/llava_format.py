@@ -85,7 +85,7 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def _pillow():
-    try:
+    try:  # Pillow: an optional dependency
         from PIL import Image
     except ImportError as err:
         raise ImportError(

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -100,8 +101,6 @@ class Decoder:
 
 
 def _worker_main(sources, recipe: Recipe, tasks, results) -> None:
-    import signal
-
     import torch
 
     # a scheduler that preempts a job signals all its processes: the training process decides

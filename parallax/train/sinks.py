@@ -84,7 +84,7 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
 
 class TensorBoardSink:
     def __init__(self, path: Path, start: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard
 
         # events of an earlier invocation after the resume step are dropped by TensorBoard
         self.writer = SummaryWriter(str(path), purge_step=start + 1 if start else None)
@@ -100,7 +100,7 @@ class TensorBoardSink:
 
 class WandbSink:
     def __init__(self, cfg, out: Path, layout: dict[str, int], start: int) -> None:
-        import wandb
+        import wandb  # optional: the extra 'wandb'
 
         name = Path(cfg.out).resolve().name
         config = {**cfg.to_dict(), **layout, "resumed_at": start}

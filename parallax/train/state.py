@@ -232,7 +232,7 @@ def check_same_model(ckpt: Checkpoint, trainer, params: list[tuple[str, torch.Te
     with its shape. Otherwise one message naming both models (``--model`` of the run that
     wrote it and of this one), not a list of missing tensors."""
     view = SeparateView(ckpt)
-    missing = [n for n, _ in params if not all(part in ckpt for part in view._parts(n))]
+    missing = [n for n, _ in params if n not in view]
     differ = [
         (n, view.shape(n), logical_shape(p))
         for n, p in params

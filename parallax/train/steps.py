@@ -18,6 +18,7 @@ from typing import Any
 
 from parallax.pipeline import Schedule, gpipe, interleaved_1f1b, one_f_one_b
 from parallax.train.config import TrainConfig
+from parallax.train.groups import parse_lr_groups
 
 
 def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Schedule:
@@ -71,13 +72,11 @@ def schedule_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list
     """What a run resumed at ``step`` does differently from the saved run's flags ``saved``
     (the checkpoint's ``config``): one line naming the changed flags, and a second one when
     ``--steps`` extends a cosine decay that had finished. Empty when nothing changed."""
-    from parallax.train.groups import parse_lr_groups
-
     changed = []
     for name in SCHEDULE_FLAGS:
         old, new = saved.get(name), getattr(cfg, name)
         if name == "lr_groups":
-            old, new = _rates(parse_lr_groups, old), _rates(parse_lr_groups, new)
+            old, new = _rates(old), _rates(new)
         if name in saved and old != new:
             changed.append(f"--{name.replace('_', '-')} {_show(old)} -> {_show(new)}")
     if not changed:
@@ -103,9 +102,9 @@ def schedule_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list
     return lines
 
 
-def _rates(parse, value) -> Any:
+def _rates(value) -> Any:
     try:
-        return parse(value)
+        return parse_lr_groups(value)
     except ValueError:
         return value
 
