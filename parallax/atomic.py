@@ -38,6 +38,25 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def as_created(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode ``open()`` would have (0666 less the umask: usually 0644). Some
+    writers (safetensors' ``save_file``, ``tempfile.mkstemp``) create files 0600, readable by
+    their owner alone, unlike every other file of a run or a dataset."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (setting it to
+    read it back would race with threads creating files)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def temp_sibling(path: str | os.PathLike, tag: str = "tmp") -> Path:
     """A unique name next to ``path`` (same directory, so a rename is atomic)."""
     path = Path(path)

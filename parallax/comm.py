@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,15 +125,19 @@ def problems(problem: str | None, group: Group) -> list[str]:
     return problems_and_max(problem, 0.0, group)[0]
 
 
-def problems_and_max(problem: str | None, value: float, group: Group) -> tuple[list[str], float]:
+def problems_and_max(problem: str | None, value: Any, group: Group) -> tuple[list[str], Any]:
     """:func:`problems`, and the largest ``value`` over the group in the same all-reduce (the
-    step's wait for its batch: the step waits for the slowest rank's)."""
+    step's wait for its batch: the step waits for the slowest rank's). ``value`` may be a
+    tuple of floats (each reduced alike, a tuple returned): one host sync for them all."""
+    many = isinstance(value, tuple)
+    values = [float(v) for v in value] if many else [float(value)]
     if size(group) == 1:
-        return ([] if problem is None else [problem]), float(value)
+        return ([] if problem is None else [problem]), (tuple(values) if many else values[0])
     device = "cpu" if dist.get_backend(group) == "gloo" else torch.cuda.current_device()
-    flag = torch.tensor([float(problem is not None), value], dtype=torch.float64, device=device)
+    flag = torch.tensor([float(problem is not None), *values], dtype=torch.float64, device=device)
     all_reduce(flag, group, op="max")
-    found, largest = flag.tolist()
+    found, *reduced = flag.tolist()
+    largest = tuple(reduced) if many else reduced[0]
     if not found:
         return [], largest
     reports = all_gather_object((dist.get_rank(), problem), group)

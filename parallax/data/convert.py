@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from parallax.data.episodes import Episode, write_dataset
 from parallax.data.keys import load_key_configs
 from parallax.data.mixture import DataSpec, open_source
-from parallax.data.stats import DatasetError
+from parallax.data.stats import DatasetError, check_finite
 from parallax.data.synthetic import SyntheticTask
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ def _check_actions(ep_dir: Path, actions: np.ndarray, action_dim: int) -> None:
             f"then needs a model whose statistics are {actions.shape[1]}-dimensional too, or "
             "none: a preset)"
         )
+    check_finite(actions, "action", str(ep_dir / file))
 
 
 def read_folder(

@@ -40,9 +40,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallax.atomic import fsync_dir, fsync_file, publish_dir, temp_sibling
+from parallax.atomic import as_created, fsync_dir, fsync_file, publish_dir, temp_sibling
 from parallax.checkpoint.stream import CheckpointError, read_header
-from parallax.data.stats import DatasetError, check_statistics, compute_statistics
+from parallax.data.stats import (
+    DatasetError,
+    check_finite,
+    check_statistics,
+    compute_statistics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ def _check_episode(ep: Episode, k: int, image_shape: tuple | None, action_dim: i
         raise DatasetError(f"episode {k}: action dim {actions.shape[1]}, expected {action_dim}")
     if not isinstance(ep.instruction, str) or not ep.instruction.strip():
         raise DatasetError(f"episode {k}: instruction must be a non-empty string")
+    check_finite(actions.float().numpy(), "action", f"episode {k}")
 
 
 def write_dataset(
@@ -110,6 +116,7 @@ def write_dataset(
             file = f"episodes/episode_{k:06d}.safetensors"
             actions = ep.actions.to(torch.float32).contiguous()
             save_file({"images": ep.images.contiguous(), "actions": actions}, str(tmp / file))
+            as_created(tmp / file)  # save_file writes 0600
             fsync_file(tmp / file)
             length = int(actions.shape[0])
             entries.append({"file": file, "length": length, "instruction": ep.instruction})
@@ -227,10 +234,16 @@ class EpisodeDataset:
     def __getitem__(self, index: int) -> Sample:
         episode, step = self.locate(int(index))
         handle = self._handle(episode)
+        action = handle.get_slice("actions")[step : step + 1][0]  # (D,) float32
+        if not torch.isfinite(action).all():  # a dataset written before writers checked
+            raise DatasetError(
+                f"{self.path}: episode {episode} ({self.episodes[episode]['file']}), step "
+                f"{step}: the action {action.tolist()} is not finite (NaN or inf)"
+            )
         return {
             "image": handle.get_slice("images")[step : step + 1][0],  # (H, W, 3) uint8
             "instruction": self.episodes[episode]["instruction"],
-            "action": handle.get_slice("actions")[step : step + 1][0],  # (D,) float32
+            "action": action,
         }
 
     def __getstate__(self) -> dict[str, Any]:  # picklable for worker processes: drop the maps

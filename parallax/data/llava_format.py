@@ -84,16 +84,41 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def read_image(path: Path) -> torch.Tensor:
-    """An image file as ``(H, W, 3)`` uint8 (Pillow, optional)."""
-    try:
-        from PIL import Image  # optional dependency (pillow)
+def _pillow():
+    try:  # Pillow: an optional dependency
+        from PIL import Image
     except ImportError as err:
         raise ImportError(
             "reading image files needs the optional 'pillow' package (pip install pillow)"
         ) from err
-    with Image.open(path) as im:
-        return torch.from_numpy(np.asarray(im.convert("RGB")).copy())
+    return Image
+
+
+def read_image(path: Path, sample_id: Any = None) -> torch.Tensor:
+    """An image file as ``(H, W, 3)`` uint8 (Pillow, optional); a file Pillow cannot decode
+    (not an image, truncated) is a :class:`DatasetError` naming the file and the sample."""
+    image = _pillow()
+    try:
+        with image.open(path) as im:
+            return torch.from_numpy(np.array(im.convert("RGB")))  # a writable copy
+    except Exception as err:  # Pillow raises several error types for bad files
+        raise DatasetError(_bad_image(path, sample_id, err)) from None
+
+
+def image_header_size(path: Path, sample_id: Any = None) -> tuple[int, int]:
+    """(height, width) from an image file's header, without decoding its pixels."""
+    image = _pillow()
+    try:
+        with image.open(path) as im:
+            return im.height, im.width
+    except Exception as err:
+        raise DatasetError(_bad_image(path, sample_id, err)) from None
+
+
+def _bad_image(path: Path, sample_id: Any, err: Exception) -> str:
+    where = "" if sample_id is None else f"sample {sample_id!r}: "
+    why = str(err) if str(path) not in str(err) else "not an image file Pillow can read"
+    return f"{where}cannot decode image {path}: {why}"
 
 
 class LlavaConversationDataset:
@@ -129,19 +154,18 @@ class LlavaConversationDataset:
         image = r.get("image")
         return {
             "id": r.get("id", index),
-            "image": None if image is None else read_image(self.image_folder / image),
+            "image": None
+            if image is None
+            else read_image(self.image_folder / image, r.get("id", index)),
             "conversations": r["conversations"],
         }
 
     def image_size(self, index: int) -> tuple[int, int] | None:
         """(height, width) of sample ``index``'s image from the file header, or ``None``."""
-        image = self.records[index].get("image")
-        if image is None:
+        r = self.records[index]
+        if r.get("image") is None:
             return None
-        from PIL import Image  # optional dependency (pillow)
-
-        with Image.open(self.image_folder / image) as im:
-            return im.height, im.width
+        return image_header_size(self.image_folder / r["image"], r.get("id", index))
 
     def meta(self, index: int) -> dict[str, Any]:
         """What a sample's token count depends on, without decoding the image."""

@@ -56,7 +56,12 @@ def _split_weight(item: str) -> tuple[str, float | None]:
     try:
         weight = float(tail)
     except ValueError:
-        return item, None  # an '@' that is part of the path
+        if "/" in tail or Path(item.partition(":")[2] or item).exists() or Path(item).exists():
+            return item, None  # an '@' that is part of the path
+        raise DatasetError(
+            f"--data {item!r}: the weight {tail!r} after '@' is not a number (write PATH@0.3; "
+            "a path that holds '@' must exist)"
+        ) from None
     if not weight >= 0:
         raise DatasetError(f"--data {item!r}: a weight must be a number >= 0, got {tail!r}")
     return head, weight
@@ -92,6 +97,8 @@ def specs_from_toml(entries: list[dict[str, Any]], where: str = "[[data]]") -> l
         elif isinstance(config, dict):
             config = config_from_mapping(config, f"{where} entry {i}")
         weight = entry.get("weight", spec.weight)
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int | float)):
+            raise DatasetError(f"{where} entry {i}: the weight {weight!r} is not a number")
         out.append(
             DataSpec(
                 path=spec.path,

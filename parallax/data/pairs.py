@@ -59,7 +59,7 @@ def decode_image(data: bytes, ext: str, what: str) -> np.ndarray:
         ) from err
     try:
         with Image.open(io.BytesIO(data)) as img:
-            return np.asarray(img.convert("RGB"))
+            return np.array(img.convert("RGB"))  # writable: torch warns on a read-only array
     except Exception as err:  # Pillow raises several error types for bad files
         raise DatasetError(f"cannot decode image {what}: {err}") from err
 

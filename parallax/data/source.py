@@ -30,11 +30,11 @@ import torch
 
 from parallax.atomic import atomic_write_bytes
 from parallax.data.keys import KeyConfig, transform_episode
-from parallax.data.stats import DatasetError, compute_statistics
+from parallax.data.stats import DatasetError, check_finite, compute_statistics
 
 log = logging.getLogger(__name__)
 CAMERAS = ("primary", "wrist")
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: episodes with non-finite actions or states are refused
 
 
 @dataclass
@@ -115,6 +115,9 @@ class Source:
             raise DatasetError(f"{label}: no steps (actions of shape {actions.shape})")
         if states is not None and len(states) != len(actions):
             raise DatasetError(f"{label}: {len(actions)} actions but {len(states)} states")
+        check_finite(actions, "action", label)
+        if states is not None:
+            check_finite(states, "state", label)
         try:
             actions, states, front = transform_episode(self.config, actions, states)
         except DatasetError as err:

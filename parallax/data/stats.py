@@ -28,6 +28,20 @@ class DatasetError(ValueError):
     """A dataset that cannot be used: missing, incomplete, empty or inconsistent."""
 
 
+def check_finite(values, what: str, where: str) -> None:
+    """A :class:`DatasetError` naming ``where`` and the first step (row) of ``values``
+    ``(T, D)`` that holds NaN or inf: a non-finite action or state would train without
+    complaint (and poison the statistics) until the loss turns NaN."""
+    arr = np.asarray(values, dtype=np.float64).reshape(len(values), -1)  # (T, D)
+    bad = ~np.isfinite(arr).all(axis=1)  # (T,)
+    if bad.any():
+        step = int(np.argmax(bad))
+        raise DatasetError(
+            f"{where}: step {step}: the {what} {arr[step].tolist()} is not finite (NaN or inf; "
+            f"{int(bad.sum())} of {len(arr)} steps are)"
+        )
+
+
 def action_mask(action_dim: int) -> list[bool]:
     """Every dimension is normalised except the last one (the gripper)."""
     return [True] * (action_dim - 1) + [False]

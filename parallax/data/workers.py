@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ class Decoder:
 
 
 def _worker_main(sources, recipe: Recipe, tasks, results) -> None:
+    # a scheduler that preempts a job signals all its processes: the training process decides
+    # when to stop (after saving, parallax.train.failures) and closes its workers itself
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     torch.set_num_threads(1)
     decoder = Decoder(sources, recipe)
     while True:

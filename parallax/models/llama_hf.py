@@ -37,4 +37,19 @@ def text_config_from_hf(tc: dict) -> LlamaConfig:
         if key in tc and tc[key] not in allowed:
             raise ValueError(f"text_config.{key}={tc[key]!r} is not supported (only {allowed})")
     values = {k: tc[k] for k in TEXT_KEYS if tc.get(k) is not None}
-    return replace(LLAMA_DEFAULTS, **values)
+    rope = tc.get("rope_parameters") or {}  # where transformers 5.x writes rope_theta
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"text_config.rope_parameters.rope_type={rope['rope_type']!r} is not supported "
+            "(only 'default')"
+        )
+    if "rope_theta" not in values and rope.get("rope_theta") is not None:
+        values["rope_theta"] = rope["rope_theta"]
+    config = replace(LLAMA_DEFAULTS, **values)
+    head_dim = tc.get("head_dim")
+    if head_dim is not None and head_dim != config.hidden_size // config.num_attention_heads:
+        raise ValueError(
+            f"text_config.head_dim={head_dim} is not supported (only hidden_size / "
+            f"num_attention_heads = {config.hidden_size // config.num_attention_heads})"
+        )
+    return config

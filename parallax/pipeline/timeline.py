@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from parallax import comm
+from parallax.atomic import as_created
 from parallax.context import ParallelContext
 
 COMPUTE = "compute"
@@ -139,6 +140,7 @@ def _atomic_write_json(path: Path, obj: object) -> None:
             json.dump(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        as_created(tmp)  # mkstemp creates it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -30,12 +30,14 @@ from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.data import DatasetError, write_statistics
 from parallax.data.episodes import STATISTICS
 from parallax.dims import ParallelDims
-from parallax.train import lora, state
+from parallax.train import lora, sinks, state
 from parallax.train.args import parse_args
 from parallax.train.config import TrainConfig
 from parallax.train.evaluate import EvalDataError, Evaluator
-from parallax.train.failures import Ending, is_comm_failure, sigterm_held
+from parallax.train.failures import Ending, Preempted, Preemption, is_comm_failure, sigterm_held
+from parallax.train.lock import RunLock
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
+from parallax.train.plan import print_plan
 from parallax.train.run import Run, resolve
 from parallax.train.trainer import InputError, Trainer
 
@@ -64,10 +66,36 @@ def agree(ctx: ParallelContext, what: str, fn: Callable[[], T]) -> T:
 
 
 def run(
-    cfg: TrainConfig | Run, ctx: ParallelContext, stop_after: int | None = None
+    cfg: TrainConfig | Run,
+    ctx: ParallelContext,
+    stop_after: int | None = None,
+    preemption: Preemption | None = None,
 ) -> dict[str, float]:
-    """Train as ``cfg`` (the resolved run, or a config resolved here) says on this rank;
-    returns the last step's metrics.
+    """Train as ``cfg`` (the resolved run, or a config resolved here) says on this rank,
+    holding the lock of ``--out`` (one run at a time: :mod:`parallax.train.lock`); returns the
+    last step's metrics. ``preemption`` (the SIGTERM handler's, see
+    :mod:`parallax.train.failures`) makes a SIGTERM save and raise :class:`Preempted`."""
+    cfg = agree(ctx, "--model", lambda: resolve(cfg))
+    out = Path(cfg.out)
+    agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
+    agree(ctx, "--log-to", lambda: sinks.check(cfg.log_to) if ctx.rank == 0 else None)
+    held = agree(ctx, "--out", lambda: RunLock.acquire(out) if ctx.rank == 0 else None)
+    preemption = preemption or Preemption()
+    if held is not None:
+        preemption.cleanups.append(held.release)
+    try:
+        return _run(cfg, ctx, stop_after, preemption)
+    finally:
+        preemption.armed = False
+        if held is not None:
+            held.release()
+            preemption.cleanups.remove(held.release)
+
+
+def _run(
+    cfg: Run, ctx: ParallelContext, stop_after: int | None, preemption: Preemption
+) -> dict[str, float]:
+    """Train as ``cfg`` says on this rank; returns the last step's metrics.
 
     Refused before training (:class:`UserError`, exit status 2): an ``--out`` that holds
     another run (without ``--resume`` or ``--overwrite``), a ``--resume`` with no steps left,
@@ -78,11 +106,9 @@ def run(
     ``stop_after`` ends this invocation after that many steps (after saving a checkpoint), as a
     preemption would: a later ``--resume`` carries on with the same schedule.
     """
-    cfg = agree(ctx, "--model", lambda: resolve(cfg))
     out, recipe = Path(cfg.out), cfg.recipe
-    agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
     data = open_data(ctx, recipe, cfg)
-    loader = agree(ctx, "batch sizes", lambda: recipe.loader(data, cfg, ctx))
+    loader = agree(ctx, "--data and batch sizes", lambda: recipe.loader(data, cfg, ctx))
     ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
     trainer = agree(
         ctx,
@@ -134,32 +160,46 @@ def run(
         log_interval=cfg.log_interval,
         total_steps=cfg.steps,
         recipe=recipe,
+        sinks=agree(
+            ctx,
+            "--log-to",
+            lambda: sinks.open_sinks(cfg, out, _layout(ctx), start) if ctx.rank == 0 else [],
+        ),
     )
     saved = start if ckpt is not None else None
+    preemption.armed, preempted = True, False
     try:
         for step in range(start + 1, cfg.steps + 1):
             began = time.perf_counter()
             microbatches, problem = next_microbatches(loader, builder)
             waited = time.perf_counter() - began  # what the step waited for its batch
             try:  # every rank agrees on the batches before the step's first collective
-                output = trainer.train_step(microbatches, problem=problem, data_wait_s=waited)
+                output = trainer.train_step(
+                    microbatches, problem=problem, data_wait_s=waited, stop=preemption.requested
+                )
             except InputError as err:
                 more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
                 raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
             tokens = trainer.tokens(microbatches) * ctx.dp_size
             flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
             monitor.record(step, output, tokens, flops, data_wait_s=output.data_wait_s)
-            stopping = stop_after is not None and step - start >= stop_after
+            preemption.agreed = output.stop  # every rank saves after this step
+            preempted = output.stop and step < cfg.steps
+            stopping = preempted or (stop_after is not None and step - start >= stop_after)
             if evaluator is not None:
                 try:  # its batches are agreed on like the step's
-                    evaluator.maybe_run(step, last=step == cfg.steps)
+                    evaluated = evaluator.maybe_run(step, last=step == cfg.steps)
                 except EvalDataError as err:
                     raise UserError(str(err)) from None
+                if evaluated:
+                    monitor.log_eval(evaluated)
             periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
             if periodic or stopping:
                 monitor.flush()  # every step since the last checkpoint is finite
-                state.save(trainer, step, loader, {"metrics": monitor.last})
+                _save(trainer, step, loader, monitor, saved, out)
                 saved = step
+                if preempted:  # a later SIGTERM says so and leaves
+                    preemption.saved = step
             if stopping:
                 break
         monitor.flush()  # the last step, before any export
@@ -169,9 +209,31 @@ def run(
         monitor.close()
         if hasattr(loader, "close"):
             loader.close()  # its worker processes
+    if preempted:
+        raise Preempted(saved)
     if cfg.export_hf:
         export_hf(trainer, out / "hf", getattr(data, "statistics", None))
     return monitor.last
+
+
+def _save(trainer: Trainer, step: int, loader, monitor: Monitor, saved: int | None, out: Path):
+    """A checkpoint of ``step``; a failed save (a full disk) is an error every rank agrees on
+    (one message, rank 0's), and the latest checkpoint stays as it was."""
+    try:
+        state.save(trainer, step, loader, {"metrics": monitor.last})
+    except CheckpointError as err:
+        raise UserError(f"{err} ({_kept(saved, out)})") from None
+
+
+def _layout(ctx: ParallelContext) -> dict[str, int]:
+    return {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size}
+
+
+def _kept(saved: int | None, out: Path) -> str:
+    if saved is None:
+        return "no checkpoint was written"
+    path = state.checkpoint_root(out) / f"step_{saved:08d}"
+    return f"the latest checkpoint, {path}, is the last good one"
 
 
 def open_data(ctx: ParallelContext, recipe, cfg: Run):
@@ -201,11 +263,7 @@ def _find_resume(cfg: Run):
 
 
 def _non_finite_message(err: NonFiniteError, saved: int | None, out: Path) -> str:
-    if saved is None:
-        kept = "no checkpoint was written"
-    else:
-        path = state.checkpoint_root(out) / f"step_{saved:08d}"
-        kept = f"the latest checkpoint, {path}, is the last good one"
+    kept = _kept(saved, out)
     return (
         f"step {err.step}: the loss is {err.loss} and the gradient norm {err.grad_norm}, not "
         f"finite: stopped without saving ({kept}). Training diverged (try a lower --lr) or "
@@ -242,8 +300,6 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cfg = parse_args(argv)
                 if cfg.dry_run:
-                    from parallax.train.plan import print_plan  # only a dry run needs it
-
                     print_plan(cfg, file=None if ending.rank == 0 else io.StringIO())
                     return ending.end(0)
                 ParallelDims.from_world(ending.world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
@@ -253,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, timeout=cfg.timeout)
         if ctx.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        run(cfg, ctx)
+        run(cfg, ctx, preemption=ending.preemption)
         return ending.end(0)
+    except Preempted as err:
+        return ending.preempted(err.step)
     except UserError as err:
         return ending.user_error(err, agreed=True)
     except USER_ERRORS as err:

@@ -292,6 +292,14 @@ class TrainConfig:
         RUN,
         switch="on",
     )
+    log_to: str | None = opt(
+        None,
+        "also log every metrics.jsonl and eval.jsonl value (rank 0) to TensorBoard (event files "
+        "in --out/tb) and/or Weights & Biases (WANDB_MODE=offline works), comma separated; "
+        "optional extras tensorboard, wandb",
+        RUN,
+        metavar="{tensorboard,wandb}",
+    )
     dry_run: bool = opt(
         False, "print the plan (layout, stages, memory, schedule) and exit", RUN, switch="on"
     )

@@ -5,9 +5,16 @@
 * a user error one rank found alone: that rank says it, with its rank; status 2;
 * a collective that failed or timed out (a peer died or hung): each rank says so once; status 1;
 * any other exception (a bug): that rank prints its traceback; status 1;
-* SIGTERM (torchrun stopping the workers because one failed): a rank that has said nothing yet
-  says it was stopped; it then leaves at once with ``os._exit`` (its status, else 143), so no
-  exception is raised at whatever point the signal arrived;
+* SIGTERM before training (torchrun stopping the workers because one failed): a rank that has
+  said nothing yet says it was stopped; it then leaves at once with ``os._exit`` (its status,
+  else 143), so no exception is raised at whatever point the signal arrived;
+* SIGTERM while training (a scheduler preempting the job; torchrun forwards it to every
+  worker): :class:`Preemption`. The ranks agree on it in the step's input agreement (the signal
+  may reach them at different times), save a checkpoint after that step, and rank 0 says
+  ``preempted: saved step N``; status 143, and ``--resume`` continues. A second signal leaves at
+  once. A rank whose peer died meanwhile finds its next collective failing and says so (status 1);
+  under torchrun, one that cannot reach a step boundary within ``PREEMPT_GRACE_S`` (a peer hung
+  in a collective) says why before torchrun's SIGKILL comes (30 s after its SIGTERM);
 * Ctrl-C: rank 0 says it; status 130.
 
 Under torchrun the rank that reports a user error also writes its line to
@@ -23,7 +30,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -31,6 +40,38 @@ USER_ERROR, FAILED, TERMINATED, INTERRUPTED = 2, 1, 143, 130
 PROG = "parallax.train"
 LINGER_S = 60.0  # how long a silent rank waits for torchrun to stop it (see Ending.user_error)
 SHOW_CURSOR = "\x1b[?25h"  # the live progress bar hides it; os._exit skips its cleanup
+
+
+PREEMPT_GRACE_S = 25.0  # torchrun SIGKILLs its workers 30 s after their SIGTERM
+REPEAT_S = 1.0  # a second delivery of the same signal (a scheduler's and torchrun's), not a second
+
+
+class Preempted(Exception):
+    """Every rank stopped after saving ``step`` because some rank got SIGTERM."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(f"preempted: saved step {step}")
+
+
+class Preemption:
+    """What the step loop and the SIGTERM handler share. While ``armed`` (the step loop runs),
+    a first SIGTERM only sets ``requested``: the loop passes it to the step's agreement, and
+    every rank saves after the same step. ``cleanups`` run before an exit at once (the
+    ``--out`` lock)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.requested = False
+        self.agreed = False  # the ranks agreed to stop: the save is under way
+        self.saved: int | None = None  # the step whose checkpoint the preemption wrote
+        self.first_at: float | None = None
+        self.cleanups: list[Callable[[], None]] = []
+
+    def cleanup(self) -> None:
+        for fn in reversed(self.cleanups):
+            with contextlib.suppress(Exception):
+                fn()
 
 
 @contextlib.contextmanager
@@ -71,6 +112,7 @@ class Ending:
         self.rank, self.world = rank, world
         self.status: int | None = None
         self.under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        self.preemption = Preemption()
 
     def _where(self) -> str:
         return f"{PROG}: rank {self.rank}" if self.world > 1 else PROG
@@ -126,14 +168,46 @@ class Ending:
         message = f"{PROG}: interrupted; --resume continues from the last checkpoint"
         return self.end(INTERRUPTED, message if self.rank == 0 else None)
 
+    def preempted(self, step: int) -> int:
+        message = f"{PROG}: preempted (SIGTERM): saved step {step}; --resume continues from it"
+        return self.end(TERMINATED, message if self.rank == 0 else None)
+
     def on_sigterm(self, signum, frame) -> None:
-        """Say once why this rank stops, then leave at once (no exception at an arbitrary
-        point, no teardown that may wait on dead peers)."""
-        self.end(
-            TERMINATED,
-            f"{self._where()}: stopped by the launcher (SIGTERM), most likely because another "
-            "rank failed; restart with --resume to continue from the last checkpoint",
+        """While training, ask for a checkpoint at the next step boundary (see
+        :class:`Preemption`); otherwise, or on a second signal, say once why this rank stops and
+        leave at once (no exception at an arbitrary point, no teardown that may wait on dead
+        peers)."""
+        p, now = self.preemption, time.monotonic()
+        if p.saved is not None:  # the checkpoint is written: say so (rank 0) and go
+            self.preempted(p.saved)
+            self._exit_now(None)
+        if p.armed and not p.requested:
+            p.requested, p.first_at = True, now
+            if self.under_torchrun:
+                timer = threading.Timer(PREEMPT_GRACE_S, self._no_boundary)
+                timer.daemon = True
+                timer.start()
+            return
+        if p.requested and now - p.first_at < REPEAT_S:
+            return  # the same signal delivered twice (to the job and forwarded by torchrun)
+        if p.requested:
+            message = "stopped by a second SIGTERM before saving"
+        else:
+            message = "stopped by the launcher (SIGTERM), most likely because another rank failed"
+        self._exit_now(f"{self._where()}: {message}; --resume continues from the last checkpoint")
+
+    def _no_boundary(self) -> None:
+        if self.preemption.agreed or self.status is not None:
+            return  # saving, or already ending: torchrun's own deadline applies
+        self._exit_now(
+            f"{self._where()}: stopped by SIGTERM: no step boundary within {PREEMPT_GRACE_S:g} "
+            "s to save at (most likely another rank failed or hung); --resume continues from the "
+            "last checkpoint"
         )
+
+    def _exit_now(self, message: str | None) -> None:
+        self.end(TERMINATED, message)
+        self.preemption.cleanup()
         with contextlib.suppress(Exception):
             if sys.stdout.isatty():
                 sys.stdout.write(SHOW_CURSOR)

@@ -127,6 +127,15 @@ def parse_lr_groups(value) -> list[tuple[str, float]]:
     return out
 
 
+def check_lr_group_globs(cfg, names: Iterable[str]) -> None:
+    """Every ``--lr-groups`` glob must match some parameter of the whole model (adapters
+    included), as ``--freeze`` globs must: a typo would silently train at ``--lr``."""
+    names = list(names)
+    for glob, _ in parse_lr_groups(cfg.lr_groups):
+        if not any(_matches(n, glob) for n in names):
+            raise ValueError(f"--lr-groups {glob!r} matches no parameter of the model")
+
+
 def param_groups(named: Sequence[tuple[str, nn.Parameter]], cfg) -> list[dict]:
     """ZeRO-1 parameter groups of the trainable ``named`` parameters: one per (lr group, decay),
     in a fixed order (so every rank of every layout builds the same groups, empty ones

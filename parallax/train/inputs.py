@@ -22,12 +22,17 @@ class InputError(ValueError):
 
 
 def check(
-    trainer, microbatches: list[Microbatch], problem: str | None = None, wait_s: float = 0.0
-) -> float:
+    trainer,
+    microbatches: list[Microbatch],
+    problem: str | None = None,
+    wait_s: float = 0.0,
+    stop: bool = False,
+) -> tuple[float, bool]:
     """Every rank passes ``num_microbatches`` well-formed microbatches (and no ``problem``
     its loader found): the ranks agree on it before any other collective, so a problem on
     one rank raises (:class:`InputError`) on all. Returns the largest ``wait_s`` (this rank's
-    wait for its batch) over the ranks, carried by the same all-reduce."""
+    wait for its batch) over the ranks and whether any rank asked to ``stop`` (a SIGTERM),
+    carried by the same all-reduce."""
     if problem is None and len(microbatches) != trainer.num_microbatches:
         problem = (
             f"got {len(microbatches)} microbatches, the schedule runs "
@@ -42,7 +47,8 @@ def check(
         if problem:
             problem = f"microbatch {m}: {problem}"
             break
-    found, slowest = comm.problems_and_max(problem, wait_s, trainer.ctx.agreement_group)
+    group = trainer.ctx.agreement_group
+    found, (slowest, stopping) = comm.problems_and_max(problem, (wait_s, float(stop)), group)
     if found:
         raise InputError(found)
-    return slowest
+    return slowest, stopping > 0

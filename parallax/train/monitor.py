@@ -16,10 +16,12 @@ peak: on a CPU it shows ``-`` and is ``null`` in ``metrics.jsonl``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,10 @@ from rich.progress import (
 )
 
 from parallax.recipe.protocol import Recipe, metric_values
+from parallax.train.sinks import Sink
 from parallax.train.trainer import StepOutput
 
+log = logging.getLogger("parallax.train")
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator
 # metrics.jsonl keys of every family; the recipe's own metrics come right after "loss"
 METRIC_FIELDS = (
@@ -125,10 +129,13 @@ class Monitor:
         total_steps: int,
         console=None,
         recipe: Recipe | None = None,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         """``console``: where rank 0 displays (a ``rich.console.Console``; default: stdout);
-        ``recipe``: the model family, whose metrics join the row."""
+        ``recipe``: the model family, whose metrics join the row; ``sinks``: dashboards that
+        get every row too (rank 0's; :mod:`parallax.train.sinks`), closed by :meth:`close`."""
         self.active = rank == 0
+        self.sinks = list(sinks)
         self.recipe = recipe
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
@@ -167,11 +174,30 @@ class Monitor:
         if pending is not None:
             self._report(*pending)
 
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """An ``eval.jsonl`` row (the Evaluator writes the file) for the dashboards."""
+        self._to_sinks(row)
+
+    def _to_sinks(self, row: dict[str, Any]) -> None:
+        """A dashboard that fails (its service died, a full disk) is dropped with a warning:
+        it must not stop the run, whose rows ``metrics.jsonl`` keeps."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(row)
+            except Exception as err:  # noqa: BLE001 - any package's own error
+                log.warning("--log-to: %s failed (%s); it gets no more rows", type(sink), err)
+                self.sinks.remove(sink)
+
     def close(self) -> None:
-        self.flush()
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        try:
+            self.flush()
+        finally:
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+            sinks, self.sinks = self.sinks, []
+            for sink in sinks:
+                sink.close()
 
     def _report(
         self,
@@ -202,6 +228,7 @@ class Monitor:
         if self.active:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            self._to_sinks(row)
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             raise NonFiniteError(step, row["loss"], row["grad_norm"])
         if not self.active:

@@ -57,6 +57,10 @@ class SeparateView:
     def _parts(self, name: str) -> list[str]:
         return [name] if name in self.ckpt else fused_parts(name)
 
+    def __contains__(self, name: str) -> bool:
+        """Whether every tensor that ``name`` stands for is stored."""
+        return all(part in self.ckpt for part in self._parts(name))
+
     def require(self, names: Iterable[str]) -> None:
         self.ckpt.require(part for name in names for part in self._parts(name))
 

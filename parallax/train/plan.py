@@ -212,10 +212,13 @@ def print_plan(cfg: TrainConfig | Run, file=None) -> None:
 def data_note(cfg: TrainConfig) -> str:
     """What the run reads and how (not opened by a dry run), and where its data wait shows."""
 
+    wait = "metrics.jsonl's data_wait_s is the seconds each step waited for its batch"
+    if cfg.data == "synthetic":
+        return f"data synthetic: the family's built-in task, made in the training process; {wait}"
     data = cfg.data if isinstance(cfg.data, str) else f"{len(cfg.data)} [[data]] datasets"
     workers = auto_workers() if cfg.workers is None else cfg.workers
     return (
         f"data {data}: robot datasets stream through {workers} decoding worker(s) per rank "
         f"(--workers), augmentation {'off' if cfg.augment is False else 'on'} for them "
-        "(--augment); metrics.jsonl's data_wait_s is the seconds each step waited for its batch"
+        f"(--augment); {wait}"
     )

@@ -10,6 +10,11 @@ A ``--finetune lora`` run's checkpoints hold only what trains (adapters, ``--tra
 their optimizer state) and the frozen base's fingerprint, checked on resume
 (:mod:`parallax.train.lora`).
 
+A resumed run follows its own learning-rate flags from the step it resumes at (the schedule is
+a pure function of the step and the flags; :mod:`parallax.train.steps` says why), saying in one
+line which differ from the saved run's; a model that differs from the saved one is refused
+naming both (:func:`check_same_model`).
+
 One ``--out`` holds one run: a fresh run refuses a folder that holds another run's checkpoints
 or metrics, unless told to ``--resume`` it or to ``--overwrite`` it (:func:`check_out`).
 """
@@ -42,6 +47,7 @@ from parallax.recipe import registry
 from parallax.tensor import logical_shape
 from parallax.train import lora
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
+from parallax.train.steps import schedule_changes
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +214,9 @@ def check_resumable(ckpt: Checkpoint, trainer) -> None:
     if problem:
         raise CheckpointError(problem)
     only = _trained_only(trainer) or (lambda name: True)
-    names = [n for chunk in trainer.chunks for n, _ in chunk.named_parameters() if only(n)]
+    params = [(n, p) for chunk in trainer.chunks for n, p in chunk.named_parameters() if only(n)]
+    check_same_model(ckpt, trainer, params)
+    names = [n for n, _ in params]
     meta = ckpt.meta.get("optimizer")
     if not meta or meta.get("format") != OPTIM_FORMAT:
         raise CheckpointError(f"{ckpt.path}: meta.json has no {OPTIM_FORMAT} optimizer state")
@@ -219,12 +227,58 @@ def check_resumable(ckpt: Checkpoint, trainer) -> None:
     SeparateView(ckpt).require(names + keys)
 
 
+def check_same_model(ckpt: Checkpoint, trainer, params: list[tuple[str, torch.Tensor]]) -> None:
+    """The model this run builds is the one the checkpoint saved: every parameter is there
+    with its shape. Otherwise one message naming both models (``--model`` of the run that
+    wrote it and of this one), not a list of missing tensors."""
+    view = SeparateView(ckpt)
+    missing = [n for n, _ in params if n not in view]
+    differ = [
+        (n, view.shape(n), logical_shape(p))
+        for n, p in params
+        if n not in missing and tuple(view.shape(n)) != logical_shape(p)
+    ]
+    if not missing and not differ:
+        return
+    saved = (ckpt.meta.get("config") or {}).get("model", "unknown")
+    if missing:
+        detail = f"{len(missing)} of this model's tensors are not in it, e.g. {missing[0]}"
+    else:
+        name, was, now = differ[0]
+        detail = (
+            f"{len(differ)} tensors have other shapes, e.g. {name}: {list(was)} saved, "
+            f"{list(now)} here"
+        )
+    raise CheckpointError(
+        "the model differs from the one saved: the checkpoint was written by a run of --model "
+        f"{saved} and this run builds --model {trainer.cfg.model} ({detail}); resume with "
+        f"--model {saved}, or start afresh with another --out"
+    )
+
+
 def load(trainer, ckpt: Checkpoint, loader) -> int:
     """Restore weights, optimizer, lr schedule, data position and RNG; returns the step.
 
     Each rank reads (and verifies the checksums of) only what it holds; the ranks then agree,
     so damage any rank finds raises the same :class:`CheckpointError` on every rank."""
-    return read_agreed(trainer.ctx.world_group, lambda: _load(trainer, ckpt, loader))
+    step = read_agreed(trainer.ctx.world_group, lambda: _load(trainer, ckpt, loader))
+    for line in schedule_changes(ckpt.meta.get("config") or {}, trainer.cfg, step):
+        log.info(line)
+    return step
+
+
+def follow_schedule(trainer, step: int, weight_decay: list[float]) -> None:
+    """Set every group's lr to this run's schedule at ``step`` (what the step after it trains
+    with) and its weight decay to this run's, over what the loaded optimizer state holds:
+    the schedule is a pure function of the step and the flags (:mod:`parallax.train.steps`)."""
+    sched = trainer.scheduler
+    sched.last_epoch = step
+    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, base, lr, decay in zip(
+        trainer.optimizer.param_groups, sched.base_lrs, lrs, weight_decay
+    ):
+        group.update(lr=lr, initial_lr=base, weight_decay=decay)
+    sched._last_lr = lrs
 
 
 def _load(trainer, ckpt: Checkpoint, loader) -> int:
@@ -233,6 +287,7 @@ def _load(trainer, ckpt: Checkpoint, loader) -> int:
     for chunk in trainer.chunks:
         load_module(chunk, view, only=only)
     meta = ckpt.meta
+    decay = [g["weight_decay"] for g in trainer.optimizer.param_groups]  # this run's
     try:  # the optimizer's own checks (shapes, groups) are this rank's alone: agree on them too
         trainer.optimizer.load_state_tensors(
             model_meta(meta["optimizer"], trainer.optimizer.names),
@@ -240,7 +295,7 @@ def _load(trainer, ckpt: Checkpoint, loader) -> int:
         )
     except ValueError as err:
         raise CheckpointError(f"{ckpt.path}: optimizer state: {err}") from err
-    trainer.scheduler.load_state_dict(meta["scheduler"])
+    follow_schedule(trainer, int(meta["step"]), decay)  # not the saved scheduler's state
     loader.load_state_dict(meta["data"])
     set_rng_state(meta["rng"])
     return int(meta["step"])

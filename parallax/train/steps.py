@@ -1,13 +1,25 @@
 """How many microbatches a step runs, which schedule runs them, and the learning-rate factor of
-each step: pure functions of the flags, shared by the Trainer and ``--dry-run``."""
+each step: pure functions of the flags, shared by the Trainer and ``--dry-run``.
+
+The learning rate of step ``s`` is a pure function of ``s`` and the flags (``--lr``,
+``--lr-groups``, ``--min-lr``, ``--warmup-steps``, ``--lr-schedule``, ``--steps``; and
+``--weight-decay`` beside it). A resumed run therefore follows *its own* flags from the step it
+resumes at, as if it had run with them from step 1; the scheduler state in a checkpoint is not
+read back, only its step. Flags that differ from the saved run's are named in one line
+(:func:`schedule_changes`); raising ``--steps`` past a finished cosine run says that the decay
+restarts (from the new cosine's value at that step, not from the finished run's floor), and how
+to continue at the floor instead.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from parallax.data import check_batch_sizes
 from parallax.pipeline import Schedule, gpipe, interleaved_1f1b, one_f_one_b
 from parallax.train.config import TrainConfig
+from parallax.train.groups import parse_lr_groups
 
 
 def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Schedule:
@@ -43,3 +55,63 @@ def lr_lambda(cfg: TrainConfig):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+SCHEDULE_FLAGS = (
+    "lr",
+    "lr_groups",
+    "min_lr",
+    "warmup_steps",
+    "lr_schedule",
+    "steps",
+    "weight_decay",
+)
+
+
+def schedule_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list[str]:
+    """What a run resumed at ``step`` does differently from the saved run's flags ``saved``
+    (the checkpoint's ``config``): one line naming the changed flags, and a second one when
+    ``--steps`` extends a cosine decay that had finished. Empty when nothing changed."""
+    changed = []
+    for name in SCHEDULE_FLAGS:
+        old, new = saved.get(name), getattr(cfg, name)
+        if name == "lr_groups":
+            old, new = _rates(old), _rates(new)
+        if name in saved and old != new:
+            changed.append(f"--{name.replace('_', '-')} {_show(old)} -> {_show(new)}")
+    if not changed:
+        return []
+    lr = cfg.lr * lr_lambda(cfg)(step)
+    lines = [
+        f"--resume at step {step}: the learning-rate schedule follows this run's flags "
+        f"({', '.join(changed)}): step {step + 1} trains at lr {lr:.3g}"
+    ]
+    old_steps = saved.get("steps")
+    if (
+        saved.get("lr_schedule") == "cosine"
+        and isinstance(old_steps, int)
+        and step >= old_steps
+        and cfg.steps > old_steps
+    ):
+        floor = saved.get("min_lr", 0.0)
+        lines.append(
+            f"the saved run had finished its cosine decay at step {old_steps} (lr {floor:g}); "
+            f"with --steps {cfg.steps} the decay restarts from {lr:.3g}. To continue at the "
+            f"floor instead, pass --lr-schedule constant --lr {floor:g} --warmup-steps 0"
+        )
+    return lines
+
+
+def _rates(value) -> Any:
+    try:
+        return parse_lr_groups(value)
+    except ValueError:
+        return value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(f"{g}={lr:g}" for g, lr in value) or "none"
+    return str(value)

@@ -49,6 +49,7 @@ class StepOutput:
     metrics: torch.Tensor  # [loss sum, *recipe.metric_sums] over the global batch, every rank
     lr: float
     data_wait_s: float = 0.0  # the slowest rank's wait for its batch (as train_step was told)
+    stop: bool = False  # some rank was asked to stop (SIGTERM): every rank saves after this step
 
 
 class Trainer:
@@ -89,6 +90,8 @@ class Trainer:
         groups.apply_freeze([whole], cfg, recipe)
         # the whole model (meta: shapes only) as this run adapts it: adapters, frozen parameters
         self.whole = whole
+        if cfg.lr_groups:  # against every name that can train, adapters included
+            groups.check_lr_group_globs(cfg, [n for n, _ in whole.named_parameters()])
         self.chunks: list[torch.nn.Module] = []
         self.stages: list[PipelineStage] = []
         for s, rng in enumerate(self.ranges):
@@ -195,9 +198,13 @@ class Trainer:
         ]
 
     def _check_inputs(
-        self, microbatches: list[Microbatch], problem: str | None = None, wait_s: float = 0.0
-    ) -> float:
-        return inputs.check(self, microbatches, problem, wait_s)
+        self,
+        microbatches: list[Microbatch],
+        problem: str | None = None,
+        wait_s: float = 0.0,
+        stop: bool = False,
+    ) -> tuple[float, bool]:
+        return inputs.check(self, microbatches, problem, wait_s, stop)
 
     def train_step(
         self,
@@ -205,17 +212,22 @@ class Trainer:
         timeline: Timeline | None = None,
         problem: str | None = None,
         data_wait_s: float = 0.0,
+        stop: bool = False,
     ) -> StepOutput:
         """One optimizer step over this dp rank's microbatches (dicts of host tensors, as the
         recipe's collator makes them). A ``problem`` (this rank could not make its batch: bad
         data) ends the step on every rank before anything runs: :class:`InputError`.
         ``data_wait_s``: how long this rank waited for the batch; the output carries the
-        largest wait over the ranks (the inputs' agreement reduces it, no extra collective)."""
-        slowest = self._check_inputs(microbatches, problem, data_wait_s)
+        largest wait over the ranks (the inputs' agreement reduces it, no extra collective).
+        ``stop``: this rank was asked to stop; the output says whether any rank was (the same
+        agreement), so that every rank saves after the same step."""
+        slowest, stopping = self._check_inputs(microbatches, problem, data_wait_s, stop)
         if self.cfg.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
         with memory_budget(self.cfg.activation_memory_budget):  # blocks compile in the step
-            return self._train_step(microbatches, timeline, slowest)
+            output = self._train_step(microbatches, timeline, slowest)
+        output.stop = stopping
+        return output
 
     def _train_step(self, microbatches, timeline, slowest: float) -> StepOutput:
         self.optimizer.zero_grad()

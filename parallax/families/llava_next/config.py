@@ -246,17 +246,33 @@ def _from_llava_hf(d: dict, source: str | None) -> LlavaNextConfig:
     vc = d.get("vision_config") or {}
     if vc.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise ValueError(f"vision_config.model_type={vc['model_type']!r}: only CLIP is supported")
+    text = text_config_from_hf(d.get("text_config") or {})
+    image_token = int(d.get("image_token_index", 32000))
     return LlavaNextConfig(
         vision=_vision_from_clip(vc, layer),
-        text=text_config_from_hf(d.get("text_config") or {}),
+        text=text,
         image_grid_pinpoints=d.get("image_grid_pinpoints", VICUNA_PINPOINTS),
-        image_token_index=int(d.get("image_token_index", 32000)),
-        pad_token_id=int(32001 if d.get("pad_token_id") is None else d["pad_token_id"]),
+        image_token_index=image_token,
+        pad_token_id=_pad_token_id(d, image_token, text.vocab_size),
         max_length=int(d.get("parallax_max_length", 4096)),
         tokenizer=d.get("parallax_tokenizer", "llama2"),
         hf_config=copy.deepcopy(d),
         source=source,
     )
+
+
+def _pad_token_id(d: dict, image_token: int, vocab: int) -> int:
+    """The id the processor pads with: the file's (top level, or the text config's, where
+    transformers 5.x keeps it), else derived. transformers' LLaVA-NeXT model reads no pad id
+    (the attention mask and the labels hide the padding), so a file without one is valid: the
+    Hugging Face converter's ``<pad>`` right after ``<image>`` where the vocabulary has it
+    (32001 of 32064), else the vocabulary's last id that is not ``<image>``."""
+    for value in (d.get("pad_token_id"), (d.get("text_config") or {}).get("pad_token_id")):
+        if value is not None:
+            return int(value)
+    if image_token + 1 < vocab:
+        return image_token + 1
+    return vocab - 1 if vocab - 1 != image_token else vocab - 2
 
 
 def _from_original(d: dict, source: str | None) -> LlavaNextConfig:
