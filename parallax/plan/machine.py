@@ -8,9 +8,11 @@ consumer card (RTX 4090 24 GB, RTX 5090 32 GB), with the link named by ``--inter
 Rates are what code achieves at a model's shapes, not datasheet peaks: ``gemm_tflops`` for bf16
 matrix products of transformer-block size, ``attention_tflops`` for fused attention,
 ``hbm_gbs`` for element-wise work (bytes read plus written per second), ``h2d_gbs`` for pinned
-host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters, and
-for collectives a :class:`Link` per scope: the bus bandwidth a ring achieves per GPU and a
-latency per collective.
+host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters,
+``host_gbs`` for the host's element-wise work (the offloaded gradient accumulation), and for
+collectives a :class:`Link` per scope: the bus bandwidth a ring achieves per GPU and a latency
+per collective. ``gemm_half_tokens``: the rows at which a block's matmuls run at half
+``gemm_tflops`` (small micro-batches of short sequences leave the GPU idle).
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ class Machine:
     host_adam_s: float  # fused AdamW on the host, seconds per 1e9 parameters (all cores)
     intra: Link = field(default_factory=lambda: LINKS["nvlink"])
     inter: Link = field(default_factory=lambda: LINKS["infiniband"])
+    host_gbs: float = 25.0  # host element-wise bandwidth (read + written), all cores
+    gemm_half_tokens: float = 128.0
     cuda_context_gib: float = 0.6  # the CUDA context and the kernels' workspaces per process
     allocator_reserve: float = 0.08  # share of the card the caching allocator cannot reuse
     nodes: int = 1
     measured: bool = False  # False: a shipped default
+    notes: str = ""  # what calibration measured and what it left at the defaults
 
     @property
     def gpus(self) -> int:
@@ -162,3 +167,27 @@ def default_for(gpu_memory_gib: float | None, interconnect: str | None) -> Machi
     if gpu_memory_gib is not None:
         base = base.with_(gpu_memory_gib=float(gpu_memory_gib))
     return base.with_(intra=link) if link is not None else base
+
+
+def target(
+    *,
+    gpus_per_node: int,
+    nodes: int = 1,
+    gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
+    interconnect: str | None = None,
+    machine_file: str | None = None,
+) -> Machine:
+    """The profile to plan for: a measured one (``--machine FILE``) or the nearest shipped
+    default, with what was given on the command line overriding it."""
+    if machine_file:
+        base = load(machine_file)
+        if gpu_memory_gib is not None:
+            base = base.with_(gpu_memory_gib=float(gpu_memory_gib))
+        if interconnect:
+            base = base.with_(intra=LINKS[interconnect])
+    else:
+        base = default_for(gpu_memory_gib, interconnect)
+    if host_memory_gib is not None:
+        base = base.with_(host_memory_gib=float(host_memory_gib))
+    return base.with_(gpus_per_node=gpus_per_node, nodes=nodes)
