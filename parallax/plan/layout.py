@@ -82,11 +82,12 @@ class Layout:
         return {k: v for k, v in values.items() if k in OPTION_NAMES}
 
     def argv(self) -> list[str]:
-        """The flags of this layout, defaults left out."""
+        """The flags of this layout (``--dp`` and ``--micro-batch-size`` always, the others
+        where they differ from their defaults)."""
         out: list[str] = []
         defaults = TrainConfig()
         for name, value in self.options().items():
-            if name != "dp" and value == getattr(defaults, name):
+            if name not in ("dp", "micro_batch_size") and value == getattr(defaults, name):
                 continue
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):
