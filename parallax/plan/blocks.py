@@ -43,6 +43,9 @@ class BlockParams:
     frozen: tuple[tuple[int, int], ...]
     units: tuple[int, ...]  # bytes of each ZeRO-3 unit, padded
     largest: int  # padded elements of its largest trainable parameter (a bucket holds it whole)
+    partial: int = 0  # padded trainable elements whose gradient is partial over tp (own buckets)
+    # (padded elements, element size, partial over tp) of each trainable parameter, in order
+    sizes: tuple[tuple[int, int, bool], ...] = ()
 
     def trainable_elements(self) -> int:
         return sum(n for _, n in self.trainable)
@@ -109,7 +112,13 @@ def _block(name: str, chunk: nn.Module, run, adapters: int) -> BlockParams:
         frozen=tuple(sorted(frozen.items())),
         units=tuple(unit_bytes(chunk)),
         largest=max((padded(p.numel()) for _, p in named), default=0),
+        partial=sum(padded(p.numel()) for _, p in named if _partial(p)),
+        sizes=tuple((padded(p.numel()), p.element_size(), _partial(p)) for _, p in named),
     )
+
+
+def _partial(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "sequence_parallel", False))
 
 
 def unit_bytes(chunk: nn.Module) -> list[int]:
@@ -133,3 +142,21 @@ def unit_bytes(chunk: nn.Module) -> list[int]:
 
     visit(chunk, False)
     return sizes
+
+
+def largest_buckets(
+    sizes: list[tuple[int, int, bool]], bucket_numel: int
+) -> dict[tuple[int, bool], int]:
+    """The largest bucket per (element size, partial over tp) of ZeRO's flat layout of these
+    parameters (in forward order): packed from the end, a bucket closes once it holds
+    ``bucket_numel`` elements (:func:`parallax.optim.buckets.build_layout`)."""
+    filled: dict[tuple[int, bool], int] = {}
+    most: dict[tuple[int, bool], int] = {}
+    for numel, size, partial in reversed(sizes):
+        key = (size, partial)
+        filled[key] = filled.get(key, 0) + numel
+        if filled[key] >= bucket_numel:
+            most[key] = max(most.get(key, 0), filled.pop(key))
+    for key, n in filled.items():
+        most[key] = max(most.get(key, 0), n)
+    return most

@@ -107,7 +107,7 @@ def _stage(model: Model, layout: Layout, machine: Machine, blocks: range, grads)
             b = 2 * (f - gemm) + (inputs + weights) * gemm + comm
             if again:
                 b += f + comm
-                recompute += f + comm
+                recompute += f
             backward += b
             tp += comm * (3 if again else 2)
     return _Stage(forward, backward, recompute, tp)

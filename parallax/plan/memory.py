@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallax.plan.blocks import largest_buckets
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
 from parallax.plan.model import DEFAULT_BUCKET_NUMEL, Model, peak_weighted
@@ -93,6 +94,8 @@ class _Counts:
     f4: int
     largest: int  # largest trainable parameter
     unit: int  # bytes of the largest ZeRO-3 unit
+    partial: int  # trainable elements whose gradient is partial over tp (buckets of their own)
+    buckets: dict  # (element size, partial over tp) -> its largest ZeRO-1/2 bucket's elements
 
     @property
     def trainable(self) -> int:
@@ -171,13 +174,17 @@ def _counts(blocks) -> _Counts:
         f4=total("frozen", 4),
         largest=max((b.largest for b in blocks), default=0),
         unit=max((u for b in blocks for u in b.units), default=0),
+        partial=sum(b.partial for b in blocks),
+        buckets=largest_buckets([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
     )
 
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     """(weights, gradients, optimizer, gathered, buffers, host) of ZeRO at this layout."""
     dp, zero, share = layout.dp, layout.zero, 1.0 if layout.offload else 0.0
-    bucket = min(max(DEFAULT_BUCKET_NUMEL, c.largest), c.trainable)  # elements of the largest
+    sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
+    partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
+    bucket = max(c.buckets.values(), default=0)
     if zero == 3:  # a bucket never spans two units
         bucket = min(bucket, c.unit // (2 if c.t2 else 4))
     weights = float(c.full_bytes)
@@ -189,11 +196,14 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
         gradients = 2.0 * c.t2 + 4.0 * c.t4  # the gradient buffers
         if dp > 1 and overlap:
             gradients += 4.0 * c.t2 / dp  # reduced during the backward: a persistent fp32 slice
-        staged = 2 if dp > 1 else 1  # fp32 staging: two for the reduction, one for dp = 1's step
-        buffers = staged * 4.0 * bucket if c.t2 else 0.0
+        # fp32 staging: two buffers for the reduction of 16-bit buckets (dp > 1) and of those
+        # partial over tp; one for dp = 1's step of 16-bit buckets
+        reduced = max(sixteen if dp > 1 else 0, partial)
+        buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
     else:
         gradients = (1 - share) * 4.0 * c.trainable / dp  # the fp32 shard
-        buffers = PASS_BUFFERS * 4.0 * bucket + 4.0 * bucket / dp  # pass buffers, reduced part
+        # pass buffers: the bucket filling, the one in flight, its reduced part
+        buffers = 4.0 * min(PASS_BUFFERS * bucket, c.trainable) + 4.0 * bucket / dp
     masters = 4.0 * c.t2 / dp  # fp32 parameters are their own masters
     moments = 8.0 * c.trainable / dp
     optimizer = (1 - share) * (masters + moments)

@@ -21,10 +21,14 @@ DEFAULT_BUCKET_NUMEL = 25_000_000  # ZeroOptimizer's bucket size (elements)
 class Model:
     """See the module docstring; ``run`` is a resolved :class:`~parallax.train.run.Run`."""
 
-    def __init__(self, run) -> None:
+    def __init__(self, run, blocks=None, estimates=None, params=None) -> None:
+        """``blocks``, ``estimates`` and ``params`` (a function of tp) stand in for the
+        recipe's (a model described by its numbers alone, as the tests do)."""
         self.run, self.recipe, self.config = run, run.recipe, run.model_config
-        self.blocks = self.recipe.blocks(self.config)
-        self.estimates: list[BlockEstimate] = list(self.recipe.block_estimates(self.config, run))
+        self.blocks = blocks if blocks is not None else self.recipe.blocks(self.config)
+        if estimates is None:
+            estimates = self.recipe.block_estimates(self.config, run)
+        self.estimates: list[BlockEstimate] = list(estimates)
         if len(self.estimates) != len(self.blocks):
             raise ValueError(
                 f"the {self.recipe.name} recipe estimates {len(self.estimates)} blocks of its "
@@ -32,6 +36,7 @@ class Model:
             )
         self.e = 2 if run.precision == "bf16" else 4  # bytes per element of the model's dtype
         self.step_objective = self.recipe.objective == "step"  # GradCache: one microbatch held
+        self._count = params or (lambda tp: block_params(run, tp))
         self._ranges: dict[tuple[int, int], list[range]] = {}
         self._states: dict[tuple, tuple] = {}
         self._params: dict[int, tuple[BlockParams, ...]] = {}
@@ -43,7 +48,7 @@ class Model:
 
     def params(self, tp: int) -> tuple[BlockParams, ...]:
         if tp not in self._params:
-            self._params[tp] = block_params(self.run, tp)
+            self._params[tp] = tuple(self._count(tp))
         return self._params[tp]
 
     @cached_property

@@ -20,7 +20,7 @@ from typing import Any
 
 from parallax.dims import ParallelDims
 from parallax.plan.cost import StepTime, step_time
-from parallax.plan.layout import Layout
+from parallax.plan.layout import OPTION_NAMES, Layout
 from parallax.plan.machine import Machine
 from parallax.plan.memory import GIB, RankMemory, node_host_bytes, plan_memory
 from parallax.plan.model import Model
@@ -28,6 +28,7 @@ from parallax.train.options import needs_problems, problems
 from parallax.train.rules import RULES
 
 MARGIN = 0.05  # of the GPU's and the host's memory, kept free
+TIE = 1.005  # step times this close are a tie: the simpler layout goes first
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def _allowed(fixed: dict[str, Any], name: str, value: Any) -> bool:
 
 def _checkpointing(model: Model, fixed: dict[str, Any]) -> list[bool | str]:
     scopes = {p.scope for e in model.estimates for p in e.parts if p.scope}
-    options: list[bool | str] = [False, True] + sorted(scopes) if len(scopes) > 1 else [False, True]
+    options: list[bool | str] = [False] + ([True] if scopes else [])
+    options += sorted(scopes) if len(scopes) > 1 else []  # a scope alone is "all" again
     if "activation_checkpointing" in fixed and not fixed["activation_checkpointing"]:
         return [False]
     if "checkpoint_scope" in fixed:
@@ -166,6 +168,7 @@ class Searcher:
             dims = ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp)
             run.recipe.check_layout(run.model_config, run, dims)
             self.model.ranges(layout.pp, layout.chunks)
+            self.model.params(layout.tp)  # the blocks build at this tp (heads divide)
             found = option_problems(run.flags.replace(**layout.options()))
         except ValueError as err:
             return str(err).split(";")[0]
@@ -197,6 +200,9 @@ def search(
     """The ``top`` fastest layouts of ``world`` GPUs (``machine.gpus_per_node`` a node) that
     fit; see the module docstring."""
     fixed = dict(fixed or {})
+    for name, value in (("zero", 1), ("offload", "none"), ("reshard_after_forward", True)):
+        if name not in OPTION_NAMES:  # a parallax.train without the option runs this value
+            fixed.setdefault(name, value)
     s = Searcher(model, machine, margin)
     fitting: list[Candidate] = []
     closest: list[Candidate] = []
@@ -228,20 +234,19 @@ def search(
 
 
 def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]:
-    """The ``top`` fastest, simulating a pipeline only while its bound (the time of a pipeline
-    without idling) can still beat the ``top``-th best."""
+    """The ``top`` best by :func:`_preference`, simulating a pipeline only while its bound (the
+    time of a pipeline without idling) can still beat the slowest of those kept."""
     bounds = [(s.timed(c, exact=False).time.seconds, i) for i, c in enumerate(fitting)]
     heapq.heapify(bounds)
-    best: list[tuple[float, float, int, Candidate]] = []
+    best: list[Candidate] = []
     while bounds:
         bound, i = heapq.heappop(bounds)
-        if len(best) >= top and bound > best[-1][0]:
+        if len(best) >= top and bound > max(c.time.seconds for c in best) * TIE:
             break
-        timed = s.timed(fitting[i])
-        best.append((timed.time.seconds, timed.gpu, i, timed))
-        best.sort(key=lambda x: x[:3])
+        best.append(s.timed(fitting[i]))
+        best.sort(key=_preference)
         best = best[:top]
-    return sorted((c for *_, c in best), key=_preference)
+    return best
 
 
 def _preference(c: Candidate) -> tuple:
@@ -249,4 +254,4 @@ def _preference(c: Candidate) -> tuple:
     offload, no recomputation, no pipeline), then the one that needs less memory."""
     lay = c.layout
     simpler = (lay.zero, lay.offload, bool(lay.checkpointing), lay.pp, lay.tp)
-    return (round(math.log(c.time.seconds) / math.log(1.005)), simpler, c.gpu)
+    return (round(math.log(c.time.seconds) / math.log(TIE)), simpler, c.gpu)
