@@ -201,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     started = time.perf_counter()
     rates, notes = measure(args.model, args.precision)
-    if world > 1:
+    created = world > 1 and not dist.is_initialized()
+    if created:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if world > 1:
         links, more = measure_links(world // per_node, per_node)
         rates.update(links)
         notes += more
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", 0)) == 0:
         save(machine, args.out)
         log.info("wrote %s: %s", args.out, machine)
-    if dist.is_initialized():
+    if created:
         dist.destroy_process_group()
     return 0
 
