@@ -11,6 +11,7 @@ from rich.console import Console
 from parallax.plan.cli import plan
 from parallax.plan.report import command
 from parallax.recipe import registry
+from parallax.testing import run_ranks
 from parallax.train import main, parse_args
 from parallax.train.plan import print_plan
 
@@ -44,3 +45,19 @@ def test_layout_auto_trains_the_tiny_model(tmp_path, capsys, caplog):
     said = caplog.text
     assert "--layout auto: tp1 pp1 dp1, zero 1, mb 8" in said, said  # the given size kept
     assert (tmp_path / "a" / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def _auto_rank(out: str) -> tuple[int, int, int, int]:
+    from parallax.testing import context
+    from parallax.train.cli import run
+    from parallax.train.run import resolve
+
+    argv = ["--layout", "auto", "--gpu-memory", "1", "--steps", "1", "--out", out]
+    cfg = resolve(parse_args([*argv, "--save-interval", "0"]))  # planned for WORLD_SIZE=2
+    run(cfg, context(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
+    return cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size
+
+
+def test_every_rank_plans_the_same_layout_for_its_world(tmp_path):
+    got = run_ranks(_auto_rank, 2, str(tmp_path / "two"))
+    assert got[0] == got[1] and got[0][0] * got[0][1] * got[0][2] == 2, got

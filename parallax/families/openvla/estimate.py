@@ -1,9 +1,15 @@
 """OpenVLA's blocks as the planner sees them (:mod:`parallax.models.estimate`): per sample, the
 two towers over the image, the fused GELU projector, the Llama layers over the patches and a
-typical prompt with its action, and the head over the labelled positions."""
+typical prompt with its action, and the head over the labelled positions.
+
+The prompt: 41 tokens (BOS, an instruction of robot data in Llama-2's tokenizer, the 7 action
+tokens and EOS); for the built-in synthetic task, what its collator really makes of a few
+samples (the character-level tokenizer of a randomly initialised preset makes them longer)."""
 
 from __future__ import annotations
 
+from parallax.data import SyntheticTask
+from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.estimate import (
     BlockEstimate,
@@ -20,10 +26,26 @@ TEXT_TOKENS = 41  # BOS, a typical instruction prompt and the 7 action tokens an
 LABELLED = 8  # the 7 action tokens and EOS carry the loss
 
 
+def text_tokens(config: OpenVLAConfig, cfg) -> int:
+    """The text tokens a sample brings (see the module docstring)."""
+    if cfg.data != "synthetic":
+        return TEXT_TOKENS
+    key = (config.image_size, config.tokenizer, config.text.vocab_size, cfg.seed, cfg.checkpoint)
+    if key not in _SYNTHETIC:
+        data = SyntheticTask(seed=cfg.seed, image_size=config.image_size)
+        batch = BatchBuilder(config, data.statistics, text_tokenizer(config, cfg.checkpoint))
+        _SYNTHETIC[key] = int(batch([data[i] for i in range(8)])["input_ids"].shape[1])
+    return _SYNTHETIC[key]
+
+
+_SYNTHETIC: dict[tuple, int] = {}  # the synthetic task's prompt length per tokenizer
+
+
 def block_estimates(config: OpenVLAConfig, cfg) -> list[BlockEstimate]:
     e = 2 if cfg.precision == "bf16" else 4
     text, p = config.text, config.num_patches
-    seq = p + TEXT_TOKENS
+    tokens = text_tokens(config, cfg)
+    seq = p + tokens
     hidden = seq * text.hidden_size * e  # (P + t, h): what every stage hands on
     parts = []
     for tower in config.vision:
@@ -36,7 +58,7 @@ def block_estimates(config: OpenVLAConfig, cfg) -> list[BlockEstimate]:
         Linear(4 * d, h, sharded_in=True, act=True),
         Linear(h, h),
     ]
-    parts += [linears("projector", p, projector, e), embedding(TEXT_TOKENS, h, e)]
+    parts += [linears("projector", p, projector, e), embedding(tokens, h, e)]
     rows = LABELLED if cfg.logits == "labelled" else seq
     return (
         [BlockEstimate(tuple(parts), hidden)]
