@@ -35,30 +35,36 @@ def given(flags: TrainConfig) -> set[str]:
     return {k for k in LAYOUT_OPTIONS if k in names and hasattr(flags, k)}
 
 
-def _gpu_memory(flags: TrainConfig) -> float:
-    """GiB to plan each GPU for: ``--gpu-memory``, else this GPU's; at most the cap."""
+def _gpu_memory(flags: TrainConfig) -> tuple[float, bool]:
+    """GiB to plan each GPU for (``--gpu-memory``, else this GPU's), and whether
+    ``--gpu-memory-limit`` is what bounds it (a cap the CUDA context is not part of)."""
     gib = flags.gpu_memory
     if gib is None and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         gib = torch.cuda.get_device_properties(local).total_memory / GIB
-    if gib is None:
-        raise ValueError("--layout auto on a machine without GPUs needs --gpu-memory GIB")
     limit = getattr(flags, "gpu_memory_limit", None)
-    return min(gib, limit) if limit is not None else gib
+    if gib is None and limit is None:
+        raise ValueError("--layout auto on a machine without GPUs needs --gpu-memory GIB")
+    if limit is not None and (gib is None or limit < gib):
+        return limit, True
+    return gib, False
 
 
 def machine_of(flags: TrainConfig, world: int, per_node: int) -> Machine:
+    """The profile this run plans with (see the module docstring)."""
     host = flags.host_memory
     if host is None and flags.machine is None:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return target(
+    gib, capped = _gpu_memory(flags)
+    machine = target(
         gpus_per_node=per_node,
         nodes=max(world // per_node, 1),
-        gpu_memory_gib=_gpu_memory(flags),
+        gpu_memory_gib=gib,
         host_memory_gib=host,
         interconnect=flags.interconnect,
         machine_file=flags.machine,
     )
+    return machine.with_(cuda_context_gib=0.0) if capped else machine
 
 
 def choose(run) -> TrainConfig:

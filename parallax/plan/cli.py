@@ -89,6 +89,9 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
         interconnect=args.interconnect,
         machine_file=args.machine,
     )
+    limit = getattr(cfg, "gpu_memory_limit", None)
+    if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
+        machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
     model = Model(run)
     result = search(model, machine, world, fixed, top=args.top, margin=args.margin)
     console.print(_header(run, model, machine, world, nodes, args.margin), highlight=False)
