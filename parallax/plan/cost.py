@@ -98,8 +98,13 @@ def _stage(model: Model, layout: Layout, machine: Machine, blocks: range, grads)
     """One virtual stage's forward and backward per microbatch."""
     compiled = bool(model.run.compile)
     forward = backward = recompute = tp = 0.0
+    # each pass's gradients: written by autograd, then added into ZeRO-1's buffer (read both,
+    # write one) or copied to fp32 pass buffers and added into the shard (ZeRO-2/3)
+    per_element = 4 * model.e if layout.zero == 1 else 2 * model.e + 12
+    params = model.params(layout.tp)
     for i in blocks:
         inputs, weights = grads[i]
+        backward += per_element * params[i].trainable_params / (machine.hbm_gbs * 1e9)
         for part in model.estimates[i].parts:
             f, comm, gemm = part_times(part, layout, machine, compiled)
             again = part.recomputes(layout.checkpointing)

@@ -40,7 +40,13 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     (only sizes matter: initialising the small preset would take most of the test's time)."""
     cfg = resolve(
         TrainConfig(
-            model=model, tp=tp, pp=pp, dp=dp, global_batch_size=8, micro_batch_size=2, **options
+            model=model,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            global_batch_size=2 * dp,
+            micro_batch_size=1,
+            **options,
         )
     )
     ctx = context(tp=tp, pp=pp, dp=dp)
@@ -61,8 +67,8 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
 
 def _microbatches(trainer, ctx, cfg) -> list:
     data = SyntheticTask(num_episodes=8, episode_length=2, image_size=32, seed=0)
-    loader = BatchLoader(data, global_batch_size=8, micro_batch_size=2, dp_rank=ctx.dp_rank,
-                         dp_size=ctx.dp_size, seed=0)  # fmt: skip
+    loader = BatchLoader(data, global_batch_size=cfg.global_batch_size, micro_batch_size=1,
+                         dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=0)  # fmt: skip
     config = trainer.model_config
     builder = BatchBuilder(config, data.statistics, text_tokenizer(config))
     return [builder(m) for m in loader.next_batch()]

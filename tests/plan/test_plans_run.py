@@ -40,11 +40,13 @@ def test_every_printed_layout_dry_runs(model, monkeypatch):
 
 def test_layout_auto_trains_the_tiny_model(tmp_path, capsys, caplog):
     caplog.set_level("INFO")
-    argv = ["--layout", "auto", "--gpu-memory", "1", "--steps", "2", "--log-interval", "1"]
-    assert main([*argv, "--micro-batch-size", "8", "--out", str(tmp_path / "a")]) == 0
+    argv = ["--layout", "auto", "--gpu-memory", "1", "--steps", "2", "--save-interval", "0"]
+    assert (
+        main([*argv, "--micro-batch-size", "8", "--log-interval", "1", "--out", str(tmp_path)]) == 0
+    )
     said = caplog.text
     assert "--layout auto: tp1 pp1 dp1, zero 1, mb 8" in said, said  # the given size kept
-    assert (tmp_path / "a" / "metrics.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
 
 
 def _auto_rank(out: str) -> tuple[int, int, int, int]:
