@@ -58,11 +58,32 @@ def lora_problems(cfg) -> list[str]:
     return problems
 
 
+def oft_problems(cfg) -> list[str]:
+    """What is wrong with the action-head and learning-rate-decay flags."""
+    problems = []
+    if cfg.action_head != "l1":
+        if cfg.action_chunk not in (None, 1):
+            problems.append(f"--action-chunk {cfg.action_chunk} needs --action-head l1")
+        if cfg.film:
+            problems.append("--film needs --action-head l1")
+    if cfg.action_chunk is not None and cfg.action_chunk < 1:
+        problems.append(f"--action-chunk must be >= 1, got {cfg.action_chunk}")
+    if cfg.lr_schedule == "step" and (cfg.lr_decay_steps is None or cfg.lr_decay_steps < 1):
+        problems.append(
+            f"--lr-schedule step needs --lr-decay-steps N >= 1, got {cfg.lr_decay_steps}"
+        )
+    if not 0.0 < cfg.lr_decay <= 1.0:
+        problems.append(f"--lr-decay must be in (0, 1], got {cfg.lr_decay:g}")
+    return problems
+
+
 PRECISIONS = ("fp32", "bf16")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "step")
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
+ACTION_HEADS = ("tokens", "l1")
 CHOICES = {
+    "action_head": ACTION_HEADS,
     "checkpoint_scope": CHECKPOINT_SCOPES,
     "schedule": SCHEDULES,
     "precision": PRECISIONS,
@@ -101,6 +122,8 @@ class TrainConfig:
     min_lr: float = 0.0
     warmup_steps: int | None = None  # None: 20, with LoRA 0 (FULL_DEFAULTS, LORA_DEFAULTS)
     lr_schedule: str | None = None  # None: cosine, with LoRA constant
+    lr_decay_steps: int | None = None  # "step": the lr is multiplied by lr_decay from here on
+    lr_decay: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float | None = None  # None: 1.0, with LoRA 0 (off)
     precision: str = "fp32"
@@ -116,6 +139,9 @@ class TrainConfig:
     lora_targets: str = "all-linear"  # or module-name globs, comma separated
     train: str | None = None  # globs of modules trained fully beside the adapters
     lora_init: str | None = None  # a PEFT adapter directory to start from
+    action_head: str = "tokens"  # "l1": OpenVLA-OFT's parallel decoding and L1 head
+    action_chunk: int | None = None  # None: 8 with --action-head l1 (OFT's LIBERO), else 1
+    film: bool = False  # OFT+: language FiLM in every ViT block (--action-head l1)
     lr_groups: Any = None  # "glob=lr,...", a TOML file, or a [lr_groups] table
     save_interval: int = 100
     keep_last: int = 2
@@ -215,6 +241,7 @@ class TrainConfig:
                 "--cuda-graphs with --activation-checkpointing needs --tp 1 (at tp > 1 the "
                 "recomputation runs outside the compiled graphs)"
             )
+        problems += oft_problems(self)
         if self.chunks > 1 and self.schedule != "interleaved":
             problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
         if problems:

@@ -10,6 +10,7 @@ import argparse
 
 from parallax.recipe import registry
 from parallax.train.config import (
+    ACTION_HEADS,
     CHECKPOINT_SCOPES,
     FINETUNES,
     FULL_DEFAULTS,
@@ -92,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--precision", metavar=_choices(PRECISIONS), help=f"default {d.precision}")
     _lora_flags(p, d)
+    _action_flags(p, d)
     g.add_argument(
         "--activation-checkpointing",
         action="store_true",
@@ -138,6 +140,14 @@ def parser() -> argparse.ArgumentParser:
         "--lr-schedule",
         metavar=_choices(LR_SCHEDULES),
         help=f"default {full['lr_schedule']}, LoRA {lora['lr_schedule']}",
+    )
+    g.add_argument(
+        "--lr-decay-steps",
+        help="with --lr-schedule step: multiply the lr by --lr-decay from this step on "
+        "(OpenVLA-OFT's MultiStepLR: 100000 on LIBERO)",
+    )
+    g.add_argument(
+        "--lr-decay", help=f"with --lr-schedule step: the factor (default {d.lr_decay:g})"
     )
     g.add_argument(
         "--weight-decay",
@@ -245,6 +255,30 @@ def parser() -> argparse.ArgumentParser:
         help="the held-out split for a dataset dir (synthetic tasks use episodes of another seed)",
     )
     return p
+
+
+def _action_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = p.add_argument_group("actions (OpenVLA-OFT with --action-head l1)")
+    g.add_argument(
+        "--action-head",
+        metavar=_choices(ACTION_HEADS),
+        help="tokens: OpenVLA's discrete action tokens, decoded one by one; l1: OpenVLA-OFT's "
+        "parallel decoding (bidirectional attention, empty action slots) with an L1 "
+        "regression head on action chunks, the data's wrist camera and proprio state as the "
+        f"data's key config gives them (default {d.action_head})",
+    )
+    g.add_argument(
+        "--action-chunk",
+        help="with --action-head l1: actions predicted per forward pass (default 8, OFT's "
+        "LIBERO chunk; the action dimension comes from the data)",
+    )
+    g.add_argument(
+        "--film",
+        action="store_true",
+        default=None,
+        help="with --action-head l1: FiLM every ViT block of both towers with the mean "
+        "language embedding (OFT+)",
+    )
 
 
 def _lora_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
