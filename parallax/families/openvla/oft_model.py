@@ -4,10 +4,15 @@ sequence's layout).
 
 As OFT's ``PrismaticForConditionalGeneration.forward``: the token embeddings at the action
 slots are multiplied by zero; with FiLM, the towers are conditioned on the mean of the token
-embeddings that are not action slots (BOS, the prompt, the stop token and, in a padded batch,
-the padding: OFT averages ``input_embeddings[~all_actions_mask]`` per sample); the patches of
+embeddings that are not action slots (BOS, the prompt and the stop token); the patches of
 every image and then the proprio token go right after BOS; the key mask is the text's
 attention mask with the inserted tokens kept.
+
+One difference, on purpose: OFT averages ``input_embeddings[~all_actions_mask]``, which in a
+right-padded training batch includes the padding's embeddings, so its FiLM input depends on
+the batch's longest prompt and differs between training and inference (a batch of one has no
+padding). Here the padding is left out of the mean as it is out of attention: a sample's
+forward is the same in any batch, and the same in training and in ``predict_action_chunk``.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ def oft_embed(model, pixel_values: torch.Tensor, input_ids: torch.Tensor, *rest:
     tokens = model.language_model.embed(input_ids)  # (b, t, h)
     keep = (~action_mask).to(tokens.dtype)[..., None]  # (b, t, 1)
     film = None
-    if oft.film:  # the mean language embedding of each sample
-        film = (tokens * keep).sum(1) / keep.sum(1).clamp(min=1)  # (b, h)
+    if oft.film:  # the mean language embedding of each sample (no slots, no padding)
+        text = (~action_mask & attention_mask).to(tokens.dtype)[..., None]  # (b, t, 1)
+        film = (tokens * text).sum(1) / text.sum(1).clamp(min=1)  # (b, h)
     patches = model.projector(model.vision_backbone(pixel_values.to(dtype), film))  # (b, nP, h)
     if proprio is not None:
         token = model.proprio_projector(proprio.to(dtype))[:, None]  # (b, 1, h)
