@@ -56,12 +56,12 @@ def l1_loss(chunk, hidden: torch.Tensor, target) -> tuple[torch.Tensor, torch.Te
     err = (pred - actions.to(pred.dtype)).abs()  # (b, K, D)
     with torch.no_grad():
         b, k, d = err.shape
-        sums = torch.stack(
+        sums = torch.stack(  # counts as fills, not host copies (no stream sync)
             [
                 err[:, 0].sum(),
-                torch.tensor(float(b * d), device=err.device),
+                err.new_full((), float(b * d)),
                 err[:, 1:].sum(),
-                torch.tensor(float(b * (k - 1) * d), device=err.device),
+                err.new_full((), float(b * (k - 1) * d)),
             ]
         )
     return err.sum(), sums

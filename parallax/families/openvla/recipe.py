@@ -99,6 +99,14 @@ class OpenVLARecipe(Recipe):
             self.metric_sums, self.metrics = type(self).metric_sums, type(self).metrics
             return config
         self.metric_sums, self.metrics = oft_objective.METRIC_SUMS, oft_objective.METRICS
+        if config.oft is not None:  # an OFT checkpoint (or a given config): its inputs stand
+            asked = (chunk_size(cfg), bool(cfg.film))
+            if (config.oft.chunk, config.oft.film) != asked:
+                raise ValueError(
+                    f"--model {cfg.model} is an OFT model for {config.oft}; this run's flags "
+                    f"ask for chunks of {asked[0]}, FiLM {'on' if asked[1] else 'off'}"
+                )
+            return config  # the data's shapes are checked batch by batch (OFTBatchBuilder)
         shape = self.data_shape(cfg)
         oft = OFTConfig(
             chunk=chunk_size(cfg),
@@ -107,11 +115,6 @@ class OpenVLARecipe(Recipe):
             num_images=shape.num_images,
             film=bool(cfg.film),
         )
-        if config.oft is not None and config.oft != oft:
-            raise ValueError(
-                f"--model {cfg.model} is an OFT model for {config.oft}; this run's flags and "
-                f"data ask for {oft}"
-            )
         return dataclasses.replace(config, oft=oft)
 
     def data_shape(self, cfg):

@@ -107,7 +107,7 @@ def test_an_oft_model_cannot_train_on_tokens_and_options_must_agree():
     with pytest.raises(ValueError, match="train it with --action-head l1"):
         Trainer(TrainConfig(), ParallelContext.local(), model_config=tiny)
     other = dataclasses.replace(tiny, oft=OFTConfig(chunk=5))
-    with pytest.raises(ValueError, match="this run's flags and data ask for"):
+    with pytest.raises(ValueError, match="this run's flags ask for chunks of 3"):
         _trainer_with(other)
 
 
