@@ -54,6 +54,9 @@ class VisionLanguageModel(nn.Module):
     """
 
     first_inputs: tuple[str, ...]  # what the first stage's forward takes, in order
+    # attention over a padded sequence in both directions (the key mask travels with the
+    # hidden states between stages): OpenVLA-OFT's parallel decoding
+    bidirectional: bool = False
 
     def __init__(
         self,
@@ -157,12 +160,11 @@ class VisionLanguageModel(nn.Module):
                 raise ValueError(f"the first stage takes ({', '.join(self.first_inputs)})")
             out = self.embed(*args)
         else:
-            if len(inputs) not in (1, 2) or named:
-                raise ValueError(
-                    "a later stage takes the hidden states (b, s, h), and the key mask (b, s) "
-                    "of a bidirectional model"
-                )
-            out = inputs if len(inputs) == 2 else inputs[0]
+            want = 2 if self.bidirectional else 1
+            if len(inputs) != want or named:
+                mask = " and the key mask (b, s)" if self.bidirectional else " only"
+                raise ValueError(f"a later stage takes the hidden states (b, s, h){mask}")
+            out = inputs if want == 2 else inputs[0]
         x, key_mask = out if isinstance(out, tuple | list) else (out, None)
         x = self.language_model.forward_layers(x, key_mask=key_mask)  # (b, s, h)
         if self.has_head:

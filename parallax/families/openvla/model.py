@@ -119,6 +119,10 @@ class OpenVLA(VisionLanguageModel):
     constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
     @property
+    def bidirectional(self) -> bool:
+        return self.config.oft is not None
+
+    @property
     def first_inputs(self) -> tuple[str, ...]:
         if self.config.oft is None:
             return ("pixel_values", "input_ids")

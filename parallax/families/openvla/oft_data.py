@@ -10,6 +10,8 @@ dataset of a mixture must agree on the three, since one model takes them all.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,3 +82,29 @@ def stream_kwargs(cfg, shape: DataShape) -> dict[str, Any]:
     state the model takes, and chunks of ``--action-chunk``."""
     cameras = ("primary", "wrist")[: shape.num_images]
     return {"cameras": cameras, "state": shape.proprio_dim > 0, "chunk": chunk_size(cfg)}
+
+
+def with_oft(config, cfg, shape: Callable[[], DataShape]):
+    """``config`` with the OFT options of an ``--action-head l1`` run: the flags' chunk and
+    FiLM, the data's sizes and cameras (``shape()``, called only when needed). A config that
+    has them already (an OFT checkpoint's) keeps them, if the flags agree; its data is then
+    checked batch by batch (:class:`~.oft_batches.OFTBatchBuilder`)."""
+    from parallax.families.openvla.oft_config import OFTConfig
+
+    if config.oft is not None:
+        asked = (chunk_size(cfg), bool(cfg.film))
+        if (config.oft.chunk, config.oft.film) != asked:
+            raise ValueError(
+                f"--model {cfg.model} is an OFT model for {config.oft}; this run's flags ask "
+                f"for chunks of {asked[0]}, FiLM {'on' if asked[1] else 'off'}"
+            )
+        return config
+    got = shape()
+    oft = OFTConfig(
+        chunk=chunk_size(cfg),
+        action_dim=got.action_dim,
+        proprio_dim=got.proprio_dim,
+        num_images=got.num_images,
+        film=bool(cfg.film),
+    )
+    return dataclasses.replace(config, oft=oft)

@@ -30,8 +30,7 @@ from parallax.families.openvla.objectives import (
     rows_loss,
     vla_loss,
 )
-from parallax.families.openvla.oft_config import OFTConfig
-from parallax.families.openvla.oft_data import chunk_size
+from parallax.families.openvla.oft_data import with_oft
 from parallax.families.openvla.oft_head import FILM_LINEARS, LORA_EXCLUDE
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
@@ -99,23 +98,7 @@ class OpenVLARecipe(Recipe):
             self.metric_sums, self.metrics = type(self).metric_sums, type(self).metrics
             return config
         self.metric_sums, self.metrics = oft_objective.METRIC_SUMS, oft_objective.METRICS
-        if config.oft is not None:  # an OFT checkpoint (or a given config): its inputs stand
-            asked = (chunk_size(cfg), bool(cfg.film))
-            if (config.oft.chunk, config.oft.film) != asked:
-                raise ValueError(
-                    f"--model {cfg.model} is an OFT model for {config.oft}; this run's flags "
-                    f"ask for chunks of {asked[0]}, FiLM {'on' if asked[1] else 'off'}"
-                )
-            return config  # the data's shapes are checked batch by batch (OFTBatchBuilder)
-        shape = self.data_shape(cfg)
-        oft = OFTConfig(
-            chunk=chunk_size(cfg),
-            action_dim=shape.action_dim,
-            proprio_dim=shape.proprio_dim,
-            num_images=shape.num_images,
-            film=bool(cfg.film),
-        )
-        return dataclasses.replace(config, oft=oft)
+        return with_oft(config, cfg, lambda: self.data_shape(cfg))
 
     def data_shape(self, cfg):
         """What ``cfg.data`` gives an OFT model (opened once per process and data spec)."""
