@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.oft_export import load_oft_modules
 from parallax.families.openvla.oft_head import is_oft_name
 from parallax.models.hf_io import CheckpointReader, fit_problems, hf_names, read_param
 from parallax.models.meta import materialize
@@ -113,8 +114,6 @@ def load_pretrained(
             sources = hf_names(name, logical_shape(param))
             param.copy_(read_param(reader, sources, getattr(param, "tp_shard", None)))
     if config.oft is not None:
-        from parallax.families.openvla.oft_export import load_oft_modules
-
         load_oft_modules(model, path, seed)
     if model.has_vision and (ctx is None or ctx.rank == 0):
         before = reader.stats.bytes_read

@@ -32,6 +32,8 @@ from parallax.families.openvla.oft_head import (
     is_oft_name,
     oft_init_fn,
 )
+from parallax.families.openvla.oft_model import oft_embed
+from parallax.families.openvla.oft_predict import predict_action_chunk
 from parallax.families.openvla.prompt import get_tokenizer
 from parallax.init import InitFn
 from parallax.models.stages import StageBlock
@@ -194,8 +196,6 @@ class OpenVLA(VisionLanguageModel):
         (``oft_inputs``: proprio, attention and action masks) the hidden states and the key
         mask of :func:`~.oft_model.oft_embed`."""
         if self.config.oft is not None:
-            from parallax.families.openvla.oft_model import oft_embed
-
             return oft_embed(self, pixel_values, input_ids, *oft_inputs)
         self.check_inputs(pixel_values, input_ids)
         dtype = self.projector.fc1.weight.dtype
@@ -273,8 +273,6 @@ class OpenVLA(VisionLanguageModel):
     def predict_action_chunk(self, images, instruction: str, proprio=None, **kwargs):
         """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` from one forward pass
         (:func:`.oft_predict.predict_action_chunk`)."""
-        from parallax.families.openvla.oft_predict import predict_action_chunk
-
         return predict_action_chunk(self, images, instruction, proprio, **kwargs)
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 MAX_IMAGES = 3
 HEAD_BLOCKS = 2  # OFT's MLP-ResNet has two residual blocks
 
@@ -91,8 +93,6 @@ def head_rows(prompt_lengths, seq_len: int, prefix: int, slots: int):
     """Rows of the flattened hidden states ``(b * seq_len, h)`` the head reads, sample-major
     then slot order: for sample ``i`` with a prompt of ``L_i`` ids, ``prefix + L_i - 1 + j``
     for ``j`` in ``0 .. slots - 1`` (a long tensor on the prompt lengths' device)."""
-    import torch
-
     lengths = torch.as_tensor(prompt_lengths, dtype=torch.long)  # (b,)
     b = lengths.shape[0]
     start = torch.arange(b, device=lengths.device) * seq_len + prefix + lengths - 1  # (b,)

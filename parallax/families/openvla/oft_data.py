@@ -15,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from parallax.data.mixture import Mixture
 from parallax.data.stats import DatasetError
+from parallax.data.synthetic import SyntheticTask
+from parallax.families.openvla.oft_config import OFTConfig
 
 SYNTHETIC_EXTRA_STEPS = 4  # the synthetic OFT episodes: chunk + 4 steps (5 samples each)
 
@@ -33,8 +36,6 @@ def synthetic_task(cfg, seed: int):
     """The synthetic task's OFT form (:mod:`parallax.data.synthetic`): a static third-person
     camera, the wrist camera, the gripper's position as state, chunks of ``--action-chunk``
     actions, episodes a few steps longer than a chunk."""
-    from parallax.data import SyntheticTask
-
     chunk = chunk_size(cfg)
     return SyntheticTask(
         seed=seed,
@@ -53,9 +54,6 @@ def chunk_size(cfg) -> int:
 
 def data_shape(dataset: Any) -> DataShape:
     """The action and state sizes and the cameras of ``dataset`` (see the module doc)."""
-    from parallax.data import SyntheticTask
-    from parallax.data.mixture import Mixture
-
     if isinstance(dataset, SyntheticTask):
         c = dataset.config
         return DataShape(7, 2 if c.state else 0, 1 + int(c.wrist_image))
@@ -89,8 +87,6 @@ def with_oft(config, cfg, shape: Callable[[], DataShape]):
     FiLM, the data's sizes and cameras (``shape()``, called only when needed). A config that
     has them already (an OFT checkpoint's) keeps them, if the flags agree; its data is then
     checked batch by batch (:class:`~.oft_batches.OFTBatchBuilder`)."""
-    from parallax.families.openvla.oft_config import OFTConfig
-
     if config.oft is not None:
         asked = (chunk_size(cfg), bool(cfg.film))
         if (config.oft.chunk, config.oft.film) != asked:

@@ -13,30 +13,41 @@ Either loads at any tp and pp (``ctx``): each rank reads only its stage's tensor
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from parallax.checkpoint import Checkpoint, latest_checkpoint, load_module
 from parallax.context import ParallelContext
+from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.model import OpenVLA
+from parallax.models.stages import partition
+from parallax.recipe import registry
+from parallax.tensor.lora_apply import apply_lora, is_adapter_name
+
+# the run's flags this needs, and their defaults when an old checkpoint lacks them
+FLAGS = {
+    "model": "tiny", "seed": 0, "finetune": "full", "lora_rank": 32, "lora_alpha": 16.0,
+    "lora_dropout": 0.0, "lora_targets": "all-linear", "train": None, "action_head": "l1",
+}  # fmt: skip
 
 
 def load_policy(
     path: str | Path, ctx: ParallelContext | None = None, dtype: torch.dtype = torch.float32
-):
+) -> OpenVLA:
     """The :class:`~parallax.families.openvla.OpenVLA` of a checkpoint or export (module doc)."""
-    from parallax.families.openvla.model import OpenVLA
-
     path = Path(path)
     if (path / "config.json").is_file():
         return OpenVLA.from_pretrained(path, ctx, dtype=dtype)
-    return _from_training_checkpoint(path, ctx, dtype)
+    return _from_training_checkpoint(path, ctx or ParallelContext.local(), dtype)
 
 
 def _checkpoint_dir(path: Path) -> tuple[Path, Path]:
     """``(the checkpoint's step directory, the run's --out)``."""
-    from parallax.checkpoint import latest_checkpoint
-
     if (path / "checkpoints").is_dir():
         latest = latest_checkpoint(path / "checkpoints")
         if latest is None:
@@ -50,43 +61,50 @@ def _checkpoint_dir(path: Path) -> tuple[Path, Path]:
     )
 
 
-def _from_training_checkpoint(path: Path, ctx, dtype: torch.dtype):
-    from parallax.checkpoint import Checkpoint, load_module
-    from parallax.families.openvla.config import OpenVLAConfig
-    from parallax.recipe import registry
-    from parallax.train import lora
-    from parallax.train.config import TrainConfig
-    from parallax.train.names import SeparateView
-
+def _from_training_checkpoint(path: Path, ctx: ParallelContext, dtype: torch.dtype) -> OpenVLA:
     step_dir, out = _checkpoint_dir(path)
     ckpt = Checkpoint(step_dir)
-    meta = ckpt.meta
-    cfg = TrainConfig(
-        **{k: v for k, v in meta["config"].items() if k in TrainConfig.__annotations__}
-    )
-    recipe = registry.recipe(meta.get("family", "openvla"))
-    config = OpenVLAConfig.from_dict(meta["model_config"])
-    family, sep, rest = cfg.model.partition(":")
-    spec = recipe.resolve(rest if sep and family == recipe.name else cfg.model)
-    ctx = ctx or ParallelContext.local()
+    run = SimpleNamespace(**{k: ckpt.meta["config"].get(k, v) for k, v in FLAGS.items()})
+    run.checkpointing, run.logits = False, "labelled"
+    recipe = registry.recipe(ckpt.meta.get("family", "openvla"))
+    # separate q/k/v and gate/up: the names the checkpoint stores
+    config = OpenVLAConfig.from_dict(ckpt.meta["model_config"])
+    config = config.with_options(fused_projections=False)
+    family, sep, rest = run.model.partition(":")
+    base = recipe.resolve(rest if sep and family == recipe.name else run.model).checkpoint
     blocks = range(len(recipe.blocks(config)))
     if ctx.pp_size > 1:
-        from parallax.models.stages import partition
-
         blocks = partition([b.cost for b in recipe.blocks(config)], ctx.pp_size)[ctx.pp_rank]
-    cfg.activation_checkpointing = False
     model = recipe.build(
-        config, blocks, ctx, cfg=cfg, dtype=dtype, device=ctx.device, checkpoint=spec.checkpoint
+        config, blocks, ctx, cfg=run, dtype=dtype, device=ctx.device, checkpoint=base
     )
     only = None
-    if lora.enabled(cfg):
-        lora.prepare(model, cfg, recipe)
+    if run.finetune == "lora":  # the adapters as the run put them, the base as it built it
+        apply_lora(
+            model, run.lora_targets, rank=run.lora_rank, alpha=run.lora_alpha,
+            dropout=run.lora_dropout, seed=run.seed, exclude=recipe.lora_exclude,
+        )  # fmt: skip
+        globs = [*(run.train.split(",") if run.train else ()), *recipe.fully_trained(run)]
+        _train_whole(model, globs)
         only = {n for n, p in model.named_parameters() if p.requires_grad}.__contains__
-    load_module(model, SeparateView(ckpt), only=only)
+    load_module(model, ckpt, only=only)
     stats = out / "dataset_statistics.json"
     if stats.is_file():
-        import dataclasses
-
         model.config = dataclasses.replace(model.config, norm_stats=json.loads(stats.read_text()))
-    model.eval()
-    return model
+    return model.eval()
+
+
+def _train_whole(model: OpenVLA, globs: list[str]) -> None:
+    """Mark the parameters of the modules ``globs`` select (the module or any module above
+    it, whole or as a dotted tail: ``--train``'s rule) as trained: what the checkpoint holds."""
+
+    def hit(owner: str) -> bool:
+        return any(
+            fnmatch.fnmatchcase(owner, g) or fnmatch.fnmatchcase(owner, "*." + g) for g in globs
+        )
+
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        owners = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if not is_adapter_name(name) and any(hit(o) for o in owners):
+            p.requires_grad_(True)

@@ -25,6 +25,7 @@ from parallax.families.openvla.oft_batches import (
     oft_prompt,
 )
 from parallax.families.openvla.oft_config import head_rows
+from parallax.families.openvla.predict import config_with_statistics
 from parallax.pipeline import TensorMeta, gpipe
 from parallax.pipeline.forward import run_forward
 
@@ -34,9 +35,7 @@ def _statistics(model, unnorm_key: str | None, statistics) -> dict | None:
     dict) the actions and the state are normalised with; ``None`` when there are none."""
     config = model.config
     if statistics is not None:
-        from parallax.families.openvla.predict import _with_statistics
-
-        config = _with_statistics(config, statistics)
+        config = config_with_statistics(config, statistics)
     if not config.norm_stats:
         return None
     config.action_stats(unnorm_key)  # checks the key

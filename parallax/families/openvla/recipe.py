@@ -30,7 +30,9 @@ from parallax.families.openvla.objectives import (
     rows_loss,
     vla_loss,
 )
-from parallax.families.openvla.oft_data import with_oft
+from parallax.families.openvla.oft_batches import OFTBatchBuilder
+from parallax.families.openvla.oft_data import data_shape, stream_kwargs, synthetic_task, with_oft
+from parallax.families.openvla.oft_export import save_oft_modules
 from parallax.families.openvla.oft_head import FILM_LINEARS, LORA_EXCLUDE
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
@@ -102,8 +104,6 @@ class OpenVLARecipe(Recipe):
 
     def data_shape(self, cfg):
         """What ``cfg.data`` gives an OFT model (opened once per process and data spec)."""
-        from parallax.families.openvla.oft_data import data_shape
-
         key = repr((cfg.data, cfg.data_config, cfg.seed, cfg.action_chunk))
         if key not in self._data_shapes:
             self._data_shapes[key] = data_shape(self.dataset(cfg.data, cfg))
@@ -144,8 +144,6 @@ class OpenVLARecipe(Recipe):
             )
         chunk.save_pretrained(path)
         if chunk.config.oft is not None:
-            from parallax.families.openvla.oft_export import save_oft_modules
-
             save_oft_modules(chunk, path, step=self._export_step)
 
     # -- data ----------------------------------------------------------------------------------
@@ -159,8 +157,6 @@ class OpenVLARecipe(Recipe):
         if is_streamed(spec):
             return open_mixture(dataclasses.replace(cfg, data=spec))
         if spec == "synthetic" and cfg.action_head == "l1":
-            from parallax.families.openvla.oft_data import synthetic_task
-
             return synthetic_task(cfg, cfg.seed)
         return load_dataset(spec, seed=cfg.seed)
 
@@ -173,8 +169,6 @@ class OpenVLARecipe(Recipe):
             from parallax.data import SyntheticTask
 
             if cfg.action_head == "l1":
-                from parallax.families.openvla.oft_data import synthetic_task
-
                 return synthetic_task(cfg, cfg.seed + 1)
             return SyntheticTask(seed=cfg.seed + 1)
         if spec is None:
@@ -194,8 +188,6 @@ class OpenVLARecipe(Recipe):
         name = cfg.model.partition(":")[2] if cfg.model.startswith("openvla:") else cfg.model
         extra = {}
         if cfg.action_head == "l1":
-            from parallax.families.openvla.oft_data import data_shape, stream_kwargs
-
             extra = stream_kwargs(cfg, data_shape(dataset))
         return stream_loader(dataset, cfg, ctx, self.resolve(name).config.image_size, **extra)
 
@@ -204,8 +196,6 @@ class OpenVLARecipe(Recipe):
 
         tokenizer = text_tokenizer(config, checkpoint)
         if config.oft is not None:
-            from parallax.families.openvla.oft_batches import OFTBatchBuilder
-
             return OFTBatchBuilder(config, dataset.statistics, tokenizer)
         return BatchBuilder(config, dataset.statistics, tokenizer)
 
