@@ -53,6 +53,6 @@ python -m benchmarks.tools.train_report --title "parallax.train on $n GPUs (issu
   --run "tiny dp$n (default command)=$scratch/tiny" --run "openvla-7b tp$n=$scratch/7btp$n" \
   --run "openvla-7b pp$n=$scratch/7bpp$n" --run "openvla-7b dp$n=$scratch/7bdp$n" \
   --command "$tr -m parallax.train [--save-interval 0]; $tr -m parallax.train $big --tp|--pp|--dp $n" \
-  --notes "median after 2 warm-up steps; tiny: 300 steps, gbs 32 fp32; 7b: 5 steps, gbs 16, mbs 4" \
+  --notes "median after 2 warm-up steps; tiny: 150 steps, gbs 32 fp32; 7b: 5 steps, gbs 16, mbs 4" \
   2>&1 | tee "$logs/train_report.log"
 save
