@@ -4,8 +4,8 @@ written; the 7B recipe's FLOP formula on its own."""
 
 import math
 
-from benchmarks.common import RESULTS_JSONL, RESULTS_MD
-from benchmarks.oft_step import main, oft_config, parse_args
+from benchmarks.openvla.oft_step import main, oft_config, parse_args
+from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 from parallax.families.openvla.oft_objective import forward_parts, oft_flops_per_sample
 
 
