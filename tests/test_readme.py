@@ -1,18 +1,21 @@
-"""The README runs as written: every Python block, and every shell command a CPU can run.
+"""The README and docs/ run as written: every Python block, and every shell command a CPU can run.
 
-Blocks run in order in one scratch directory (so a command may use what an earlier one wrote),
-with the repository's ``examples/`` linked in and ``benchmarks/`` copied (so their results
-files stay untouched). A comment line right before a
+Each file's blocks run in order in a scratch directory of its own (so a command may use what an
+earlier block of the same file wrote), with the repository's ``examples/`` linked in and
+``benchmarks/`` copied (so their results files stay untouched). A comment line right before a
 block's fence steers it: ``<!-- test: ranks=N -->`` runs a Python block under torchrun with N
 processes (one process otherwise); ``<!-- test: dry-run -->`` plans every training command of a
 shell block instead of running it; ``<!-- test: setup=NAME -->`` first makes what the block
-names as the user's own input (see ``SETUPS``). Blocks that run nothing (a layout, the CI's own
-install and test steps) are checked to be just that, and not collected as runs.
+names as the user's own input (see ``SETUPS``); ``<!-- test: file=NAME -->`` writes the block
+(a TOML config, say) to NAME for later blocks to use. Blocks that run nothing (a layout, the
+CI's own install and test steps) are checked to be just that, and not collected as runs.
 
-Shell commands: ``pip install`` and ``pytest`` are the CI's own steps and are not repeated; a
-benchmark without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training
-command runs with ``--steps 2`` appended (the full runs' numbers in the README are measured, not
-tested), or with ``--dry-run`` where it names GPU work (bf16, a 7B preset, several nodes).
+Shell commands: setting up the environment (``python -m venv``, activating it, ``pip
+install``) and ``pytest`` are the CI's own steps and are not repeated; downloads (``hf``) need
+the network, and the ``setup=`` option makes a local stand-in for what they fetch; a benchmark
+without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training command runs
+with ``--steps 2`` appended (the full runs' numbers in the docs are measured, not tested), or
+with ``--dry-run`` where it names GPU work (bf16, a 7B preset, several nodes).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARK = re.compile(r"^<!-- test: (.*) -->$")
 GPU_WORDS = ("--precision bf16", "openvla-7b", "vicuna-7b", "siglip-large", "--nnodes")
@@ -84,10 +88,13 @@ def _torchrun(nproc: int | None = None) -> list[str]:
     return run + ([f"--nproc-per-node={nproc}"] if nproc else [])
 
 
+SETUP_WORDS = ("pip", "pytest", "ruff", ".", "source", "hf", "huggingface-cli")
+
+
 def plan(cmd: str, dry_run: bool) -> list[str] | None:
     """The argv that runs ``cmd`` here, or None where it is not run (see the module doc)."""
     words = shlex.split(cmd)
-    if words[0] == "pip" or words[0] in ("pytest", "ruff"):
+    if words[0] in SETUP_WORDS or words[1:3] == ["-m", "venv"]:
         return None
     if any(w.startswith("benchmarks.") for w in words) and "--smoke" not in words:
         return None  # a GPU benchmark: its --smoke twin runs
@@ -119,7 +126,7 @@ def _episodes(work: Path) -> None:
 def _checkpoint(work: Path, path: str) -> None:
     """An OpenVLA checkpoint in the Hugging Face layout at ``path`` (the tiny preset)."""
     code = (
-        "from parallax.models import OpenVLA, OpenVLAConfig; "
+        "from parallax.families.openvla import OpenVLA, OpenVLAConfig; "
         f"OpenVLA(OpenVLAConfig.preset('tiny'), seed=0).save_pretrained({path!r})"
     )
     subprocess.run([sys.executable, "-c", code], cwd=work, env=_env(), check=True, timeout=120)
@@ -129,16 +136,28 @@ SETUPS = {"episodes": _episodes, "checkpoint": _checkpoint}
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("readme")
-    (work / "examples").symlink_to(ROOT / "examples")
-    # a copy, not a link: a benchmark run appends to its RESULTS.md, which must stay the repo's
-    skip = shutil.ignore_patterns("__pycache__", "profiles")
-    shutil.copytree(ROOT / "benchmarks", work / "benchmarks", ignore=skip)
-    return work
+def workdirs(tmp_path_factory):
+    """One scratch directory per file, made when its first block runs."""
+    made: dict[str, Path] = {}
+
+    def get(doc: str) -> Path:
+        if doc not in made:
+            work = made[doc] = tmp_path_factory.mktemp(doc.replace("/", "-").replace(".", "-"))
+            (work / "examples").symlink_to(ROOT / "examples")
+            # a copy, not a link: a benchmark run appends to its RESULTS.md, which must stay
+            skip = shutil.ignore_patterns("__pycache__", "profiles")
+            shutil.copytree(ROOT / "benchmarks", work / "benchmarks", ignore=skip)
+        return made[doc]
+
+    return get
 
 
-BLOCKS = blocks(README.read_text())
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+BLOCKS = [(_name(d), *b) for d in DOCS for b in blocks(d.read_text())]
+README_BLOCKS = [b[1:] for b in BLOCKS if b[0] == "README.md"]
 RESULT_FILES = ("RESULTS.md", "results.jsonl")
 
 
@@ -150,14 +169,16 @@ RESULTS_BEFORE = {f: _digest(ROOT / "benchmarks" / f) for f in RESULT_FILES}
 
 
 def test_the_readme_has_blocks_of_both_kinds():
-    kinds = {lang for _, lang, _, _ in BLOCKS}
+    kinds = {lang for _, lang, _, _ in README_BLOCKS}
     assert {"python", "bash"} <= kinds, kinds
-    assert "ranks=2" in {k + "=" + v for *_, o in BLOCKS for k, v in o.items()}
+    assert "ranks=2" in {k + "=" + v for *_, _, _, o in BLOCKS for k, v in o.items()}
 
 
 def test_commands_are_planned_as_the_module_doc_says():
     assert plan("pip install -e '.[test]'", False) is None
-    assert plan("torchrun --nproc-per-node 2 -m benchmarks.openvla_step", False) is None
+    assert plan("python3 -m venv .venv && . .venv/bin/activate", False) is None
+    assert plan("hf download openvla/openvla-7b --local-dir ckpt", False) is None
+    assert plan("torchrun --nproc-per-node 2 -m benchmarks.openvla.openvla_step", False) is None
     got = plan("torchrun --nproc-per-node 2 -m parallax.train --out a", False)
     assert got[-4:] == ["--out", "a", "--steps", "2"] and "--standalone" in got
     got = plan("torchrun --nproc-per-node 8 -m parallax.train --precision bf16", False)
@@ -167,6 +188,8 @@ def test_commands_are_planned_as_the_module_doc_says():
 
 def runs(line: int, lang: str, code: str, opts: dict[str, str]) -> list[tuple[str, list[str]]]:
     """(what, argv) of everything a block runs here; empty for a block that runs nothing."""
+    if "file" in opts:
+        return []  # written for later blocks, not run
     if lang == "python":
         ranks = int(opts.get("ranks", "1"))
         script = f"readme_line{line}.py"  # written into the scratch directory
@@ -178,23 +201,30 @@ def runs(line: int, lang: str, code: str, opts: dict[str, str]) -> list[tuple[st
     return [(c, argv) for c, argv in planned if argv is not None]
 
 
-RUNNABLE = [b for b in BLOCKS if runs(*b)]
+RUNNABLE = [b for b in BLOCKS if runs(*b[1:])]
+IN_ORDER = [b for b in BLOCKS if runs(*b[1:]) or "file" in b[4]]  # with the files they write
 
 
 def test_the_blocks_that_run_nothing_only_show_files_or_install():
     """Blocks left out of ``test_block_runs``: layouts (text, TOML) and the CI's own steps."""
-    for line, lang, code, opts in BLOCKS:
-        if not runs(line, lang, code, opts):
+    for doc, line, lang, code, opts in BLOCKS:
+        if not runs(line, lang, code, opts) and "file" not in opts:
             assert lang not in ("python", "bash") or all(
                 plan(c, False) is None for c in commands(code)
-            ), f"README line {line} runs nothing"
+            ), f"{doc} line {line} runs nothing"
     assert len(RUNNABLE) >= 20, len(RUNNABLE)
 
 
 @pytest.mark.parametrize(
-    "line,lang,code,opts", RUNNABLE, ids=[f"line{b[0]}-{b[1]}" for b in RUNNABLE]
+    "doc,line,lang,code,opts",
+    IN_ORDER,
+    ids=[f"{b[0].removesuffix('.md')}-line{b[1]}-{b[2]}" for b in IN_ORDER],
 )
-def test_block_runs(work, line, lang, code, opts):
+def test_block_runs(workdirs, doc, line, lang, code, opts):
+    work = workdirs(doc)
+    if "file" in opts:  # a file later blocks use: written in file order, as a reader would
+        (work / opts["file"]).write_text(code + "\n")
+        return
     for setup in filter(None, opts.get("setup", "").split(",")):
         name, _, arg = setup.partition(":")
         SETUPS[name](work, *([arg] if arg else []))
@@ -205,10 +235,35 @@ def test_block_runs(work, line, lang, code, opts):
             argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
         )
         assert proc.returncode == 0, (
-            f"README line {line}: {what}\n{proc.stdout[-2000:]}\n" + (proc.stderr[-4000:])
+            f"{doc} line {line}: {what}\n{proc.stdout[-2000:]}\n" + (proc.stderr[-4000:])
         )
 
 
-def test_the_readme_runs_left_the_repository_results_alone():
+def test_the_readme_is_short_and_links_every_doc():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300, len(text.splitlines())
+    for doc in DOCS[1:]:
+        assert f"(docs/{doc.name})" in text, f"README.md does not link docs/{doc.name}"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
+
+
+def test_relative_links_name_files_that_exist():
+    for doc in DOCS:
+        for target, _ in LINK.findall(doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{_name(doc)}: no such file {target}"
+
+
+def test_install_lines_install_this_checkout():
+    """`pip install parallax` is an unrelated PyPI project: install from the checkout."""
+    wrong = re.compile(r"pip install[^\n`]*?(?<![\w.-])['\"]?parallax(\[|['\"\s]|$)")
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            assert not wrong.search(line), f"{_name(doc)} line {n}: {line}"
+
+
+def test_the_runs_left_the_repository_results_alone():
     """Runs after the blocks (pytest keeps file order): the benchmarks wrote into the copy."""
     assert {f: _digest(ROOT / "benchmarks" / f) for f in RESULT_FILES} == RESULTS_BEFORE

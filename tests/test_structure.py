@@ -62,8 +62,8 @@ def _imports(mods: dict[str, Path]):
                 typing_only |= isinstance(up, ast.If) and "TYPE_CHECKING" in ast.unparse(up.test)
             if typing_only:
                 continue
-            prev = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-            commented = "#" in lines[node.lineno - 1] or prev.startswith("#")
+            prev = lines[node.lineno - 2] if node.lineno > 1 else ""
+            commented = "#" in lines[node.lineno - 1] or "#" in prev  # here or on the line above
             if isinstance(node, ast.ImportFrom):
                 if node.level or not (node.module or "").startswith("parallax"):
                     if inside:

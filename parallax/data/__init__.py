@@ -5,12 +5,12 @@ Everything here produces *raw* samples ``{"image": (H, W, 3) uint8, "instruction
 "action": (7,) float32}`` plus OpenVLA-style ``norm_stats``; the model side tokenises and
 preprocesses them.
 
-Other projects' robot datasets (RLDS / Open X-Embodiment, LIBERO HDF5, LeRobot) are read in
-place by the readers of :mod:`parallax.data.mixture` (optional extras: ``pip install
-'parallax[data]'``) and streamed, mixed and augmented by :class:`StreamLoader`; their samples
-also carry ``"dataset"`` (the name their statistics are keyed by), ``"episode"`` and ``"step"``.
-Image-text pairs for the dual encoders (folders, WebDataset tar shards, a
-synthetic task) are ``{"image", "caption", "key"}`` samples read through :class:`PairLoader`.
+Other projects' robot datasets (RLDS / Open X-Embodiment, LIBERO HDF5, LeRobot) are read in place by
+the readers of :mod:`parallax.data.mixture` (optional extras: ``pip install '.[data]'`` in the
+checkout) and streamed, mixed and augmented by :class:`StreamLoader`; their samples also carry
+``"dataset"`` (the name their statistics are keyed by), ``"episode"`` and ``"step"``. Image-text
+pairs for the dual encoders (folders, WebDataset tar shards, a synthetic task) are ``{"image",
+"caption", "key"}`` samples read through :class:`PairLoader`.
 """
 
 from parallax.data.augment import AugmentConfig

@@ -19,5 +19,5 @@ def require(module: str, extra: str, what: str) -> ModuleType:
     except ImportError:
         raise MissingExtra(
             f"{what} needs the Python package {module.split('.')[0]!r}: "
-            f"pip install 'parallax[{extra}]'"
+            f"pip install -e '.[{extra}]' in the checkout (the extra {extra!r} of parallax-train)"
         ) from None

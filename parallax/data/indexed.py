@@ -18,7 +18,7 @@ def episode_lengths(dataset: Any) -> list[int]:
     if isinstance(dataset, EpisodeDataset):
         return [int(e["length"]) for e in dataset.episodes]
     if isinstance(dataset, SyntheticTask):
-        return [dataset.config.episode_length] * dataset.config.num_episodes
+        return [dataset.samples_per_episode] * dataset.config.num_episodes
     lengths = getattr(dataset, "episode_lengths", None)
     if lengths is None:
         raise TypeError(f"{type(dataset).__name__} does not say how its samples form episodes")

@@ -55,7 +55,7 @@ def decode_image(data: bytes, ext: str, what: str) -> np.ndarray:
         from PIL import Image  # optional dependency (pillow)
     except ImportError as err:
         raise ImportError(
-            f"decoding {what} needs the optional Pillow package (pip install 'parallax[images]')"
+            f"decoding {what} needs the optional Pillow package (pip install -e '.[images]')"
         ) from err
     try:
         with Image.open(io.BytesIO(data)) as img:

@@ -8,8 +8,9 @@ episodes, a non-empty dataset, record checksums) and computes the action statist
 plain, picklable data; every file handle lives in an :class:`OpenEpisode`.
 
 A raw sample is ``{"image": (H, W, 3) uint8, "instruction": str, "action": (D,) float32,
-"dataset": name, "episode": int, "step": int}`` plus, when asked for, ``"wrist_image"`` and
-``"state": (S,) float32``.
+"dataset": name, "episode": int, "step": int}`` plus, when asked for, ``"wrist_image"``,
+``"state": (S,) float32`` and the action chunk ``"actions": (K, D) float32`` (OpenVLA-OFT's
+targets: :func:`chunk_lengths` says which steps are samples then).
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ class EpisodeRef:
     where: Any  # the reader's locator (plain data)
     label: str  # how messages name it: "<file>: episode k (...)"
     index: int = 0  # its number in the source
+
+
+def chunk_lengths(lengths, chunk: int) -> np.ndarray:
+    """Samples per episode when each sample carries the next ``chunk`` actions.
+
+    OpenVLA-OFT's rule (its RLDS ``chunk_act_obs`` with ``window_size=1`` and
+    ``future_action_window_size=K-1``): a ``T``-step episode keeps its first ``T - K + 1``
+    steps as samples, so every chunk lies inside the episode; an episode shorter than ``K``
+    gives none. (Its gather also clamps the future indices to the last step, repeating the
+    final action, which that truncation never reaches: :func:`action_chunk` does the same.)"""
+    return np.maximum(np.asarray(lengths, dtype=np.int64) - (chunk - 1), 0)
+
+
+def action_chunk(actions: np.ndarray, step: int, chunk: int) -> np.ndarray:
+    """Actions ``step .. step + chunk - 1`` of an episode ``(T, D)`` -> ``(chunk, D)``, indices
+    past the end clamped to the last step (OFT's padding: the final action repeated)."""
+    index = np.minimum(np.arange(step, step + chunk), len(actions) - 1)
+    return np.asarray(actions, dtype=np.float32)[index]
 
 
 class OpenEpisode:
@@ -231,9 +250,15 @@ class Source:
         raise NotImplementedError
 
     def sample(
-        self, opened: OpenEpisode, step: int, cameras=("primary",), state: bool = False
+        self,
+        opened: OpenEpisode,
+        step: int,
+        cameras=("primary",),
+        state: bool = False,
+        chunk: int = 1,
     ) -> dict[str, Any]:
-        """One raw sample (numpy arrays; see the module doc)."""
+        """One raw sample (numpy arrays; see the module doc); ``chunk > 1`` adds ``"actions"``
+        ``(chunk, D)``, the next ``chunk`` actions (:func:`action_chunk`)."""
         out: dict[str, Any] = {
             "image": opened.image(step, "primary"),
             "instruction": opened.instruction(step),
@@ -246,6 +271,8 @@ class Source:
             out["wrist_image"] = opened.image(step, "wrist")
         if state and opened.states is not None:
             out["state"] = opened.states[step]
+        if chunk > 1:
+            out["actions"] = action_chunk(opened.actions, step, chunk)
         return out
 
     def __repr__(self) -> str:

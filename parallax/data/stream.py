@@ -32,7 +32,7 @@ from parallax.data.augment import AugmentConfig
 from parallax.data.loader import check_batch_sizes
 from parallax.data.mixture import Mixture
 from parallax.data.order import MixtureOrder, SourceOrder
-from parallax.data.source import Source
+from parallax.data.source import Source, chunk_lengths
 from parallax.data.stats import DatasetError, merge_statistics
 from parallax.data.workers import Decoder, Recipe, WorkerPool
 
@@ -59,6 +59,7 @@ class StreamLoader:
         image_size: int | tuple[int, int] | None = None,
         cameras: Sequence[str] = ("primary",),
         state: bool = False,
+        chunk: int = 1,
         workers: int = 0,
         prefetch: int = 2,
         episodes_per_chunk: int = 64,
@@ -76,6 +77,15 @@ class StreamLoader:
         if not sources:
             raise DatasetError("no dataset to load")
         self.sources = sources
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.chunk = int(chunk)
+        for s in sources:
+            if not chunk_lengths(s.lengths, self.chunk).any():
+                raise DatasetError(
+                    f"dataset {s.name!r}: no episode has {self.chunk} steps, so none gives an "
+                    f"action chunk of {self.chunk} (its longest has {int(s.lengths.max())})"
+                )
         weights = weights or [s.num_transitions for s in sources]
         if len(weights) != len(sources):
             raise ValueError(f"{len(weights)} weights for {len(sources)} datasets")
@@ -95,6 +105,7 @@ class StreamLoader:
             image_size=None if size is None else tuple(size),
             cameras=tuple(cameras),
             state=state,
+            chunk=int(chunk),
             cache_episodes=cache_episodes
             or self.default_cache(len(sources), episodes_per_chunk, workers),
         )
@@ -119,8 +130,11 @@ class StreamLoader:
         return -(-datasets * episodes_per_chunk * 5 // (4 * max(workers, 1))) + 2
 
     def _source_order(self, source: Source) -> SourceOrder:
+        """The order of the source's samples: every step, or with chunks only the steps whose
+        chunk fits in the episode (:func:`~parallax.data.source.chunk_lengths`)."""
         key = f"data.{source.name}"
-        return SourceOrder(source.lengths, seed=self.seed, key=key, **self._order_args)
+        lengths = chunk_lengths(source.lengths, self.chunk)
+        return SourceOrder(lengths, seed=self.seed, key=key, **self._order_args)
 
     @property
     def num_microbatches(self) -> int:
@@ -206,7 +220,7 @@ class StreamLoader:
     @staticmethod
     def _tensors(raw: dict[str, Any]) -> dict[str, Any]:
         out = dict(raw)
-        for key in ("image", "wrist_image", "action", "state"):
+        for key in ("image", "wrist_image", "action", "state", "actions"):
             if key in out:
                 out[key] = torch.from_numpy(np.ascontiguousarray(out[key]))
         return out

@@ -23,6 +23,14 @@ the image shows (where the gripper and the objects are) and of what the instruct
 ``i % episode_length`` of episode ``i // episode_length``; each episode's randomness comes from
 its own generator seeded by ``(seed, episode)``, so any sample is computed on demand in a few
 hundred microseconds and the same seed always gives the same images, actions and statistics.
+
+**OFT form** (OpenVLA-OFT's inputs and targets; all off by default): ``wrist_image=True``
+adds the wrist camera's view as ``"wrist_image"`` beside ``"image"`` (with ``camera="static"``
+the two are OFT's third-person and wrist cameras); ``state=True`` adds the robot's state
+``"state"`` (the gripper's ``x, y``; its statistics go to ``proprio``); ``chunk=K`` adds
+``"actions"``, the expert's next ``K`` actions ``(K, 7)``, and, as OFT's RLDS pipeline does
+(``chunk_act_obs`` keeps ``T - K + 1`` steps of a ``T``-step trajectory), only the steps
+whose chunk fits in the episode are samples: an episode gives ``episode_length - K + 1``.
 """
 
 from __future__ import annotations
@@ -71,6 +79,9 @@ class SyntheticConfig:
     camera: str = "wrist"  # "wrist": the view follows the gripper; "static": the whole table
     stats_episodes: int = 1000  # statistics are computed from the first this many episodes
     name: str = "parallax_synthetic"
+    wrist_image: bool = False  # OFT form: also the wrist camera's view (module doc)
+    state: bool = False  # OFT form: the gripper's position as the robot state
+    chunk: int = 1  # OFT form: the next `chunk` actions per sample ("actions"); 1: "action" only
 
     def __post_init__(self) -> None:
         checks = {
@@ -87,6 +98,7 @@ class SyntheticConfig:
             "0 < max_step <= 1": 0 < self.max_step <= 1,
             "camera in ('wrist', 'static')": self.camera in ("wrist", "static"),
             "stats_episodes >= 1": self.stats_episodes >= 1,
+            "1 <= chunk <= episode_length": 1 <= self.chunk <= self.episode_length,
         }
         bad = [rule for rule, ok in checks.items() if not ok]
         if bad:
@@ -146,19 +158,32 @@ class SyntheticTask:
         size = config.image_size
         self._centres = (np.arange(size, dtype=np.float32) + 0.5) / size  # (S,)
 
+    @property
+    def samples_per_episode(self) -> int:
+        """Steps whose action chunk fits in the episode (all of them without chunks)."""
+        return self.config.episode_length - self.config.chunk + 1
+
     def __len__(self) -> int:
-        return self.config.num_episodes * self.config.episode_length
+        return self.config.num_episodes * self.samples_per_episode
 
     def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        episode, step = divmod(int(index), self.config.episode_length)
+        cfg = self.config
+        episode, step = divmod(int(index), self.samples_per_episode)
         scene = self.scene(episode)
-        return {
+        out = {
             "image": self.render(scene, episode, step),
             "instruction": scene.instruction,
             "action": torch.from_numpy(scene.actions[step].copy()),
         }
+        if cfg.wrist_image:
+            out["wrist_image"] = self.render(scene, episode, step, camera="wrist")
+        if cfg.state:
+            out["state"] = torch.from_numpy(scene.gripper[step].astype(np.float32))
+        if cfg.chunk > 1:
+            out["actions"] = torch.from_numpy(scene.actions[step : step + cfg.chunk].copy())
+        return out
 
     def scene(self, episode: int) -> Scene:
         """Objects, instruction and the expert's trajectory of ``episode`` (no pixels)."""
@@ -196,12 +221,16 @@ class SyntheticTask:
             np.stack(track), np.stack(actions),
         )  # fmt: skip
 
-    def render(self, scene: Scene, episode: int, step: int) -> torch.Tensor:
-        """The camera image at ``step``: (S, S, 3) uint8."""
-        rng = np.random.default_rng([self.config.seed, episode, step + 1])
+    def render(
+        self, scene: Scene, episode: int, step: int, camera: str | None = None
+    ) -> torch.Tensor:
+        """The image of ``camera`` (default: the config's) at ``step``: (S, S, 3) uint8."""
+        camera = camera or self.config.camera
+        other = () if camera == self.config.camera else (1,)  # a second camera's own noise
+        rng = np.random.default_rng([self.config.seed, episode, step + 1, *other])
         gx, gy = scene.gripper[step]
         xs = ys = self._centres  # (S,) pixel centres in [0, 1]: x by column, y by row
-        if self.config.camera == "wrist":  # the view (one table wide) moves with the gripper
+        if camera == "wrist":  # the view (one table wide) moves with the gripper
             xs, ys = xs - 0.5 + gx, ys - 0.5 + gy
         on_table = ((ys >= 0) & (ys <= 1))[:, None] & ((xs >= 0) & (xs <= 1))[None, :]  # (S, S)
         image = np.where(on_table[..., None], np.float32(TABLE), np.float32(FLOOR))  # (S, S, 3)
@@ -240,8 +269,10 @@ class SyntheticTask:
         """``norm_stats`` from the actions of the first ``stats_episodes`` episodes."""
         cfg = self.config
         count = min(cfg.num_episodes, cfg.stats_episodes)
-        actions = np.concatenate([self.scene(e).actions for e in range(count)])
-        stats = compute_statistics(actions, count, self.name)
+        scenes = [self.scene(e) for e in range(count)]
+        actions = np.concatenate([s.actions for s in scenes])
+        states = np.concatenate([s.gripper for s in scenes]) if cfg.state else None
+        stats = compute_statistics(actions, count, self.name, states=states)
         stats[self.name]["num_trajectories"] = cfg.num_episodes
         stats[self.name]["num_transitions"] = len(self)
         return stats

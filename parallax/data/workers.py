@@ -52,6 +52,7 @@ class Recipe:
     cameras: tuple[str, ...] = ("primary",)
     state: bool = False
     cache_episodes: int = 16
+    chunk: int = 1  # > 1: each sample also carries its next `chunk` actions ("actions")
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "eval", "none"):
@@ -80,7 +81,9 @@ class Decoder:
 
     def sample(self, source: int, opened: OpenEpisode, step: int, position: int) -> dict:
         r = self.recipe
-        out = self.sources[source].sample(opened, step, cameras=r.cameras, state=r.state)
+        out = self.sources[source].sample(
+            opened, step, cameras=r.cameras, state=r.state, chunk=r.chunk
+        )
         for camera, key in IMAGE_KEYS.items():
             if key not in out:
                 continue

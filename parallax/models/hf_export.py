@@ -119,6 +119,9 @@ def save_pretrained(
     layout = _layout(model)
     params = dict(base_parameters(model))  # LoRA adapters are merged in, not written
     groups = [layout.tensors(n, logical_shape(p)) for n, p in params.items()]
+    # a parameter the layout stores nowhere (a module the family writes apart) is left out
+    params = {n: p for (n, p), g in zip(params.items(), groups) if g}
+    groups = [g for g in groups if g]
     unused = layout.unused() if model.has_vision else {}
     groups += [[(n, s)] for n, s in unused.items()]
     gathered = comm.all_gather_object((pp_rank, dp_rank, tp_rank, groups), world)

@@ -136,6 +136,16 @@ class KVCache:
         return k, v
 
 
+def padded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Bidirectional SDPA over every position, keys where ``key_mask`` (b, t) is False left
+    out (padding): OpenVLA-OFT's parallel decoding. Every query keeps at least its BOS key."""
+    if key_mask is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal SDPA where the ``s`` queries are the last ``s`` of the ``t`` keys."""
     s, t = q.shape[2], k.shape[2]
@@ -165,7 +175,11 @@ class LlamaAttention(nn.Module):
             self.v_proj = ColumnParallelLinear(h, kv, **kw)
         self.o_proj = RowParallelLinear(h, h, **kw)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, cache: KVCache | None = None, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``key_mask`` (b, s) bool: attend bidirectionally to the keys it keeps (no cache);
+        ``None``: causal attention, as Llama runs."""
         b, s, _ = x.shape
         if self.fused:
             q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # each (b, s, h/tp)
@@ -181,7 +195,10 @@ class LlamaAttention(nn.Module):
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        o = causal_attention(q, k, v)  # (b, nh/tp, s, hd)
+        if key_mask is None:
+            o = causal_attention(q, k, v)  # (b, nh/tp, s, hd)
+        else:
+            o = padded_attention(q, k, v, key_mask)  # (b, nh/tp, s, hd)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, h)
 
 
@@ -217,15 +234,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = LlamaMLP(cfg, ctx, **kw)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache | None = None, key_mask=None) -> torch.Tensor:
+        """``key_mask``: see :meth:`LlamaAttention.forward`."""
         if self.checkpointed and cache is None and torch.is_grad_enabled():
             # inside forward, so that a compiled layer traces the recomputation into its own
             # backward graph (which CUDA graphs can replay) instead of calling itself again
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin, cache)
+            if key_mask is None:
+                return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._forward, x, cos, sin, None, key_mask, use_reentrant=False)
+        return self._forward(x, cos, sin, cache, key_mask)
 
-    def _forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def _forward(self, x, cos, sin, cache: KVCache | None = None, key_mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -285,19 +305,27 @@ class LlamaLM(CheckpointedBlocks, nn.Module):
         return self.model.embed_tokens(input_ids)  # (b, t, h)
 
     def forward_layers(
-        self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        start: int = 0,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run this piece's decoder layers on ``x`` (b, s, h) at positions ``start ...``."""
+        """Run this piece's decoder layers on ``x`` (b, s, h) at positions ``start ...``:
+        causal, or with ``key_mask`` (b, s) bool bidirectional over the keys it keeps."""
         if not len(self.model.layers):
             return x
+        if key_mask is not None and cache is not None:
+            raise ValueError("bidirectional attention (a key mask) runs without a KV cache")
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         outside = self._checkpoint_outside and cache is None and torch.is_grad_enabled()
+        extra = () if key_mask is None else (None, key_mask)
         for layer in self.model.layers.values():
             if outside:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, *extra, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cache)
+                x = layer(x, cos, sin, cache, *extra[1:])
         return x  # (b, s, h)
 
     def _blocks(self):

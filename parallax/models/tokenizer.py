@@ -37,7 +37,7 @@ class HFTokenizer:
             except ImportError as err:
                 raise ImportError(
                     "reading the checkpoint's tokenizer needs the optional 'tokenizers' or "
-                    "'sentencepiece' package (pip install 'parallax[tokenizers]'); without it, "
+                    "'sentencepiece' package (pip install -e '.[tokenizers]'); without it, "
                     "pass token ids"
                 ) from err
             if not (path / "tokenizer.model").is_file():

@@ -157,11 +157,19 @@ class ViTMLP(nn.Module):
 
 
 class ViTBlock(nn.Module):
-    """Pre-norm block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``."""
+    """Pre-norm block: ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``.
+
+    With ``film_dim`` the block has a FiLM slot (OpenVLA-OFT+'s language conditioning):
+    ``gamma, beta = film_scale(c), film_shift(c)`` of a conditioning vector ``c`` (b, film_dim)
+    modulate the stream between attention and MLP, ``x * (1 + gamma) + beta``. The two linears
+    are column-parallel with their outputs gathered (each rank holds ``width / tp`` rows).
+    """
 
     checkpointed = False  # recompute in the backward (activation checkpointing)
 
-    def __init__(self, cfg: ViTConfig, ctx, device=None, dtype=None) -> None:
+    def __init__(
+        self, cfg: ViTConfig, ctx, device=None, dtype=None, film_dim: int | None = None
+    ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.norm1 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps, **kw)
@@ -174,15 +182,25 @@ class ViTBlock(nn.Module):
         self.ls2 = (
             LayerScale(cfg.width, cfg.layer_scale, **kw) if cfg.layer_scale else nn.Identity()
         )
+        if film_dim:
+            film = dict(bias=True, gather_output=True, ctx=ctx, **kw)
+            self.film_scale = ColumnParallelLinear(film_dim, cfg.width, **film)
+            self.film_shift = ColumnParallelLinear(film_dim, cfg.width, **film)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, film: torch.Tensor | None = None) -> torch.Tensor:
+        """``film`` (b, film_dim): the FiLM conditioning (blocks built with ``film_dim``)."""
+        args = (x,) if film is None else (x, film)
         if self.checkpointed and torch.is_grad_enabled():
             # inside forward: a compiled block keeps the recomputation in its own graphs
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, *args, use_reentrant=False)
+        return self._forward(*args)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, film: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.ls1(self.attn(self.norm1(x)))
+        if film is not None:
+            gamma = self.film_scale(film)[:, None]  # (b, 1, w)
+            beta = self.film_shift(film)[:, None]  # (b, 1, w)
+            x = x * (1 + gamma) + beta
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
@@ -199,7 +217,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionTransformer(CheckpointedBlocks, nn.Module):
-    """Image -> features of block ``cfg.feature_layer`` (patch tokens unless ``keep_prefix``)."""
+    """Image -> features of block ``cfg.feature_layer`` (patch tokens unless ``keep_prefix``);
+    ``film_dim``: every block has a FiLM slot (:class:`ViTBlock`)."""
 
     def __init__(
         self,
@@ -208,9 +227,11 @@ class VisionTransformer(CheckpointedBlocks, nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        film_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.film_dim = film_dim
         kw = dict(device=device, dtype=dtype)
         w = cfg.width
         self.patch_embed = PatchEmbed(cfg, **kw)
@@ -223,7 +244,10 @@ class VisionTransformer(CheckpointedBlocks, nn.Module):
         if cfg.pre_norm:
             self.norm_pre = nn.LayerNorm(w, eps=cfg.ln_eps, **kw)
         self.blocks = nn.ModuleDict(
-            {str(i): ViTBlock(cfg, ctx, **kw) for i in range(cfg.feature_index + 1)}
+            {
+                str(i): ViTBlock(cfg, ctx, film_dim=film_dim, **kw)
+                for i in range(cfg.feature_index + 1)
+            }
         )
         if cfg.final_norm:
             self.norm = nn.LayerNorm(w, eps=cfg.ln_eps, **kw)
@@ -246,8 +270,16 @@ class VisionTransformer(CheckpointedBlocks, nn.Module):
             out.append(self.reg_token.expand(b, -1, -1))
         return out
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, film: torch.Tensor | None = None) -> torch.Tensor:
+        """``film`` (b, film_dim): FiLM conditioning for every block (a tower built with
+        ``film_dim``), one vector per image."""
         cfg = self.cfg
+        if (film is None) != (not self.film_dim):
+            raise ValueError(
+                f"a tower built with film_dim={self.film_dim} takes "
+                f"{'a' if self.film_dim else 'no'} FiLM conditioning"
+            )
+        args = () if film is None else (film,)
         x = self.patch_embed(images)  # (b, patches, w)
         prefix = self._prefix(x.shape[0])
         if cfg.no_embed_class:  # DINOv2 in timm: position embedding on patches, then prefix
@@ -258,7 +290,7 @@ class VisionTransformer(CheckpointedBlocks, nn.Module):
             x = self.norm_pre(x)
         outside = self._checkpoint_outside and torch.is_grad_enabled()
         for block in self.blocks.values():  # (b, prefix + patches, w)
-            x = checkpoint(block, x, use_reentrant=False) if outside else block(x)
+            x = checkpoint(block, x, *args, use_reentrant=False) if outside else block(x, *args)
         if cfg.final_norm:
             x = self.norm(x)
         return x if cfg.keep_prefix else x[:, cfg.num_prefix_tokens :]

@@ -55,6 +55,9 @@ class VisionLanguageModel(nn.Module):
     """
 
     first_inputs: tuple[str, ...]  # what the first stage's forward takes, in order
+    # attention over a padded sequence in both directions (the key mask travels with the
+    # hidden states between stages): OpenVLA-OFT's parallel decoding
+    bidirectional: bool = False
 
     def __init__(
         self,
@@ -87,6 +90,8 @@ class VisionLanguageModel(nn.Module):
         self.language_model = LlamaLM(
             config.text, ctx, layers=layers, embed=self.has_vision, head=self.has_head, **kw
         )
+        if self.has_head:
+            self.build_head(**kw)
         self._tokenizer, self._tokenizer_loaded = None, False
         self.load_stats = None
         self.hf_unused: dict[str, torch.Tensor] = {}  # checkpoint-only tensors kept for saving
@@ -101,6 +106,10 @@ class VisionLanguageModel(nn.Module):
     def build_vision(self, device, dtype) -> None:
         """Make the vision block's modules (towers, projector, ...) on ``self``."""
         raise NotImplementedError
+
+    def build_head(self, device, dtype) -> None:
+        """Make the last stage's own modules besides the final norm and lm_head (none by
+        default; OpenVLA-OFT's action head)."""
 
     def vision_towers(self) -> list[nn.Module]:
         """The :class:`~parallax.models.VisionTransformer` towers of the vision block."""
@@ -138,19 +147,30 @@ class VisionLanguageModel(nn.Module):
         names = [b.name for b in self.stage_blocks(self.config)]
         return [names[i] for i in self.block_range]
 
-    def forward(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor, **named: torch.Tensor):
+        """The first stage takes ``first_inputs``, a later stage the previous one's output.
+
+        When :meth:`embed` returns ``(x, key_mask)`` (a model with bidirectional attention over
+        a padded sequence: OpenVLA-OFT), the layers attend over the keys the mask keeps and
+        every stage but the last passes ``(x, key_mask)`` on; otherwise attention is causal
+        and a stage passes ``x`` alone."""
         if self.has_vision:
             rest = self.first_inputs[len(inputs) :]
             args = list(inputs) + [named.pop(k) for k in rest if k in named]
             if len(args) != len(self.first_inputs) or named:
                 raise ValueError(f"the first stage takes ({', '.join(self.first_inputs)})")
-            x = self.embed(*args)
+            out = self.embed(*args)
         else:
-            if len(inputs) != 1 or named:
-                raise ValueError("a later stage takes the hidden states (b, s, h) only")
-            x = inputs[0]
-        x = self.language_model.forward_layers(x)  # (b, s, h)
-        return self.head(x) if self.has_head and not self.return_hidden else x
+            want = 2 if self.bidirectional else 1
+            if len(inputs) != want or named:
+                mask = " and the key mask (b, s)" if self.bidirectional else " only"
+                raise ValueError(f"a later stage takes the hidden states (b, s, h){mask}")
+            out = inputs if want == 2 else inputs[0]
+        x, key_mask = out if isinstance(out, tuple | list) else (out, None)
+        x = self.language_model.forward_layers(x, key_mask=key_mask)  # (b, s, h)
+        if self.has_head:
+            return x if self.return_hidden else self.head(x)
+        return x if key_mask is None else (x, key_mask)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: hidden states ``(..., h)`` -> this rank's logits

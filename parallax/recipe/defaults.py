@@ -52,6 +52,12 @@ class RecipeDefaults:
         LoRA recipe (AdamW 5e-4, constant)."""
         return 5e-4
 
+    def fully_trained(self, cfg) -> tuple[str, ...]:
+        """Module globs of this run's new modules that train whole beside LoRA's adapters
+        (``--train`` without being asked; OpenVLA-OFT's head) and that the family's export
+        writes apart from the PEFT adapter; none by default."""
+        return ()
+
     def configure(self, config: Any, cfg) -> Any:
         """The model config with the run's options applied (e.g. fused projections)."""
         return config

@@ -23,7 +23,8 @@ from parallax.train.rules import config_problems
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "step")
+ACTION_HEADS = ("tokens", "l1")
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
 # what ``None`` means for the optimisation flags: full fine-tuning's defaults, and OpenVLA's LoRA
@@ -32,6 +33,7 @@ FULL_DEFAULTS = {"warmup_steps": 20, "lr_schedule": "cosine", "grad_clip": 1.0}
 LORA_DEFAULTS = {"warmup_steps": 0, "lr_schedule": "constant", "grad_clip": 0.0}
 
 LAYOUT, DATA, LORA, SCHEDULE = "layout", "model and data", "LoRA", "schedule"
+ACTIONS = "actions"
 OPTIM, MEMORY, SPEED, RUN, EVAL = (
     "optimisation",
     "memory",
@@ -206,6 +208,31 @@ class TrainConfig:
         check=_adapter_dir,
         **LORA_ONLY,
     )
+    # -- actions (OpenVLA-OFT)
+    action_head: str = opt(
+        "tokens",
+        "tokens: OpenVLA's discrete action tokens, decoded one by one; l1: OpenVLA-OFT's "
+        "parallel decoding (bidirectional attention, empty action slots) with an L1 regression "
+        "head on action chunks, the wrist camera and proprio state as the data's key config "
+        "gives them",
+        ACTIONS,
+        choices=ACTION_HEADS,
+    )
+    action_chunk: int | None = opt(
+        None,
+        "actions predicted per forward pass (the action dimension comes from the data)",
+        ACTIONS,
+        check=ONE,
+        needs=("action_head", "l1"),
+        default_text="8 with --action-head l1 (OFT's LIBERO chunk), else 1",
+    )
+    film: bool = opt(
+        False,
+        "FiLM every ViT block of both towers with the mean language embedding (OFT+)",
+        ACTIONS,
+        switch="on",
+        needs=("action_head", "l1"),
+    )
     # -- schedule
     steps: int = opt(150, "optimizer steps", SCHEDULE, check=ONE)
     global_batch_size: int = opt(32, "samples per step", SCHEDULE, check=ONE)
@@ -237,10 +264,26 @@ class TrainConfig:
     )
     lr_schedule: str | None = opt(
         None,
-        "after the warm-up: constant, or cosine to --min-lr",
+        "after the warm-up: constant, cosine to --min-lr, or step (times --lr-decay from each "
+        "--lr-decay-steps on: OpenVLA-OFT's MultiStepLR)",
         OPTIM,
         choices=LR_SCHEDULES,
         default_text="cosine, LoRA constant",
+    )
+    lr_decay_steps: int | None = opt(
+        None,
+        "with --lr-schedule step: multiply the lr by --lr-decay from this step on (OpenVLA-OFT: "
+        "100000 on LIBERO)",
+        OPTIM,
+        check=ONE,
+        needs=("lr_schedule", "step"),
+    )
+    lr_decay: float = opt(
+        0.1,
+        "with --lr-schedule step: the factor",
+        OPTIM,
+        check=within(0, 1, "(]"),
+        needs=("lr_schedule", "step"),
     )
     weight_decay: float = opt(
         0.01, "AdamW weight decay, on matrices only", OPTIM, check=at_least(0)

@@ -58,6 +58,9 @@ def prepare(chunk: nn.Module, cfg, recipe) -> LoRAReport | None:
     )
     if cfg.train:
         train_modules(chunk, cfg.train)
+    fully_trained = recipe.fully_trained(cfg)
+    if fully_trained:  # the recipe's own new modules (OpenVLA-OFT's head): trained whole
+        train_modules(chunk, ",".join(fully_trained))
     report.trainable = sum(p.numel() for p in chunk.parameters() if p.requires_grad)
     report.frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
     return report
@@ -173,7 +176,26 @@ def export_adapter(trainer, path: Path, report: LoRAReport | None) -> None:
             "why": "the model never builds them (the towers' blocks after the feature layer, "
             "SigLIP's attention pool): no adapter, and a PEFT run on the full towers has them",
         }
-    save_adapter(trainer.chunks[0], path, ctx=trainer.ctx, notes=notes)
+    chunk, apart = trainer.chunks[0], recipe_modules(trainer)
+    trained = [
+        n
+        for n, p in chunk.named_parameters()
+        if p.requires_grad and not is_adapter_name(n) and not apart(n)
+    ]
+    save_adapter(chunk, path, ctx=trainer.ctx, notes=notes, trained=trained)
+
+
+def recipe_modules(trainer):
+    """A predicate on parameter names: the recipe's fully trained modules
+    (``Recipe.fully_trained``), which its export writes apart from the PEFT adapter."""
+    globs = trainer.recipe.fully_trained(trainer.cfg)
+
+    def apart(name: str) -> bool:
+        parts = name.split(".")
+        owners = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(matches_target(g, o) for g in globs for o in owners)
+
+    return apart
 
 
 def describe(report: LoRAReport | None, cfg) -> str:

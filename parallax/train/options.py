@@ -22,6 +22,7 @@ GROUPS = (
     "layout",
     "model and data",
     "LoRA",
+    "actions",
     "schedule",
     "optimisation",
     "memory",

@@ -79,7 +79,18 @@ def _cuda_graphs(cfg: Any) -> str | None:
     return None
 
 
-RULES: tuple[Callable[[Any], str | None], ...] = (_lora_under_tp, _one_chunk, _cuda_graphs)
+def _step_schedule(cfg: Any) -> str | None:
+    if cfg.lr_schedule == "step" and cfg.lr_decay_steps is None:
+        return "--lr-schedule step needs --lr-decay-steps N (the step the lr drops at)"
+    return None
+
+
+RULES: tuple[Callable[[Any], str | None], ...] = (
+    _lora_under_tp,
+    _one_chunk,
+    _cuda_graphs,
+    _step_schedule,
+)
 
 
 def config_problems(cfg: Any) -> list[str]:

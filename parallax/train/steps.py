@@ -41,14 +41,22 @@ def num_microbatches(cfg: TrainConfig, dp: int) -> int:
 
 
 def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up to the peak, then constant or cosine down to ``min_lr / lr`` of it at
-    ``steps`` (a factor on every group's own peak learning rate)."""
+    """Linear warm-up to the peak, then constant, cosine down to ``min_lr / lr`` of it at
+    ``steps``, or ``step``: the peak until step ``lr_decay_steps``, ``lr_decay`` times it from
+    there on (OpenVLA-OFT's ``MultiStepLR(milestones=[N], gamma=0.1)``: the step with 0-based
+    index N is the first at the lower rate). A factor on every group's own peak rate."""
+    if cfg.lr_schedule == "step" and not (cfg.lr_decay_steps or 0) >= 1:
+        raise ValueError(
+            f"--lr-schedule step needs --lr-decay-steps N >= 1, got {cfg.lr_decay_steps}"
+        )
 
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         if cfg.lr_schedule == "constant":
             return 1.0
+        if cfg.lr_schedule == "step":
+            return cfg.lr_decay if step >= cfg.lr_decay_steps else 1.0
         span = max(1, cfg.steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0

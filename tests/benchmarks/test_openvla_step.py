@@ -6,10 +6,11 @@ import math
 
 import pytest
 
-from benchmarks.openvla_runs import Layout, merge
-from benchmarks.openvla_step import main, parse_args, summarise
+from benchmarks.openvla.openvla_runs import Layout, merge
+from benchmarks.openvla.openvla_step import main, parse_args, summarise
 
 KEYS = {
+    "benchmark",  # the name results_table groups by
     "gpus",
     "framework",
     "layout",
@@ -20,6 +21,8 @@ KEYS = {
     "peak_mem_gib",
     "variant",  # parallax's options or the natives' form, beyond the issue's keys
     "first_loss",  # the first step's loss: the same start in every row
+    "micro_batch",  # with activation_checkpointing: what tells two rows of a layout apart
+    "activation_checkpointing",
 }  # with run_id, date, commit, hardware added when written
 
 
@@ -38,7 +41,7 @@ def test_layouts():
 
 
 def test_rows_skips_and_errors():
-    from benchmarks.common import RESULTS_JSONL, RESULTS_MD
+    from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 
     sizes = [f.stat().st_size for f in (RESULTS_MD, RESULTS_JSONL)]
     argv = ["--smoke", "--layouts", "1gpu,dp2", "--steps", "1", "--warmup", "0"]
@@ -100,7 +103,7 @@ def test_record_has_the_issue_keys():
 def test_plan_order_and_row_flops():
     from types import SimpleNamespace
 
-    from benchmarks.openvla_step import plan, row_flops
+    from benchmarks.openvla.openvla_step import plan, row_flops
 
     args = parse_args(["--smoke"])
     b = SimpleNamespace(args=args, world=2, flops_step=2.0, flops_labelled=1.0)
@@ -130,7 +133,7 @@ def test_plan_order_and_row_flops():
 
 
 def test_notes_compare_variants():
-    from benchmarks.openvla_table import COLUMNS, ratio_notes
+    from benchmarks.openvla.openvla_table import COLUMNS, ratio_notes
 
     def row(layout, fw, variant, tokens):
         gpus = 1 if layout == "1gpu" else 2
@@ -163,7 +166,7 @@ def test_notes_compare_variants():
 
 
 def test_first_losses_are_held_to_the_reference():
-    from benchmarks.openvla_table import COLUMNS, check_first_losses
+    from benchmarks.openvla.openvla_table import COLUMNS, check_first_losses
 
     def row(layout, fw, variant, loss, batch=32):
         status = "ok" if math.isfinite(loss) else "OutOfMemoryError"
@@ -221,8 +224,8 @@ def test_smoke_run_on_two_ranks():
 
 
 def test_a_missing_api_skips_the_row(monkeypatch, capsys):
-    import benchmarks.openvla_runs as runs
-    from benchmarks.native import MissingAPI
+    import benchmarks.openvla.openvla_runs as runs
+    from benchmarks.openvla.native import MissingAPI
 
     def build(*_):
         raise MissingAPI("torch 2.3 has no FSDP2 fully_shard")

@@ -3,8 +3,8 @@ a memory cap changes the plan, and nothing is written."""
 
 import math
 
-from benchmarks.common import RESULTS_JSONL, RESULTS_MD
-from benchmarks.plan_accuracy import main
+from benchmarks.plan.plan_accuracy import main
+from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 
 
 def _sizes() -> list[int]:

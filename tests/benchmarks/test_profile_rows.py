@@ -1,6 +1,7 @@
-"""benchmarks/profile_rows.py runs both rows on the CPU (tiny models; no GPU kernels there)."""
+"""benchmarks/tools/profile_rows.py runs both rows on the CPU (tiny models; no GPU kernels
+there)."""
 
-from benchmarks.profile_rows import main
+from benchmarks.tools.profile_rows import main
 
 
 def test_lora_and_siglip_rows(tmp_path):

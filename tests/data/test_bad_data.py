@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from benchmarks.data.lerobot_writer import write_lerobot
+from benchmarks.data.writers import feature_bytes, make_episodes, write_libero, write_rlds
 from parallax.data.mixture import load_mixture, open_source
 from parallax.data.stats import DatasetError
 from parallax.data.stream import StreamLoader
-from tests.data.lerobot_writer import write_lerobot
-from tests.data.writers import feature_bytes, make_episodes, write_libero, write_rlds
 
 pytest.importorskip("crc32c")
 

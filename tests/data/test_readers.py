@@ -1,5 +1,5 @@
 """RLDS, LIBERO HDF5 and LeRobot readers against datasets written by the formats' own tools
-(tests/data/writers.py): every episode, in order, with its images, actions, states and
+(benchmarks/data/writers.py): every episode, in order, with its images, actions, states and
 instructions; the per-dataset configs; format detection; the converter."""
 
 import json
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.data.lerobot_writer import write_lerobot
+from benchmarks.data.writers import make_episodes, write_libero, write_rlds
 from parallax.data import BatchLoader, EpisodeDataset, load_dataset
 from parallax.data.convert import main as convert
 from parallax.data.keys import KeyConfig, load_key_configs, transform_episode
 from parallax.data.libero import instruction_from_filename
 from parallax.data.mixture import DataSpec, detect_format, open_source
-from tests.data.lerobot_writer import write_lerobot
-from tests.data.writers import make_episodes, write_libero, write_rlds
 
 pytest.importorskip("crc32c")
 pytest.importorskip("google.protobuf")

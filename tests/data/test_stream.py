@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.data.lerobot_writer import write_lerobot
+from benchmarks.data.writers import make_episodes, write_rlds
 from parallax.data.augment import center_crop, resize
 from parallax.data.mixture import load_mixture, parse_data_spec, specs_from_toml
 from parallax.data.stats import DatasetError, write_statistics
 from parallax.data.stream import StreamLoader
-from tests.data.lerobot_writer import write_lerobot
-from tests.data.writers import make_episodes, write_rlds
 
 pytest.importorskip("crc32c")
 

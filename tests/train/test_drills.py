@@ -276,9 +276,9 @@ def _umask() -> int:
 
 def test_readers_refuse_non_finite_actions_and_states(tmp_path):
     pytest.importorskip("h5py")
+    from benchmarks.data.writers import make_episodes, write_libero
     from parallax.data.mixture import open_source
     from parallax.data.stats import DatasetError
-    from tests.data.writers import make_episodes, write_libero
 
     episodes = make_episodes(3, size=8)
     episodes[1].actions = episodes[1].actions.copy()

@@ -35,7 +35,7 @@ COLOURS = np.array([[220, 40, 40], [40, 200, 60], [50, 60, 230], [230, 220, 50]]
 
 def learnable_episodes(n: int, size: int = 16, action_dim: int = 7, seed: int = 0):
     """Episodes whose action follows the task (its instruction and the image's colour)."""
-    from tests.data.writers import Ep
+    from benchmarks.data.writers import Ep
 
     rng = np.random.default_rng(seed)
     targets = rng.uniform(-1, 1, (len(COLOURS), action_dim)).astype(np.float32)
@@ -58,7 +58,7 @@ def learnable_episodes(n: int, size: int = 16, action_dim: int = 7, seed: int = 
 
 @pytest.fixture(scope="module")
 def rlds(tmp_path_factory) -> Path:
-    from tests.data.writers import write_rlds
+    from benchmarks.data.writers import write_rlds
 
     root = tmp_path_factory.mktemp("robot")
     return write_rlds(root, "arm", learnable_episodes(12), "jpeg", shards=2)
@@ -119,7 +119,7 @@ def test_resume_mid_epoch_at_another_layout_continues_the_same_samples(reference
 
 
 def _bad_rlds(root: Path, problem: str) -> Path:
-    from tests.data.writers import feature_bytes, write_rlds
+    from benchmarks.data.writers import feature_bytes, write_rlds
 
     episodes = learnable_episodes(8)
     if problem == "image":  # two episodes whose frames do not decode: found when read
@@ -183,13 +183,13 @@ def test_bad_data_exits_with_status_2(tmp_path):
 
 
 def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
+    from benchmarks.data.lerobot_writer import write_lerobot
+    from benchmarks.data.writers import make_episodes
     from parallax.data import Mixture
     from parallax.data.mixture import parse_data_spec
     from parallax.families.openvla.data import is_streamed
     from parallax.families.openvla.recipe import OpenVLARecipe
     from parallax.train import parse_args
-    from tests.data.lerobot_writer import write_lerobot
-    from tests.data.writers import make_episodes
 
     so100 = write_lerobot(tmp_path / "so100", make_episodes(3, size=8, action_dim=6), "v3.0")
     spec = f"rlds:{rlds}@0.7,lerobot:{so100}@0.3"

@@ -5,6 +5,12 @@ Files: ``config`` (presets, config.json), ``model``, ``checkpoint`` (the HF layo
 and ``action_tokenizer`` (the text and action ids), ``preprocess`` (images), ``objectives``
 (loss and action metrics), ``predict`` (decoding), ``flops`` and ``lora_flops``, and the
 trainer's side: ``recipe``, ``batches`` (samples -> microbatches) and ``data`` (robot datasets).
+
+OpenVLA-OFT (``--action-head l1``, ``shared/oft.md``): ``oft_config`` (its options and the
+positions the head reads), ``oft_head`` (the L1 head, the proprio projector, OFT's key names),
+``oft_model`` (the first stage's sequence), ``oft_batches``, ``oft_objective`` (loss, metrics,
+FLOPs), ``oft_data`` (what the data gives), ``oft_predict`` (``predict_action_chunk``),
+``oft_export`` and ``oft_policy`` (a policy from a checkpoint or an export).
 """
 
 from parallax.families.openvla.action_tokenizer import (
@@ -20,6 +26,9 @@ from parallax.families.openvla.objectives import (
     loss_token_count,
     vla_loss,
 )
+from parallax.families.openvla.oft_config import OFTConfig
+from parallax.families.openvla.oft_policy import load_policy
+from parallax.families.openvla.oft_predict import predict_action_chunk
 from parallax.families.openvla.predict import generate, predict_action
 from parallax.families.openvla.preprocess import pixel_values, preprocess_image
 from parallax.families.openvla.prompt import (
@@ -33,6 +42,7 @@ from parallax.families.openvla.recipe import OpenVLARecipe
 
 __all__ = [
     "ActionTokenizer",
+    "OFTConfig",
     "OpenVLA",
     "OpenVLAConfig",
     "OpenVLARecipe",
@@ -42,11 +52,13 @@ __all__ = [
     "expand_labels",
     "generate",
     "get_tokenizer",
+    "load_policy",
     "loss_token_count",
     "normalize_actions",
     "openvla_init_fn",
     "pixel_values",
     "predict_action",
+    "predict_action_chunk",
     "preprocess_image",
     "prompt_ids",
     "training_example",

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.oft_export import load_oft_modules
+from parallax.families.openvla.oft_head import is_oft_name
 from parallax.models.hf_io import CheckpointReader, fit_problems, hf_names, read_param
 from parallax.models.meta import materialize
 from parallax.models.vit import checkpoint_only_tensors
@@ -31,7 +33,8 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor a whole ``model`` (built on meta, tp=1) reads, with its shape."""
     out: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
-        out.update(hf_names(name, tuple(p.shape)))
+        if not is_oft_name(name):  # OFT's modules live in files of their own (oft_export)
+            out.update(hf_names(name, tuple(p.shape)))
     return out
 
 
@@ -62,7 +65,8 @@ class OpenVLATensors:
         self.config, self.cls = config, cls  # the model class, to list its parameters
 
     def tensors(self, name: str, shape) -> list:
-        return hf_names(name, shape)
+        """The checkpoint tensors of a parameter; none for OFT's modules (written apart)."""
+        return [] if is_oft_name(name) else hf_names(name, shape)
 
     def unused(self) -> dict:
         return unused_tensors(self.config)
@@ -81,12 +85,16 @@ def load_pretrained(
     device: torch.device | str | None = None,
     fused_projections: bool = False,
     config: OpenVLAConfig | None = None,
+    seed: int = 0,
     **model_kwargs,
 ):
     """Build ``cls(config, ctx, blocks=...)`` on meta and fill it from the checkpoint at ``path``.
 
     The result's ``load_stats`` tells what this rank read. ``model_kwargs`` go to the model
-    (``activation_checkpointing``, ``freeze_vision``).
+    (``activation_checkpointing``, ``freeze_vision``). An OpenVLA-OFT model (``config.oft``)
+    reads its head, projector and FiLM from the files an OFT export wrote beside the
+    checkpoint, or, for a plain OpenVLA checkpoint, starts them from ``seed``'s layout-free
+    init (:mod:`.oft_export`).
     """
     t0 = time.perf_counter()
     config = config or OpenVLAConfig.from_pretrained(path)
@@ -100,8 +108,12 @@ def load_pretrained(
     materialize(model, device)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if is_oft_name(name):
+                continue
             sources = hf_names(name, logical_shape(param))
             param.copy_(read_param(reader, sources, getattr(param, "tp_shard", None)))
+    if config.oft is not None:
+        load_oft_modules(model, path, seed)
     if model.has_vision and (ctx is None or ctx.rank == 0):
         before = reader.stats.bytes_read
         model.hf_unused = {n: reader.read(n) for n in unused_tensors(config) if n in present}

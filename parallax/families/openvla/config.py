@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from parallax.families.openvla.oft_config import OFTConfig
 from parallax.models.llama import LlamaConfig
 from parallax.models.llama_hf import LLAMA_DEFAULTS, TEXT_KEYS, text_config_from_hf
 from parallax.models.vit import ViTConfig
@@ -70,6 +71,7 @@ class OpenVLAConfig:
     norm_stats: dict = field(default_factory=dict)
     hf_config: dict = field(default_factory=dict, repr=False)
     source: str | None = None
+    oft: OFTConfig | None = None  # OpenVLA-OFT's head, cameras and proprio (oft_config.py)
 
     def __post_init__(self) -> None:
         a, b = self.vision
@@ -121,6 +123,12 @@ class OpenVLAConfig:
                 f"{sorted(self.norm_stats)}"
             )
         return self.norm_stats[unnorm_key]["action"]
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens inserted after BOS: the patches (of every image, with OFT) and OFT's proprio
+        token."""
+        return self.num_patches if self.oft is None else self.oft.prefix(self.num_patches)
 
     def with_options(self, **changes) -> OpenVLAConfig:
         """A copy with text options changed, e.g. ``fused_projections=True``."""
@@ -185,6 +193,7 @@ class OpenVLAConfig:
             norm_stats=copy.deepcopy(d.get("norm_stats") or {}),
             hf_config=copy.deepcopy(d),
             source=source,
+            oft=OFTConfig.from_dict(d["parallax_oft"]) if d.get("parallax_oft") else None,
         )
 
     def to_dict(self) -> dict:
@@ -192,7 +201,8 @@ class OpenVLAConfig:
         if self.hf_config:
             d = copy.deepcopy(self.hf_config)
             d["norm_stats"] = copy.deepcopy(self.norm_stats)
-            return d
+            d.pop("parallax_oft", None)
+            return {**d, **self._oft_dict()}
         t = self.text
         text_config = {k: getattr(t, k) for k in TEXT_KEYS}
         text_config.update(
@@ -232,7 +242,12 @@ class OpenVLAConfig:
             ]
         if self.tokenizer != "llama2":
             d["parallax_tokenizer"] = self.tokenizer
-        return d
+        return {**d, **self._oft_dict()}
+
+    def _oft_dict(self) -> dict:
+        """``{"parallax_oft": ...}`` for an OFT model (how parallax rebuilds its head and
+        inputs from config.json; OpenVLA's own loader ignores the key), else nothing."""
+        return {} if self.oft is None else {"parallax_oft": self.oft.to_dict()}
 
 
 def _presets() -> dict[str, OpenVLAConfig]:

@@ -64,8 +64,9 @@ def open_mixture(cfg) -> Mixture:
     return load_mixture(cfg.data, user_configs=user, seed=cfg.seed, cache_dir=index_dir(cfg))
 
 
-def stream_loader(mixture: Mixture, cfg, ctx, image_size: int):
-    """The streaming loader of one rank (see the module doc)."""
+def stream_loader(mixture: Mixture, cfg, ctx, image_size: int, **oft):
+    """The streaming loader of one rank (see the module doc); ``oft``: OpenVLA-OFT's cameras,
+    state and action chunks (:func:`~.oft_data.stream_kwargs`)."""
 
     augment = True if cfg.augment is None else cfg.augment
     return StreamLoader(
@@ -74,4 +75,5 @@ def stream_loader(mixture: Mixture, cfg, ctx, image_size: int):
         images="train" if augment else "none",
         image_size=image_size,
         workers=auto_workers() if cfg.workers is None else cfg.workers,
+        **oft,
     )

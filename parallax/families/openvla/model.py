@@ -26,6 +26,15 @@ from parallax.families.openvla import objectives
 from parallax.families.openvla.action_tokenizer import ActionTokenizer
 from parallax.families.openvla.checkpoint import OpenVLATensors, load_pretrained
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.oft_config import first_inputs as oft_first_inputs
+from parallax.families.openvla.oft_head import (
+    L1ActionHead,
+    ProprioProjector,
+    is_oft_name,
+    oft_init_fn,
+)
+from parallax.families.openvla.oft_model import oft_embed
+from parallax.families.openvla.oft_predict import predict_action_chunk
 from parallax.families.openvla.predict import predict_action
 from parallax.families.openvla.prompt import get_tokenizer
 from parallax.init import InitFn
@@ -39,18 +48,31 @@ __all__ = ["FusedMLPProjector", "OpenVLA", "VisionBackbone", "openvla_init_fn", 
 
 
 class VisionBackbone(nn.Module):
-    """Channels 0-2 through DINOv2, 3-5 through SigLIP; features concatenated per patch."""
+    """Channels 0-2 through DINOv2, 3-5 through SigLIP; features concatenated per patch.
 
-    def __init__(self, config: OpenVLAConfig, ctx, device=None, dtype=None) -> None:
+    Several images (OpenVLA-OFT) come as ``(b, 6 n, S, S)``, six channels per image: each goes
+    through both towers (as one batch of ``b n`` images) and the patch sequences are
+    concatenated, image after image. ``film_dim``: every block of both towers has a FiLM slot,
+    conditioned per sample (the same vector for each of its images)."""
+
+    def __init__(self, config: OpenVLAConfig, ctx, device=None, dtype=None, film_dim=None):
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype, film_dim=film_dim)
         self.featurizer = VisionTransformer(config.vision[0], ctx, **kw)
         self.fused_featurizer = VisionTransformer(config.vision[1], ctx, **kw)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        img, img_fused = torch.split(pixel_values, [3, 3], dim=1)  # (b, 3, S, S) each
-        a, b = self.featurizer(img), self.fused_featurizer(img_fused)  # (b, P, w1), (b, P, w2)
-        return torch.cat([a, b], dim=2)  # (b, P, w1 + w2)
+    def forward(self, pixel_values: torch.Tensor, film: torch.Tensor | None = None):
+        b, c, s = pixel_values.shape[0], pixel_values.shape[1], pixel_values.shape[-1]
+        n = c // 6
+        if n > 1:
+            pixel_values = pixel_values.reshape(b * n, 6, s, s)  # image after image
+            film = None if film is None else film.repeat_interleave(n, dim=0)  # (b n, h)
+        args = () if film is None else (film,)
+        img, img_fused = torch.split(pixel_values, [3, 3], dim=1)  # (b n, 3, S, S) each
+        a = self.featurizer(img, *args)  # (b n, P, w1)
+        f = self.fused_featurizer(img_fused, *args)  # (b n, P, w2)
+        x = torch.cat([a, f], dim=2)  # (b n, P, w1 + w2)
+        return x.reshape(b, n * x.shape[1], x.shape[2]) if n > 1 else x  # (b, n P, w1 + w2)
 
 
 class FusedMLPProjector(nn.Module):
@@ -71,13 +93,19 @@ class FusedMLPProjector(nn.Module):
 
 def openvla_init_fn(config: OpenVLAConfig, std: float = 0.02) -> InitFn:
     """OpenVLA's layout-free init: N(0, std) for matrices and embeddings, zeros for biases, ones
-    for norm weights, LayerScale at its configured value."""
+    for norm weights, LayerScale at its configured value; OFT's modules as ``nn.Linear`` and
+    ``nn.LayerNorm`` initialise themselves (:func:`~.oft_head.oft_init_fn`)."""
     scales = {
         "vision_backbone.featurizer.": config.vision[0].layer_scale,
         "vision_backbone.fused_featurizer.": config.vision[1].layer_scale,
     }
+    oft = config.oft
+    if oft is not None:
+        oft_init = oft_init_fn(config.text.hidden_size, oft.action_dim, oft.proprio_dim)
 
     def init(name: str, shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor:
+        if oft is not None and is_oft_name(name):
+            return oft_init(name, shape, gen, device)
         if name.endswith("bias"):
             return torch.zeros(shape, device=device)
         if name.endswith("scale_factor"):
@@ -94,14 +122,33 @@ class OpenVLA(VisionLanguageModel):
     """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds (the
     constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
-    first_inputs = ("pixel_values", "input_ids")
+    @property
+    def bidirectional(self) -> bool:
+        return self.config.oft is not None
+
+    @property
+    def first_inputs(self) -> tuple[str, ...]:
+        if self.config.oft is None:
+            return ("pixel_values", "input_ids")
+        return oft_first_inputs(self.config.oft)
 
     def build_vision(self, device, dtype) -> None:
         config, kw = self.config, dict(device=device, dtype=dtype)
-        self.vision_backbone = VisionBackbone(config, self.ctx, **kw)
-        self.projector = FusedMLPProjector(
-            config.vision_dim, config.text.hidden_size, self.ctx, **kw
-        )
+        oft, h = config.oft, config.text.hidden_size
+        film = h if oft is not None and oft.film else None
+        self.vision_backbone = VisionBackbone(config, self.ctx, film_dim=film, **kw)
+        self.projector = FusedMLPProjector(config.vision_dim, h, self.ctx, **kw)
+        if oft is not None and oft.use_proprio:
+            self.proprio_projector = ProprioProjector(oft.proprio_dim, h, **kw)
+
+    def build_head(self, device, dtype) -> None:
+        """OFT's L1 action head beside the final norm (the lm_head stays, unused)."""
+        oft = self.config.oft
+        if oft is not None:
+            h = self.config.text.hidden_size
+            self.action_head = L1ActionHead(
+                h, oft.action_dim, self.ctx, oft.head_blocks, device=device, dtype=dtype
+            )
 
     @functools.cached_property
     def action_tokenizer(self) -> ActionTokenizer:
@@ -121,39 +168,66 @@ class OpenVLA(VisionLanguageModel):
     @staticmethod
     def stage_blocks(config: OpenVLAConfig, text_tokens: int = 32) -> list[StageBlock]:
         """The ordered stage-able blocks with forward FLOPs per sample as their cost, for a
-        sequence of ``P`` patches and ``text_tokens`` text tokens."""
+        sequence of ``P`` patches and ``text_tokens`` text tokens (with OFT: every image's
+        patches, the proprio token, the prompt, the action slots and the stop token)."""
+        oft = config.oft
+        images = 1 if oft is None else oft.num_images
+        text = text_tokens if oft is None else text_tokens + oft.slots + 1
         seq, p, d, h = (
-            config.num_patches + text_tokens,
-            config.num_patches,
+            config.prefix_tokens + text,
+            config.num_patches * images,
             config.vision_dim,
             config.text.hidden_size,
         )
         projector = 2 * p * (4 * d * d + 4 * d * h + h * h)
-        vision = sum(v.flops() for v in config.vision) + projector
+        vision = images * sum(v.flops() for v in config.vision) + projector
         llm = config.text.layer_flops(seq)
+        if oft is None:
+            head = config.text.head_flops(seq)
+        else:  # the L1 head over the chunk's steps, no lm_head
+            head = 2 * oft.chunk * (oft.action_dim * h * h + oft.head_blocks * h * h + h * h)
         return (
             [StageBlock("vision", vision)]
             + [StageBlock(f"llm.{i}", llm) for i in range(config.text.num_hidden_layers)]
-            + [StageBlock("head", config.text.head_flops(seq))]
+            + [StageBlock("head", head)]
         )
 
     # -- forward pieces ---------------------------------------------------------------------------
-    def embed(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Image patches inserted right after BOS: ``(b, 1 + P + t - 1, h)``."""
+    def embed(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, *oft_inputs):
+        """Image patches inserted right after BOS: ``(b, 1 + P + t - 1, h)``; with OFT
+        (``oft_inputs``: proprio, attention and action masks) the hidden states and the key
+        mask of :func:`~.oft_model.oft_embed`."""
+        if self.config.oft is not None:
+            return oft_embed(self, pixel_values, input_ids, *oft_inputs)
+        self.check_inputs(pixel_values, input_ids)
+        dtype = self.projector.fc1.weight.dtype
+        patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
+        tokens = self.language_model.embed(input_ids)  # (b, t, h)
+        return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)
+
+    def check_inputs(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """``ValueError`` unless ``pixel_values`` is ``(b, 6 n, S, S)`` for this model's ``n``
+        images and ``input_ids`` ``(b, t)``."""
         s = self.config.image_size
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (6, s, s):
+        c = 6 * (1 if self.config.oft is None else self.config.oft.num_images)
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c, s, s):
             raise ValueError(
-                f"pixel_values must be (b, 6, {s}, {s}), got {tuple(pixel_values.shape)}"
+                f"pixel_values must be (b, {c}, {s}, {s}), got {tuple(pixel_values.shape)}"
             )
         if input_ids.dim() != 2 or input_ids.shape[0] != pixel_values.shape[0]:
             raise ValueError(
                 f"input_ids must be (b, t) with b = {pixel_values.shape[0]}, "
                 f"got {tuple(input_ids.shape)}"
             )
-        dtype = self.projector.fc1.weight.dtype
-        patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
-        tokens = self.language_model.embed(input_ids)  # (b, t, h)
-        return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)
+
+    def oft_actions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """OFT's head on the hidden states the last layer gives at the positions it reads,
+        ``(b K D, h)`` in sample, then slot order: final norm, then the L1 head per chunk
+        step -> normalised actions ``(b, K, D)``."""
+        oft = self.config.oft
+        x = self.language_model.model.norm(hidden)  # (b K D, h)
+        x = x.reshape(-1, oft.action_dim * x.shape[-1])  # (b K, D h): one chunk step a row
+        return self.action_head(x).reshape(-1, oft.chunk, oft.action_dim)  # (b, K, D)
 
     # -- training helpers -------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
@@ -193,6 +267,11 @@ class OpenVLA(VisionLanguageModel):
         """The Hugging Face checkpoint's tensor names for this model's parameters (fused
         projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""
         return OpenVLATensors(self.config, type(self))
+
+    def predict_action_chunk(self, images, instruction: str, proprio=None, **kwargs):
+        """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` from one forward pass
+        (:func:`.oft_predict.predict_action_chunk`)."""
+        return predict_action_chunk(self, images, instruction, proprio, **kwargs)
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):
         """One image -> continuous action (:func:`.predict.predict_action`)."""

@@ -86,7 +86,7 @@ def predict_action(
     """
     config = model.config
     if statistics is not None:
-        config = _with_statistics(config, statistics)
+        config = config_with_statistics(config, statistics)
     if center_crop:
         image = _center_crop(image, 0.9 if center_crop is True else float(center_crop))
     tokenizer = tokenizer or model.tokenizer
@@ -112,7 +112,7 @@ def predict_action(
     return normalized if stats is None else unnormalize_actions(normalized, stats)
 
 
-def _with_statistics(config, statistics):
+def config_with_statistics(config, statistics):
     """``config`` with ``statistics`` (a path or a ``norm_stats`` dict) as its norm_stats."""
     if isinstance(statistics, str | Path):
         path = Path(statistics)

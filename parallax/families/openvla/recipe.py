@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from parallax.data import Mixture, SyntheticTask, load_dataset
+from parallax.families.openvla import oft_objective
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.families.openvla.config import PRESETS, OpenVLAConfig
 from parallax.families.openvla.data import is_streamed, open_mixture, stream_loader
@@ -35,6 +36,10 @@ from parallax.families.openvla.objectives import (
     rows_loss,
     vla_loss,
 )
+from parallax.families.openvla.oft_batches import OFTBatchBuilder
+from parallax.families.openvla.oft_data import data_shape, stream_kwargs, synthetic_task, with_oft
+from parallax.families.openvla.oft_export import save_oft_modules
+from parallax.families.openvla.oft_head import FILM_LINEARS, LORA_EXCLUDE
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
@@ -42,6 +47,7 @@ from parallax.pipeline import TensorMeta
 from parallax.recipe.protocol import MetricSpec, Microbatch, ModelSpec, Recipe
 
 log = logging.getLogger(__name__)
+
 
 # Peak learning rates that train each preset well from scratch on the synthetic task; a 7B
 # model (preset or checkpoint) gets OpenVLA's full fine-tuning rate.
@@ -57,7 +63,13 @@ class OpenVLARecipe(Recipe):
         MetricSpec("l1", "action_l1_sum", "action_tokens", "l1"),
     )
     freeze_aliases = {"vision": ("vision_backbone.*",)}
-    input_keys = ("pixel_values", "input_ids", "labels")
+    input_keys = ("pixel_values", "input_ids")  # and "labels", or OFT's (input_problem)
+    # OFT's column-parallel linears are trained whole, never adapted (oft_head.LORA_EXCLUDE)
+    lora_exclude = ("lm_head", *LORA_EXCLUDE)
+
+    def __init__(self) -> None:
+        self._data_shapes: dict = {}  # the OFT inputs of each opened --data (oft_data)
+        self._export_step: int | None = None
 
     # -- model ---------------------------------------------------------------------------------
     def presets(self) -> Sequence[str]:
@@ -81,7 +93,35 @@ class OpenVLARecipe(Recipe):
         return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
 
     def configure(self, config: OpenVLAConfig, cfg) -> OpenVLAConfig:
-        return with_fusion(config, cfg.fused_projections)
+        """Fused projections as asked; with ``--action-head l1`` OFT's options, the action and
+        state sizes and the cameras from the data (:mod:`.oft_data`). The recipe's metrics
+        follow the objective of the run configured last (one run per process)."""
+        config = with_fusion(config, cfg.fused_projections)
+        self._export_step = cfg.steps
+        if cfg.action_head != "l1":
+            if config.oft is not None:
+                raise ValueError(
+                    f"--model {cfg.model} is an OpenVLA-OFT model (an L1 action head): "
+                    "train it with --action-head l1"
+                )
+            self.metric_sums, self.metrics = type(self).metric_sums, type(self).metrics
+            return config
+        self.metric_sums, self.metrics = oft_objective.METRIC_SUMS, oft_objective.METRICS
+        return with_oft(config, cfg, lambda: self.data_shape(cfg))
+
+    def data_shape(self, cfg):
+        """What ``cfg.data`` gives an OFT model (opened once per process and data spec)."""
+        key = repr((cfg.data, cfg.data_config, cfg.seed, cfg.action_chunk))
+        if key not in self._data_shapes:
+            self._data_shapes[key] = data_shape(self.dataset(cfg.data, cfg))
+        return self._data_shapes[key]
+
+    def fully_trained(self, cfg) -> tuple[str, ...]:
+        """OFT's new modules train whole beside LoRA's adapters (and stay out of the PEFT
+        adapter: the export writes them apart, as OFT does)."""
+        if cfg.action_head != "l1":
+            return ()
+        return ("action_head", "proprio_projector", *FILM_LINEARS)
 
     def blocks(self, config: OpenVLAConfig) -> list[StageBlock]:
         return OpenVLA.stage_blocks(config)
@@ -90,20 +130,28 @@ class OpenVLARecipe(Recipe):
         kw = dict(blocks=blocks, activation_checkpointing=cfg.checkpointing)
         if checkpoint is not None:
             chunk = OpenVLA.from_pretrained(
-                checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
+                checkpoint, ctx, dtype=dtype, device=device, config=config, seed=cfg.seed, **kw
             )
         else:
             seed = None if torch.device(device).type == "meta" else cfg.seed  # shapes only
             chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
         chunk.return_hidden = cfg.logits == "labelled"  # the loss applies the head
+        if config.oft is not None:  # the L1 head reads hidden states; the lm_head never runs
+            chunk.return_hidden = True
+            if chunk.has_head:
+                chunk.language_model.lm_head.requires_grad_(False)
         return chunk
 
     def export(self, chunk: OpenVLA, path: Path, statistics: Mapping | None) -> None:
+        """The HF OpenVLA layout (merged with LoRA); an OFT model's head, projector and FiLM
+        also as safetensors and under OFT's own file names (:mod:`.oft_export`)."""
         if statistics:
             chunk.config = dataclasses.replace(
                 chunk.config, norm_stats={**chunk.config.norm_stats, **statistics}
             )
         chunk.save_pretrained(path)
+        if chunk.config.oft is not None:
+            save_oft_modules(chunk, path, step=self._export_step)
 
     # -- data ----------------------------------------------------------------------------------
     def dataset(self, spec: Any, cfg) -> Any:
@@ -113,6 +161,8 @@ class OpenVLARecipe(Recipe):
 
         if is_streamed(spec):
             return open_mixture(cfg.replace(data=spec))
+        if spec == "synthetic" and cfg.action_head == "l1":
+            return synthetic_task(cfg, cfg.seed)
         return load_dataset(spec, seed=cfg.seed)
 
     def eval_dataset(self, spec: str | None, cfg) -> Any:
@@ -120,6 +170,8 @@ class OpenVLARecipe(Recipe):
         task the episodes of another seed (scenes the run never trains on)."""
 
         if spec is None and cfg.data == "synthetic":
+            if cfg.action_head == "l1":
+                return synthetic_task(cfg, cfg.seed + 1)
             return SyntheticTask(seed=cfg.seed + 1)
         if spec is None:
             return super().eval_dataset(spec, cfg)
@@ -134,30 +186,54 @@ class OpenVLARecipe(Recipe):
                 log.info("--augment applies to streamed robot data only: not augmenting")
             return super().loader(dataset, cfg, ctx)
         name = cfg.model.partition(":")[2] if cfg.model.startswith("openvla:") else cfg.model
-        return stream_loader(dataset, cfg, ctx, self.resolve(name).config.image_size)
+        extra = {}
+        if cfg.action_head == "l1":
+            extra = stream_kwargs(cfg, data_shape(dataset))
+        return stream_loader(dataset, cfg, ctx, self.resolve(name).config.image_size, **extra)
 
     def collator(self, config: OpenVLAConfig, dataset: Any, checkpoint: Path | None):
 
-        return BatchBuilder(config, dataset.statistics, text_tokenizer(config, checkpoint))
+        tokenizer = text_tokenizer(config, checkpoint)
+        if config.oft is not None:
+            return OFTBatchBuilder(config, dataset.statistics, tokenizer)
+        return BatchBuilder(config, dataset.statistics, tokenizer)
+
+    def input_problem(self, config: OpenVLAConfig, mb: Microbatch, cfg) -> str | None:
+        if config.oft is not None:
+            return oft_objective.input_problem(config, mb)
+        return None if "labels" in mb else "lacks labels"
 
     def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        if "action_mask" in mb:  # OFT's (oft_batches.stage_inputs)
+            proprio = (mb["proprio"],) if "proprio" in mb else ()
+            masks = mb["attention_mask"], mb["action_mask"]
+            return (mb["pixel_values"], mb["input_ids"], *proprio, *masks)
         return mb["pixel_values"], mb["input_ids"]
 
     def stage_metas(self, config: OpenVLAConfig, mb: Microbatch, dtype) -> list[TensorMeta]:
         b, t = mb["input_ids"].shape
-        return [TensorMeta((b, config.num_patches + t, config.text.hidden_size), dtype, True)]
+        s, h = config.prefix_tokens + t, config.text.hidden_size
+        if config.oft is None:
+            return [TensorMeta((b, s, h), dtype, True)]
+        return [TensorMeta((b, s, h), dtype, True), TensorMeta((b, s), torch.bool, False)]
 
     # -- objective -----------------------------------------------------------------------------
     def loss_units(self, mb: Microbatch) -> int:
+        if "actions" in mb and "action_mask" in mb:  # OFT: every action element
+            return int(mb["actions"].numel())
         return int(loss_token_count(mb["labels"]))
 
     def loss_target(self, config: OpenVLAConfig, mb: Microbatch, cfg) -> Any:
+        if config.oft is not None:
+            return oft_objective.loss_target(config, mb)  # found on the host
         if cfg.logits != "labelled":
             return mb["labels"]
         return labelled_rows(mb["labels"], config.num_patches)  # found on the host
 
     def loss(self, chunk: OpenVLA, output, target, ctx, cfg):
         mc = chunk.config
+        if mc.oft is not None:
+            return oft_objective.l1_loss(chunk, output, target)
         vocab, tok = mc.text.vocab_size, chunk.action_tokenizer
         if cfg.logits == "labelled":
             rows, row_targets = target
@@ -185,8 +261,11 @@ class OpenVLARecipe(Recipe):
     ) -> float:
         """:func:`~parallax.families.openvla.flops.batch_flops`, or with LoRA
         :func:`~parallax.families.openvla.lora_flops.openvla_lora_flops` (no weight gradient
-        for the frozen base: ~4 x params x tokens). ``model``: the whole model on meta as the
-        run adapts it (without it, every parameter trains)."""
+        for the frozen base: ~4 x params x tokens), or OpenVLA-OFT's
+        (:func:`~parallax.families.openvla.oft_objective.batch_flops`). ``model``: the whole
+        model on meta as the run adapts it (without it, every parameter trains)."""
+        if config.oft is not None:
+            return oft_objective.batch_flops(config, microbatches, cfg.finetune == "lora")
         if cfg.finetune == "lora":
             if model is None:
                 raise ValueError("LoRA FLOPs are counted on the adapted whole model: pass it")
@@ -215,10 +294,10 @@ class OpenVLARecipe(Recipe):
 
     def block_estimates(self, config: OpenVLAConfig, cfg) -> list[BlockEstimate]:
         """:func:`parallax.families.openvla.estimate.block_estimates`."""
-        return block_estimates(config, cfg)
+        return block_estimates(self, config, cfg)
 
     def tokens(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch]) -> int:
         return sum(
-            mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.num_patches
+            mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.prefix_tokens
             for mb in microbatches
         )

@@ -53,7 +53,7 @@ class SentencePieceTokenizer:
         except ImportError as err:
             raise ImportError(
                 "SigLIP's tokenizer needs the optional 'sentencepiece' package "
-                "(pip install 'parallax[tokenizers]'); without it, pass token ids"
+                "(pip install -e '.[tokenizers]'); without it, pass token ids"
             ) from err
         file = Path(path) / "spiece.model"
         if not file.is_file():
@@ -82,7 +82,7 @@ class BPETokenizer:
         except ImportError as err:
             raise ImportError(
                 "CLIP's tokenizer needs the optional 'tokenizers' package "
-                "(pip install 'parallax[tokenizers]'); without it, pass token ids"
+                "(pip install -e '.[tokenizers]'); without it, pass token ids"
             ) from err
         file = Path(path) / "tokenizer.json"
         if not file.is_file():

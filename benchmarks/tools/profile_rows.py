@@ -1,0 +1,135 @@
+"""Where a benchmark row spends its GPU time: one LoRA or SigLIP row under torch.profiler.
+
+Builds the row as its benchmark does (``lora``: :class:`benchmarks.lora.lora_step.Row` from
+``lora_step``'s own flags; ``siglip``: a system of :mod:`benchmarks.siglip.contrastive_systems`),
+warms it up, times three steps unprofiled, profiles two and writes: the step time, the peak
+memory, GPU time per kernel kind (gemm, attention, compiled element-wise, norm, copy, adam), the
+top kernels, and the compute stream's idle time
+(:func:`benchmarks.openvla.profile_step.timeline_report`)::
+
+    python -m benchmarks.tools.profile_rows --out lora.txt lora --compile --cuda-graphs --batch 16
+    python -m benchmarks.tools.profile_rows --out siglip.txt siglip parallax 512
+    python -m benchmarks.tools.profile_rows --out s.txt siglip torch 4 --smoke   # CPU: no kernels
+
+Why: a row's GEMM time is a floor that no framework change below the GEMMs moves, so it bounds
+the speed-up any framework can have over a peer that runs the same GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.openvla.profile_step import kind, timeline_report
+from benchmarks.tools.common import sync
+
+PROFILED = 2  # steps under the profiler
+
+
+def kernel_summary(prof, steps: int, rows: int = 40) -> str:
+    """GPU time per kind and the top ``rows`` kernels, per step."""
+    kernels, totals = [], defaultdict(lambda: [0, 0])
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != DeviceType.CUDA or e.is_user_annotation():
+            continue
+        if e.name().startswith(("Optimizer.", "parallax.")):
+            continue
+        kernels.append((e.device_resource_id(), e.start_ns(), e.end_ns(), e.name()))
+        totals[e.name()][0] += 1
+        totals[e.name()][1] += e.end_ns() - e.start_ns()
+    per = 1e6 * steps  # ns -> ms per step
+    by_kind: dict[str, int] = defaultdict(int)
+    for name, (_, ns) in totals.items():
+        by_kind[kind(name)] += ns
+    ranked = sorted(by_kind.items(), key=lambda x: -x[1])
+    lines = ["by kind (ms/step): " + ", ".join(f"{k} {v / per:.1f}" for k, v in ranked)]
+    lines.append("top kernels: ms/step, calls/step, kind, name")
+    for name, (calls, ns) in sorted(totals.items(), key=lambda x: -x[1][1])[:rows]:
+        lines.append(f"{ns / per:9.2f} {calls / steps:7.0f}  {kind(name):9s} {name[:140]}")
+    lines.append(timeline_report(kernels, steps))
+    return "\n".join(lines)
+
+
+def profile_step(step: Callable[[], object], device: torch.device, warmup: int) -> tuple:
+    """``(seconds per unprofiled step, profiler)`` after ``warmup`` steps."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        step()
+    sync(device)
+    wall = (time.perf_counter() - start) / 3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED):
+            step()
+        sync(device)
+    return wall, prof
+
+
+def _peak(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+
+
+def lora(argv: list[str]) -> str:
+    from benchmarks.lora import lora_step
+    from benchmarks.openvla.native import synthetic_batch
+    from parallax import ParallelContext
+    from parallax.families.openvla.config import OpenVLAConfig
+
+    args = lora_step.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    config = OpenVLAConfig.preset(args.model)
+    row = lora_step.Row(args, config, ParallelContext.local(device=device))
+    b = int(args.batch)
+    batch = synthetic_batch(config, b, 1 + args.text_tokens, args.labelled, seed=0, device=device)
+    wall, prof = profile_step(row.step(batch, args.micro_batch or b), device, args.warmup)
+    head = f"lora {' '.join(argv)}: step {wall:.4f} s unprofiled, peak {_peak(device):.2f} GiB"
+    return head + "\n" + kernel_summary(prof, PROFILED)
+
+
+def siglip(argv: list[str]) -> str:
+    from benchmarks.siglip import contrastive_step
+    from benchmarks.siglip.contrastive_systems import SYSTEMS, make_batch
+    from parallax.families.siglip.config import SiglipConfig
+    from parallax.families.siglip.model import Siglip
+
+    system, b, rest = argv[0], int(argv[1]), argv[2:]
+    args = contrastive_step.parse_args(rest)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    config = SiglipConfig.preset("siglip-tiny" if args.smoke else args.model)
+    with tempfile.TemporaryDirectory() as root:
+        weights = Path(root) / "hf"
+        Siglip(config, seed=0).save_pretrained(weights)  # the benchmark's shared start
+        px, ids = make_batch(config, b, device)
+        step = SYSTEMS[system](args, config, weights, device, b)
+        wall, prof = profile_step(lambda: step(px, ids), device, warmup=3)
+    head = (
+        f"siglip {system} batch {b}: step {wall:.4f} s unprofiled ({b / wall:.1f} samples/s), "
+        f"peak {_peak(device):.1f} GiB"
+    )
+    return head + "\n" + kernel_summary(prof, PROFILED)
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("row", choices=("lora", "siglip"))
+    args, rest = p.parse_known_args(argv)
+    text = (lora if args.row == "lora" else siglip)(rest)
+    Path(args.out).write_text(text + "\n")
+    print(text, flush=True)
+    return text
+
+
+if __name__ == "__main__":
+    main()

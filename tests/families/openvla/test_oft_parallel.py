@@ -1,0 +1,105 @@
+"""OpenVLA-OFT (``--action-head l1``) through the Trainer: every layout equals one process.
+
+Two images, the proprio token and FiLM on, chunks of 2; full fine-tuning and LoRA (the head,
+the proprio projector and FiLM trained whole beside the adapters) run in the same spawn of
+ranks. Per step the loss, the gradient norm and the metric sums on every rank, and every
+updated weight after the steps, against the same run in one process (float32 on gloo,
+1e-5: the sums differ only in order, see tests/train/test_trainer.py for why weights agree
+to that under Adam)."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from parallax import ParallelContext
+from parallax.data import BatchLoader, SyntheticTask
+from parallax.tensor import full_tensor
+from parallax.testing import context, run_ranks
+from parallax.train.config import TrainConfig
+from tests.train.test_trainer import separate
+
+STEPS = 2
+OFT = dict(action_head="l1", action_chunk=2, film=True)
+RUNS = {
+    "full": dict(finetune="full", grad_clip=1.0, warmup_steps=0, lr=2e-3),
+    "lora": dict(finetune="lora", lora_rank=4, lora_alpha=8.0, lr=2e-3),
+}
+
+
+def _cfg(kind: str, **kw) -> TrainConfig:
+    base = dict(steps=STEPS, global_batch_size=4, micro_batch_size=1, seed=5, **OFT)
+    return TrainConfig(**{**base, **RUNS[kind], **kw})
+
+
+def _data(cfg) -> SyntheticTask:
+    """The recipe's synthetic OFT task, small: 6 episodes of 32 px."""
+    from parallax.families.openvla.oft_data import synthetic_task
+
+    task = synthetic_task(cfg, cfg.seed)
+    return SyntheticTask(task.config, num_episodes=6, image_size=32)
+
+
+def _run(ctx, cfg):
+    from parallax.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, ctx)
+    data = _data(cfg)
+    loader = BatchLoader(
+        data,
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_size=ctx.dp_size,
+        seed=cfg.seed,
+    )
+    build = trainer.recipe.collator(trainer.model_config, data, None)
+    history = []
+    for _ in range(STEPS):
+        out = trainer.train_step([build(m) for m in loader.next_batch()])
+        history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
+    weights = {}
+    for name, p in trainer.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = full_tensor(p, ctx.tp_group)
+        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+            weights.update(separate(name, full))
+    return history, weights
+
+
+def _parallel(tp, pp, dp):
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    return {k: _run(ctx, _cfg(k, tp=tp, pp=pp, dp=dp)) for k in RUNS}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {k: _run(ParallelContext.local(), _cfg(k)) for k in RUNS}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)], ids=["tp2", "pp2", "dp2", "tp2pp2dp2"]
+)
+def test_layouts_match_one_process(reference, tp, pp, dp):
+    for kind, (_, ref_weights) in reference.items():
+        assert any(n.startswith("action_head.proj_in") for n in ref_weights), kind
+        assert "proprio_projector.fc1.weight" in ref_weights
+        assert any(".film_scale." in n for n in ref_weights)
+        assert "language_model.lm_head.weight" not in ref_weights  # never runs, never trains
+    results = run_ranks(_parallel, tp * pp * dp, tp, pp, dp)
+    for kind, (ref_history, ref_weights) in reference.items():
+        seen = {}
+        for by_kind in results:
+            history, weights = by_kind[kind]
+            assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
+            seen.update(weights)
+        assert seen.keys() == ref_weights.keys(), kind
+        for name, value in ref_weights.items():
+            assert_close(seen[name], value, rtol=1e-5, atol=1e-5, msg=f"{kind}: {name}")
+        assert ref_history[-1][0] != ref_history[0][0]
