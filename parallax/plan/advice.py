@@ -38,7 +38,7 @@ def _variants(layout: Layout, global_batch: int) -> list[Layout]:
     mbs = [b for b in range(1, layout.micro_batch_size + 1) if per_rank % b == 0]
     out = []
     for zero, offload, ckpt, mb in itertools.product(
-        zeros, sorted({layout.offload, True}), [layout.checkpointing, True, "vision"], mbs
+        zeros, sorted({layout.offload, 1.0}), [layout.checkpointing, True, "vision"], mbs
     ):
         if offload and zero < 2:
             continue
@@ -55,8 +55,10 @@ def _changes(old: Layout, new: Layout) -> list[str]:
     words = []
     if new.zero != old.zero:
         words.append(f"--zero {new.zero}")
-    if new.offload and not old.offload:
+    if new.offload != old.offload:
         words.append("--offload optimizer")
+        if new.offload < 1:
+            words.append(f"--offload-fraction {new.offload:g}")
     if new.checkpointing != old.checkpointing:
         words.append("--activation-checkpointing")
         if isinstance(new.checkpointing, str):

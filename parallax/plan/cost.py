@@ -168,7 +168,7 @@ def step_time(
     offload = _offload(model, layout, machine, memory, m, last_backward)
     busy = max(memory, key=lambda r: r.trainable)
     optimizer = (
-        0.0 if layout.offload else ADAMW_BYTES * _elements(busy, layout) / (machine.hbm_gbs * 1e9)
+        (1 - layout.offload) * ADAMW_BYTES * _elements(busy, layout) / (machine.hbm_gbs * 1e9)
     )
     recompute = m * sum(s.recompute for s in busiest)
     tp = m * sum(s.tp for s in busiest)
@@ -217,7 +217,7 @@ def _offload(model: Model, layout, machine, memory, m, last_backward) -> float:
     if not layout.offload:
         return 0.0
     rank = max(memory, key=lambda r: r.trainable)
-    share = rank.trainable / layout.dp
+    share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
     node = min(machine.gpus_per_node, layout.world)  # ranks sharing one host
     down = model.e * share / (machine.h2d_gbs * 1e9)
     accumulate = node * 3 * model.e * share / (machine.host_gbs * 1e9)

@@ -21,6 +21,7 @@ LAYOUT_OPTIONS = (
     "chunks",
     "zero",
     "offload",
+    "offload_fraction",
     "reshard_after_forward",
     "activation_checkpointing",
     "checkpoint_scope",
@@ -30,7 +31,9 @@ LAYOUT_OPTIONS = (
 @dataclass(frozen=True)
 class Layout:
     """See the module docstring. ``checkpointing``: ``False``, ``True`` (every block) or a
-    scope (``"vision"``, ``"text"``); ``offload``: the optimizer's fp32 state on the host."""
+    scope (``"vision"``, ``"text"``); ``offload``: the share of the optimizer's fp32 state
+    (masters, moments, the reduced gradients) on the host: 0 none, 1 ``--offload optimizer``,
+    between ``--offload-fraction``."""
 
     tp: int = 1
     pp: int = 1
@@ -39,7 +42,7 @@ class Layout:
     schedule: str = "1f1b"
     chunks: int = 1
     zero: int = 1
-    offload: bool = False
+    offload: float = 0.0
     reshard_after_forward: bool = True
     checkpointing: bool | str = False
 
@@ -58,7 +61,7 @@ class Layout:
             schedule=cfg.schedule,
             chunks=cfg.chunks,
             zero=getattr(cfg, "zero", 1),
-            offload=getattr(cfg, "offload", "none") != "none",
+            offload=_offloaded(cfg),
             reshard_after_forward=getattr(cfg, "reshard_after_forward", True),
             checkpointing=cfg.checkpointing,
         )
@@ -75,6 +78,7 @@ class Layout:
             chunks=self.chunks,
             zero=self.zero,
             offload="optimizer" if self.offload else "none",
+            offload_fraction=float(self.offload) if self.offload else 1.0,
             reshard_after_forward=self.reshard_after_forward,
             activation_checkpointing=bool(self.checkpointing),
             checkpoint_scope=scope,
@@ -102,7 +106,7 @@ class Layout:
         if self.zero == 3 and not self.reshard_after_forward:
             parts[-1] += " (kept)"
         if self.offload:
-            parts.append("offload")
+            parts.append("offload" + (f" {self.offload:g}" if self.offload < 1 else ""))
         if self.checkpointing:
             scope = self.checkpointing if isinstance(self.checkpointing, str) else "all"
             parts.append(f"ckpt {scope}")
@@ -110,3 +114,10 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f" x{self.chunks}" if self.chunks > 1 else ""))
         return ", ".join(parts)
+
+
+def _offloaded(cfg) -> float:
+    """The share of the optimizer on the host that ``cfg`` asks for."""
+    if getattr(cfg, "offload", "none") == "none":
+        return 0.0
+    return float(getattr(cfg, "offload_fraction", 1.0))

@@ -184,7 +184,7 @@ def _counts(blocks) -> _Counts:
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     """(weights, gradients, optimizer, gathered, buffers, host) of ZeRO at this layout."""
-    dp, zero, share = layout.dp, layout.zero, 1.0 if layout.offload else 0.0
+    dp, zero, share = layout.dp, layout.zero, float(layout.offload)
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
     partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
     bucket = max(c.buckets.values(), default=0)

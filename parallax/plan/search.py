@@ -90,17 +90,20 @@ def _checkpointing(model: Model, fixed: dict[str, Any]) -> list[bool | str]:
 
 
 def _memory_options(dp: int, fixed: dict[str, Any]) -> list[tuple[int, bool, bool]]:
-    """(zero, offload, reshard after forward) worth trying at ``dp``."""
-    out = [(1, False, True)]
-    out += [(2, False, True)] if dp > 1 else []
-    out += [(2, True, True)]
+    """(zero, share offloaded, reshard after forward) worth trying at ``dp``."""
+    shares = [1.0, 0.5] if "offload_fraction" in OPTION_NAMES else [1.0]
+    out: list[tuple[int, float, bool]] = [(1, 0.0, True)]
+    out += [(2, 0.0, True)] if dp > 1 else []
+    out += [(2, share, True) for share in shares]
     if dp > 1:
-        out += [(3, False, True), (3, False, False), (3, True, True), (3, True, False)]
+        out += [(3, 0.0, True), (3, 0.0, False)]
+        out += [(3, share, reshard) for share in shares for reshard in (True, False)]
     return [
         (z, o, r)
         for z, o, r in out
         if _allowed(fixed, "zero", z)
         and _allowed(fixed, "offload", "optimizer" if o else "none")
+        and (not o or _allowed(fixed, "offload_fraction", o))
         and _allowed(fixed, "reshard_after_forward", r)
     ]
 

@@ -147,7 +147,7 @@ def _memory_words(cfg: Run) -> str:
     layout = Layout.of(cfg, 1)
     words = [f"zero {layout.zero}"]
     if layout.offload:
-        words.append("optimizer offloaded")
+        words.append(f"optimizer offloaded ({layout.offload:.0%} of it)")
     if layout.checkpointing:
         scope = layout.checkpointing if isinstance(layout.checkpointing, str) else "all"
         words.append(f"activation checkpointing ({scope})")
