@@ -61,8 +61,10 @@ class Part:
 
     ``scope``: which ``--checkpoint-scope`` recomputes the pieces ("vision" or "text"; ``None``:
     never recomputed); ``kept`` is then what one sample keeps (the piece's input). ``tokens``
-    is the sequence the piece's matmuls see (their efficiency grows with it);
-    ``tp_reduces`` the all-reduces of one forward at tp > 1, ``tp_bytes`` their bytes.
+    is the rows the piece's matmuls see (their efficiency grows with it), ``seq`` the sequence
+    its attention sees (0: ``tokens``); ``tp_reduces`` the all-reduces of one forward at
+    tp > 1, ``tp_bytes`` their bytes. ``compiled``: what a compiled piece keeps instead of
+    ``saved`` (``None``: the same), where the compiler's fusion drops intermediates.
     """
 
     name: str
@@ -75,6 +77,8 @@ class Part:
     tokens: int = 1
     tp_reduces: int = 0
     tp_bytes: float = 0.0
+    seq: int = 0
+    compiled: Split | None = None
 
     def recomputes(self, checkpointing: bool | str) -> bool:
         """Whether ``--activation-checkpointing`` (``True``, or a scope) recomputes it."""
@@ -82,9 +86,12 @@ class Part:
             return False
         return checkpointing is True or checkpointing == "all" or checkpointing == self.scope
 
-    def keeps(self, checkpointing: bool | str) -> Split:
+    def keeps(self, checkpointing: bool | str, compiled: bool = False) -> Split:
         """What the ``count`` pieces keep for one sample between forward and backward."""
-        return (self.kept if self.recomputes(checkpointing) else self.saved) * self.count
+        if self.recomputes(checkpointing):
+            return self.kept * self.count
+        fused = self.compiled if compiled and self.compiled is not None else self.saved
+        return fused * self.count
 
 
 @dataclass(frozen=True)
@@ -95,10 +102,10 @@ class BlockEstimate:
     parts: tuple[Part, ...]
     output_bytes: float = 0.0
 
-    def keeps(self, checkpointing: bool | str) -> Split:
+    def keeps(self, checkpointing: bool | str, compiled: bool = False) -> Split:
         total = Split()
         for part in self.parts:
-            total = total + part.keeps(checkpointing)
+            total = total + part.keeps(checkpointing, compiled)
         return total
 
 
@@ -113,6 +120,7 @@ def llama_layer(cfg: LlamaConfig, tokens: int, e: int, scope: str | None = "text
     return Part(
         "decoder layer",
         saved=Split(sharded, replicated),
+        compiled=Split(sharded, tokens * 2 * e * h),  # the norms' fp32 copies fused away
         scope=scope,
         kept=Split(0.0, tokens * e * h),
         gemm_flops=2.0 * tokens * (2 * h * h + 2 * h * kv + 3 * h * f),
@@ -142,6 +150,7 @@ def vit_blocks(
         gemm_flops=2.0 * tokens * (4 * w * w + 2 * w * f) * images,
         attention_flops=attention * images,
         tokens=tokens * images,
+        seq=tokens,
         tp_reduces=2,
         tp_bytes=2.0 * tokens * w * e * images,
     )

@@ -26,9 +26,14 @@ from parallax.plan.machine import Link, Machine
 from parallax.plan.model import Model
 from parallax.train.steps import make_schedule
 
-ELEMENTWISE = 4.0  # element-wise bytes moved in a forward per byte kept for the backward
-COMPILED = 0.5  # what --compile leaves of the element-wise traffic (fused kernels)
+# element-wise bytes moved in an eager forward per byte kept for the backward, and the share
+# --compile leaves of them (fused kernels): fitted to OpenVLA-7B full fine-tuning, LoRA and
+# SigLIP-large steps on one H200 (benchmarks/RESULTS.md, profile_rows)
+ELEMENTWISE = 6.2
+COMPILED = 0.35
 ADAMW_BYTES = 36.0  # bytes a fused AdamW step moves per fp32 element (master, grad, moments)
+# what hidden collectives still cost, as a share of their time (OpenVLA-7B dp2 on two H200s)
+OVERLAP_TAX = 0.3
 HOOK_S = 30e-6  # ZeRO-3's Python hooks around one unit's use (gather, release, reduce)
 
 
@@ -83,7 +88,9 @@ def part_times(part: Part, layout: Layout, machine: Machine, compiled: bool):
     rows = part.tokens * mb
     rate = machine.gemm_tflops * 1e12 * rows / (rows + machine.gemm_half_tokens)
     gemm = part.gemm_flops * mb / tp / rate
-    attention = part.attention_flops * mb / tp / (machine.attention_tflops * 1e12)
+    seq = part.seq or part.tokens  # short sequences leave attention kernels underused
+    rate = machine.attention_tflops * 1e12 * seq / (seq + machine.attention_half_tokens)
+    attention = part.attention_flops * mb / tp / rate
     moved = ELEMENTWISE * (COMPILED if compiled else 1.0) * part.saved.at(tp) * mb
     elementwise = moved / (machine.hbm_gbs * 1e9)
     comm = 0.0
@@ -182,6 +189,13 @@ def _elements(rank, layout: Layout) -> float:
     return rank.trainable / layout.dp
 
 
+def _hidden(comm: float, window: float) -> float:
+    """Exposed seconds of ``comm`` issued under ``window`` seconds of compute: what does not
+    fit, and a tax on what does (the collectives' kernels take SMs and memory bandwidth from
+    the compute they hide under)."""
+    return max(0.0, comm - window) + OVERLAP_TAX * min(comm, window)
+
+
 def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
     """(exposed dp reduction and parameter gathers, exposed ZeRO-3 gathers) per step."""
     if layout.dp == 1:
@@ -192,23 +206,21 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
     weights = rank.weights * (layout.dp if layout.zero == 3 else 1)
     trained = weights * rank.trainable / max(rank.params, 1)  # the weights the step changes
     gather = link.seconds("all_gather", trained, layout.dp)
-    if layout.zero == 1:
-        exposed = max(0.0, reduce - last_backward)
-    else:  # every pass reduces its own gradients as its backward ends
-        exposed = m * max(0.0, reduce - last_backward)
+    passes = 1 if layout.zero == 1 else m  # ZeRO-2/3 reduce every pass as its backward ends
+    exposed = passes * _hidden(reduce, last_backward)
     zero3 = 0.0
     if layout.zero < 3:
-        exposed += max(0.0, gather - first_forward)  # under the next forward
+        exposed += _hidden(gather, first_forward)  # under the next forward
     else:
         # each use gathers every unit (one collective each), prefetched under the compute
         every = link.seconds("all_gather", weights, layout.dp)
         every += (rank.units - 1) * link.latency_us * 1e-6
         hooks = rank.units * HOOK_S
-        zero3 = m * (max(0.0, every - first_forward) + hooks)
+        zero3 = m * (_hidden(every, first_forward) + hooks)
         if layout.reshard_after_forward:  # gathered again for the backward
-            zero3 += m * (max(0.0, every - last_backward) + hooks)
+            zero3 += m * (_hidden(every, last_backward) + hooks)
         else:  # once a step, kept
-            zero3 = max(0.0, every - first_forward) + m * 2 * hooks
+            zero3 = _hidden(every, first_forward) + m * 2 * hooks
     return exposed, zero3
 
 

@@ -49,10 +49,12 @@ class Link:
         return self.latency_us * 1e-6 + share * nbytes / (self.busbw_gbs * 1e9)
 
 
-# Shipped links (defaults, not measurements): NVLink 4 within an H100/H200 node; PCIe 4 x16
-# with and without peer-to-peer (through host memory); 8 x 400 Gb/s InfiniBand across nodes.
+# Shipped links (defaults, not measurements): NVLink 4 within an H100/H200 node as parallax's
+# tp all-reduces of a 7B step achieve it (openvla_step tp2 on two H200s: about 100 GB/s, not
+# the 360 of a large all-reduce in isolation); PCIe 4 x16 with and without peer-to-peer (through
+# host memory); 8 x 400 Gb/s InfiniBand across nodes.
 LINKS = {
-    "nvlink": Link(busbw_gbs=360.0, latency_us=15.0),
+    "nvlink": Link(busbw_gbs=100.0, latency_us=25.0),
     "pcie": Link(busbw_gbs=22.0, latency_us=25.0),
     "pcie-no-p2p": Link(busbw_gbs=11.0, latency_us=40.0),
     "infiniband": Link(busbw_gbs=45.0, latency_us=30.0),
@@ -76,7 +78,8 @@ class Machine:
     intra: Link = field(default_factory=lambda: LINKS["nvlink"])
     inter: Link = field(default_factory=lambda: LINKS["infiniband"])
     host_gbs: float = 25.0  # host element-wise bandwidth (read + written), all cores
-    gemm_half_tokens: float = 128.0
+    gemm_half_tokens: float = 384.0
+    attention_half_tokens: float = 512.0  # the sequence at which attention runs at half rate
     cuda_context_gib: float = 0.6  # the CUDA context and the kernels' workspaces per process
     allocator_reserve: float = 0.08  # share of the card the caching allocator cannot reuse
     nodes: int = 1
@@ -127,7 +130,7 @@ H200 = Machine(
     gpu_memory_gib=139.8,
     host_memory_gib=125.0,
     gpus_per_node=8,
-    gemm_tflops=650.0,
+    gemm_tflops=700.0,
     attention_tflops=420.0,
     hbm_gbs=4300.0,
     h2d_gbs=55.0,

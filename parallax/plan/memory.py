@@ -40,9 +40,6 @@ GIB = 2**30
 PINNED_POOL = 4  # offload's pinned staging buffers per dtype (parallax.optim.offload.POOL)
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
 HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
-# what --compile's fused blocks keep of eager's saved activations (one H200: OpenVLA-7B full
-# fine-tuning 0.78, LoRA 0.77), times --activation-memory-budget
-COMPILED_ACTIVATIONS = 0.78
 
 
 @dataclass(frozen=True)
@@ -222,9 +219,8 @@ def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, flo
     """(activations at the schedule's peak, the backward's workspace) of a pipeline rank."""
     kept, largest = _per_sample(model, layout, pp_rank)
     mb = layout.micro_batch_size
-    run = model.run
-    if run.compile:
-        mb *= COMPILED_ACTIVATIONS * run.activation_memory_budget
+    if model.run.compile:  # the compiler keeps at most this share of the fused blocks' own
+        mb *= model.run.activation_memory_budget
     states = model.in_flight_states(layout, pp_rank)
     return peak_weighted(states, [mb * k for k in kept]), mb * largest
 
@@ -232,8 +228,8 @@ def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, flo
 def _per_sample(model: Model, layout: Layout, pp_rank: int) -> tuple[list[float], float]:
     """Per local stage, the bytes one sample keeps (with what the stage receives and sends);
     and the largest piece's backward transient."""
-    ckpt = layout.checkpointing
-    key = ("acts", layout.tp, layout.pp, layout.chunks, pp_rank, ckpt)
+    ckpt, compiled = layout.checkpointing, bool(model.run.compile)
+    key = ("acts", layout.tp, layout.pp, layout.chunks, pp_rank, ckpt, compiled)
     if key in model.cache:
         return model.cache[key]  # type: ignore[return-value]
     tp, est = layout.tp, model.estimates
@@ -242,7 +238,7 @@ def _per_sample(model: Model, layout: Layout, pp_rank: int) -> tuple[list[float]
     kept, largest = [], 0.0
     for s in model.stages_of(layout, pp_rank):
         r = ranges[s]
-        k = sum(est[i].keeps(ckpt).at(tp) for i in r)
+        k = sum(est[i].keeps(ckpt, compiled).at(tp) for i in r)
         if s > 0:  # what the stage received, held for the gradient it sends back
             k += est[r.start - 1].output_bytes
         if s < last:  # what it sent, held until its gradient comes
