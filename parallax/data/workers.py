@@ -106,13 +106,19 @@ class Decoder:
 
 def _worker_main(sources, recipe: Recipe, tasks, results) -> None:
     # a scheduler that preempts a job signals all its processes: the training process decides
-    # when to stop (after saving, parallax.train.failures) and closes its workers itself
+    # when to stop (after saving, parallax.train.failures) and closes its workers itself; a
+    # worker whose parent is gone (a crash, a kill) leaves by itself within a second
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
+    parent = os.getppid()
     torch.set_num_threads(1)
     decoder = Decoder(sources, recipe)
     while True:
-        item = tasks.get()
+        try:
+            item = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                break
+            continue
         if item is None:
             break
         task_id, task = item
@@ -121,6 +127,7 @@ def _worker_main(sources, recipe: Recipe, tasks, results) -> None:
         except Exception as err:
             results.put((task_id, None, (isinstance(err, DatasetError), f"{err}")))
     decoder.close()
+    results.cancel_join_thread()  # results nobody reads any more must not hold the exit
 
 
 class WorkerPool:
@@ -165,8 +172,8 @@ class WorkerPool:
                 q.put(None)
         for proc in self.procs:
             proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
+            if proc.is_alive():  # stuck: SIGKILL, since workers ignore SIGTERM (see above)
+                proc.kill()
                 proc.join(timeout=5)
         for q in (*self.tasks, self.results):
             q.close()

@@ -198,7 +198,6 @@ REQUIRED = {
         "dataset",
         "collator",
         "forward_backward",
-        "evaluate_step",
     ),
 }
 
