@@ -144,19 +144,40 @@ def unit_bytes(chunk: nn.Module) -> list[int]:
     return sizes
 
 
-def largest_buckets(
-    sizes: list[tuple[int, int, bool]], bucket_numel: int
-) -> dict[tuple[int, bool], int]:
-    """The largest bucket per (element size, partial over tp) of ZeRO's flat layout of these
-    parameters (in forward order): packed from the end, a bucket closes once it holds
-    ``bucket_numel`` elements (:func:`parallax.optim.buckets.build_layout`)."""
+def bucket_sizes(sizes: list[tuple[int, int, bool]], bucket_numel: int) -> list[tuple]:
+    """``((element size, partial over tp), elements)`` of each bucket of ZeRO's flat layout of
+    these parameters (in forward order), in the order they are reduced: packed from the end, a
+    bucket closes once it holds ``bucket_numel`` elements
+    (:func:`parallax.optim.buckets.build_layout`)."""
     filled: dict[tuple[int, bool], int] = {}
-    most: dict[tuple[int, bool], int] = {}
+    out: list[tuple] = []
     for numel, size, partial in reversed(sizes):
         key = (size, partial)
         filled[key] = filled.get(key, 0) + numel
         if filled[key] >= bucket_numel:
-            most[key] = max(most.get(key, 0), filled.pop(key))
-    for key, n in filled.items():
+            out.append((key, filled.pop(key)))
+    return out + sorted(filled.items())
+
+
+def largest_buckets(
+    sizes: list[tuple[int, int, bool]], bucket_numel: int
+) -> dict[tuple[int, bool], int]:
+    """The largest bucket per (element size, partial over tp): see :func:`bucket_sizes`."""
+    most: dict[tuple[int, bool], int] = {}
+    for key, n in bucket_sizes(sizes, bucket_numel):
         most[key] = max(most.get(key, 0), n)
     return most
+
+
+def offloaded_share(buckets: list[tuple], fraction: float) -> float:
+    """The share of the elements ``--offload-fraction`` puts on the host: the first buckets
+    reduced up to ``fraction`` of them, at least one (:mod:`parallax.optim.offload`)."""
+    if fraction <= 0 or not buckets:
+        return 0.0
+    total = sum(n for _, n in buckets)
+    held = 0
+    for i, (_, n) in enumerate(buckets):
+        if i and held + n > fraction * total + 0.5:
+            break
+        held += n
+    return held / total

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.plan.blocks import largest_buckets
+from parallax.plan.blocks import bucket_sizes, largest_buckets, offloaded_share
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
 from parallax.plan.model import DEFAULT_BUCKET_NUMEL, Model, peak_weighted
@@ -61,6 +61,7 @@ class RankMemory:
     workspace: float
     buffers: float
     host: float
+    pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
 
     @property
     def gpu(self) -> float:
@@ -96,6 +97,7 @@ class _Counts:
     unit: int  # bytes of the largest ZeRO-3 unit
     partial: int  # trainable elements whose gradient is partial over tp (buckets of their own)
     buckets: dict  # (element size, partial over tp) -> its largest ZeRO-1/2 bucket's elements
+    order: list  # every bucket's (key, elements), in the order they are reduced
 
     @property
     def trainable(self) -> int:
@@ -111,7 +113,7 @@ def rank_memory(model: Model, layout: Layout, pp_rank: int, overlap: bool = True
     the backward, ``--overlap-grad-reduce``)."""
     held = _held(model, layout, pp_rank)
     c = held.counts
-    weights, gradients, optimizer, gathered, buffers, host = _states(c, layout, overlap)
+    weights, gradients, optimizer, gathered, buffers, host, pinned = _states(c, layout, overlap)
     activations, workspace = _activations(model, layout, pp_rank)
     return RankMemory(
         pp_rank=pp_rank,
@@ -129,6 +131,7 @@ def rank_memory(model: Model, layout: Layout, pp_rank: int, overlap: bool = True
         workspace=workspace,
         buffers=buffers,
         host=host,
+        pinned=pinned,
     )
 
 
@@ -176,12 +179,15 @@ def _counts(blocks) -> _Counts:
         unit=max((u for b in blocks for u in b.units), default=0),
         partial=sum(b.partial for b in blocks),
         buckets=largest_buckets([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
+        order=bucket_sizes([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
     )
 
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
-    """(weights, gradients, optimizer, gathered, buffers, host) of ZeRO at this layout."""
-    dp, zero, share = layout.dp, layout.zero, float(layout.offload)
+    """(weights, gradients, optimizer, gathered, buffers, host, pinned) of ZeRO at this
+    layout (pinned: the host's staging buffers, which only a run on GPUs makes)."""
+    dp, zero = layout.dp, layout.zero
+    share = offloaded_share(c.order, float(layout.offload))  # whole buckets go to the host
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
     partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
     bucket = max(c.buckets.values(), default=0)
@@ -207,12 +213,12 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     masters = 4.0 * c.t2 / dp  # fp32 parameters are their own masters
     moments = 8.0 * c.trainable / dp
     optimizer = (1 - share) * (masters + moments)
-    host = 0.0
-    if share:  # every master on the host, the moments, the accumulator, the pinned staging
+    host = pinned = 0.0
+    if share:  # the masters on the host, the moments, the accumulator, the pinned staging
         accumulator = (2.0 * c.t2 + 4.0 * c.t4) / dp
         pinned = PINNED_POOL * (bucket / dp) * (2 if c.t2 else 4)
         host = share * (4.0 * c.trainable / dp + moments + accumulator) + pinned
-    return weights, gradients, optimizer, gathered, buffers, host
+    return weights, gradients, optimizer, gathered, buffers, host, pinned
 
 
 def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, float]:
