@@ -62,6 +62,8 @@ PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
+OFFLOADS = ("none", "optimizer")
+ZERO_STAGES = (1, 2, 3)
 CHOICES = {
     "checkpoint_scope": CHECKPOINT_SCOPES,
     "schedule": SCHEDULES,
@@ -69,6 +71,7 @@ CHOICES = {
     "lr_schedule": LR_SCHEDULES,
     "logits": LOGITS,
     "finetune": FINETUNES,
+    "offload": OFFLOADS,
 }
 # what ``None`` means for the optimisation flags: full fine-tuning's defaults, and OpenVLA's LoRA
 # recipe (5e-4 constant, no warm-up, no clipping; ``lr`` from the recipe, see Recipe.default_lr)
@@ -131,6 +134,11 @@ class TrainConfig:
     cuda_graphs: bool = False
     pipeline_syncs: bool = False
     overlap_param_gather: bool = True
+    zero: int = 1  # ZeRO stage over dp: 1 optimizer state, 2 also gradients, 3 also weights
+    reshard_after_forward: bool = True  # zero 3: free each block's gathered weights after use
+    offload: str = "none"  # "optimizer": fp32 masters and moments in host memory
+    offload_fraction: float = 1.0  # with --offload optimizer: the share of buckets on the host
+    gpu_memory_limit: float | None = None  # GiB this process may allocate on its GPU
     export_hf: bool = False
     dry_run: bool = False
     config: str | None = None
@@ -217,6 +225,7 @@ class TrainConfig:
             )
         if self.chunks > 1 and self.schedule != "interleaved":
             problems.append(f"--chunks {self.chunks} needs --schedule interleaved")
+        problems += memory_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -234,6 +243,32 @@ class TrainConfig:
 # every flag's type, from the annotations above (``extra`` is not a flag)
 FLAG_KINDS = field_kinds(TrainConfig)
 TABLE_FIELDS = ("lr_groups", "data")  # also a TOML table (or [[data]] list) in --config
+
+
+def memory_problems(cfg) -> list[str]:
+    """What is wrong with the ZeRO, offload and memory-cap flags (from the flags alone)."""
+    problems = []
+    if cfg.zero not in ZERO_STAGES:
+        problems.append(f"--zero must be 1, 2 or 3, got {cfg.zero}")
+    if not cfg.reshard_after_forward and cfg.zero != 3:
+        problems.append(
+            f"--no-reshard-after-forward keeps zero-3 weights gathered: it needs --zero 3 "
+            f"(got --zero {cfg.zero})"
+        )
+    if cfg.zero == 3 and cfg.cuda_graphs:
+        problems.append(
+            "--cuda-graphs cannot replay blocks under --zero 3: a CUDA graph reads each weight "
+            "at the address it was recorded with, and zero 3 frees each block's gathered "
+            "weights after use and gathers them again elsewhere; use --zero 2 or drop "
+            "--cuda-graphs"
+        )
+    if not 0.0 < cfg.offload_fraction <= 1.0:
+        problems.append(f"--offload-fraction must be in (0, 1], got {cfg.offload_fraction:g}")
+    elif cfg.offload_fraction < 1.0 and cfg.offload == "none":
+        problems.append("--offload-fraction says how much to offload: it needs --offload optimizer")
+    if cfg.gpu_memory_limit is not None and cfg.gpu_memory_limit <= 0:
+        problems.append(f"--gpu-memory-limit must be > 0 GiB, got {cfg.gpu_memory_limit:g}")
+    return problems
 
 
 def data_problems(data: Any) -> list[str]:

@@ -16,6 +16,7 @@ from parallax.train.config import (
     LOGITS,
     LORA_DEFAULTS,
     LR_SCHEDULES,
+    OFFLOADS,
     PRECISIONS,
     SCHEDULES,
     TrainConfig,
@@ -154,6 +155,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="reduce gradients after the backward instead of during it",
     )
+    _memory_flags(p, d)
     g = p.add_argument_group("speed (same results either way)")
     g.add_argument(
         "--logits",
@@ -245,6 +247,45 @@ def parser() -> argparse.ArgumentParser:
         help="the held-out split for a dataset dir (synthetic tasks use episodes of another seed)",
     )
     return p
+
+
+def _memory_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = p.add_argument_group("memory (same results either way)")
+    g.add_argument(
+        "--zero",
+        metavar="{1,2,3}",
+        help="ZeRO stage within each (pp, tp) position's dp group: 1 shards the optimizer "
+        "state, 2 also the reduced gradients (reduce-scattered every microbatch), 3 also the "
+        f"weights (each block gathered just before use, the next prefetched) (default {d.zero})",
+    )
+    g.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --zero 3: free each block's gathered weights after its forward and gather "
+        "them again for its backward (off: keep them from the first forward until the step, "
+        "one all-gather per block per step for the whole stage's weights in memory) "
+        f"(default {'on' if d.reshard_after_forward else 'off'})",
+    )
+    g.add_argument(
+        "--offload",
+        metavar=_choices(OFFLOADS),
+        help="optimizer: keep this rank's fp32 masters and AdamW moments in (pinned) host "
+        "memory and step them there, bucket by bucket, as the backward reduces them "
+        f"(default {d.offload})",
+    )
+    g.add_argument(
+        "--offload-fraction",
+        metavar="F",
+        help="with --offload optimizer: the share of the buckets whose state lives on the "
+        f"host; the rest stays on the GPU (default {d.offload_fraction:g})",
+    )
+    g.add_argument(
+        "--gpu-memory-limit",
+        metavar="GIB",
+        help="cap this process's GPU memory (emulates a smaller card; an out-of-memory error "
+        "then names the options that would help); ignored on the CPU",
+    )
 
 
 def _lora_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
