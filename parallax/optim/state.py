@@ -220,13 +220,17 @@ def _load_one(
     p, info = opt.params[i], getattr(opt.params[i], "tp_shard", None)
     local = full.to(opt.device)
     local = local if info is None else shard_tensor(local, info)  # (this tp rank's shape)
-    if key == "master":
+    sharded = opt.flat.store is not None  # ZeRO-3: the model holds this rank's shard only
+    if key == "master" and not sharded:
         p.data.copy_(local)  # fp32 -> the model's dtype
     flat = local.reshape(-1)
     for pc, t in opt.flat.pieces_of[i]:
         part = flat[pc.start : pc.start + pc.numel]
         if key == "master":
             t.copy_(part)
+            if sharded:  # fp32 -> the model's dtype, in the shard
+                shard = opt.flat.own_param(pc.bucket)
+                shard[pc.chunk_offset : pc.chunk_offset + pc.numel].copy_(part)
         else:
             new_state.setdefault(index[id(t)], {})[key] = part.clone()
 

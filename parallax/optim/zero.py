@@ -1,4 +1,4 @@
-"""ZeRO-1: a wrapper that shards any torch optimizer's state over the data-parallel group.
+"""ZeRO 1, 2 and 3: a wrapper that shards any torch optimizer's state over the data-parallel group.
 
 Every dp rank holds the whole model (parameters and gradients, in flat per-dtype buffers the
 parameters are views into) but keeps optimizer state for its own slice of each bucket only.
@@ -7,6 +7,12 @@ this rank's fp32 master slice, all-gather the updated slices back into the model
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
 At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
 only while the optimizer steps that bucket (:mod:`parallax.optim.staged`).
+
+``stage=2`` also shards the reduced gradients: no gradient buffer, each backward pass is
+reduce-scattered into this rank's fp32 shard as it ends (:mod:`parallax.optim.passes` says
+why per pass). ``stage=3`` also shards the weights, trainable and frozen, of the ``modules``
+given: each block is gathered just before use and released after
+(:mod:`parallax.optim.zero3`, :mod:`parallax.optim.stages`); the step updates shards only.
 
 The parts: the layout and buffers (:mod:`~parallax.optim.buckets`, :mod:`~parallax.optim.flat`),
 gradients arriving (:mod:`~parallax.optim.grads`) and their reduction
@@ -34,9 +40,11 @@ from parallax.optim.gather import DeferredGathers
 from parallax.optim.grads import GradArrivals
 from parallax.optim.groups import accept, check_passes
 from parallax.optim.memory import MemoryReport, zero_memory
+from parallax.optim.passes import PassReducer
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
 from parallax.optim.reducer import GradReducer
 from parallax.optim.staged import StagedSteps
+from parallax.optim.stages import Zero3, check_stage, grouped_order, parameter_units
 from parallax.optim.state import StateMethods
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,13 @@ DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
 
 class ZeroOptimizer(StateMethods, OptimizerFacade):
     """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
+
+    ``stage`` (1, 2 or 3) and ``modules``: the model chunks holding ``params``, needed at stage 3
+    (whose weights are sharded: every parameter of theirs that requires a gradient must be in
+    ``params``, the others are frozen) and at stage 2 optional (each backward pass then reduces
+    only the chunks it ran). ``reshard_after_forward`` (stage 3): see :mod:`parallax.optim.zero3`.
+    At stages 2 and 3 ``overlap`` and ``backward_passes_per_step`` do not apply: every pass is
+    reduced as it ends.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
     or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
@@ -81,6 +96,9 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         optimizer_class: type[torch.optim.Optimizer],
         ctx: ParallelContext,
         *,
+        stage: int = 1,
+        modules: Iterable[nn.Module] | nn.Module | None = None,
+        reshard_after_forward: bool = True,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -88,7 +106,8 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         side_stream_grad_copies: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
-        self.ctx, self.overlap = ctx, overlap
+        self.ctx, self.overlap, self.stage = ctx, overlap, stage
+        modules = check_stage(stage, modules)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
         got = accept(
             ctx, params, optimizer_class, backward_passes_per_step, bucket_numel, param_order
@@ -96,16 +115,18 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         self.names, self.params, self.device = got.names, got.params, got.device
         self._group_names = got.group_names
         groups, group_of = got.groups, got.group_of
+        self.units, unit_of = parameter_units(stage, modules, self.params)
         self.layout = build_layout(
             [tuple(p.shape) for p in self.params],
             [p.dtype for p in self.params],
             got.sequence_parallel,
             ctx.dp_size,
             bucket_numel,
-            got.order,
+            grouped_order(got.order, unit_of, len(self.params)),
+            units=unit_of,
         )
         self.flat = FlatBuffers(
-            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes()
+            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes(), stage
         )
         members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
         for pc, t in zip(self.flat.pieces, self.flat.piece_params):
@@ -129,25 +150,54 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
+        self._build_reduction(backward_passes_per_step, side_stream_grad_copies)
+        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
+        self.zero3 = (
+            Zero3(
+                self.units,
+                self.params,
+                self.flat.store,
+                ctx,
+                self.reducer,
+                bucket_numel,
+                reshard_after_forward,
+            )
+            if stage == 3
+            else None
+        )
+        log.debug("%r: %s", self, self.memory_report())
+
+    def _build_reduction(self, passes: int, side_copies: bool) -> None:
+        if self.stage >= 2:  # every backward pass reduced as it ends, no gradient buffer
+            self.reducer = PassReducer(
+                self.layout,
+                self.flat.grad_outs,
+                self.names,
+                self.ctx,
+                ordered=self.stage == 2,
+                average=not self._fold,
+                stream=self._stream,
+                device=self.device,
+            )
+            self.grads = GradArrivals(self.params, None, self.reducer, None)
+            return
         self.reducer = GradReducer(
             self.layout,
             self.flat.grad_buffers,
             self.flat.grad_outs,
             self.names,
-            ctx,
-            overlap,
-            backward_passes_per_step,
+            self.ctx,
+            self.overlap,
+            passes,
             average=not self._fold,
             stream=self._stream,
         )
-        copies = self._stream if side_stream_grad_copies and overlap else None
+        copies = self._stream if side_copies and self.overlap else None
         self.grads = GradArrivals(self.params, self.flat.grad_views, self.reducer, copies)
-        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
-        log.debug("%r: %s", self, self.memory_report())
 
     def _grad_homes(self) -> list[str]:
         """Where each bucket's fp32 reduced gradient lives (see ``buckets.grad_homes``)."""
-        return grad_homes(self.layout, self.overlap)
+        return grad_homes(self.layout, self.overlap, self.stage)
 
     @torch.no_grad()
     def reload_master_weights(self) -> None:
@@ -205,6 +255,8 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         self.gathers.works = self.flat.gather_params(
             self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
         )
+        if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
+            self.zero3.gathers.release_all()
         self._end_step(open=False)
         return loss
 
@@ -252,8 +304,10 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         ancestor), not through another module's attribute. Anything else that reads parameters
         between ``step()`` and the next forward calls :meth:`wait_params` first; this
         optimizer's own methods do. Returns the hooks' handles; removing them all turns the
-        deferral off again.
+        deferral off again. At stage 3 there is nothing to defer (every use gathers): [].
         """
+        if self.stage == 3:
+            return []
         return self.gathers.register(modules)
 
     def wait_params(self) -> None:
@@ -300,6 +354,29 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
             self._coefs.append(coef)
         return total
 
+    # -- the weights outside a forward (stage 3 shards them) ---------------------------------------
+    def weight(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter ``p``'s current values on this tp rank, whole (any parameter of the
+        modules, frozen ones included). At stage 3 a collective over dp: every dp rank asks
+        for the same parameters in the same order; one tensor is made, never a whole block."""
+        self.wait_params()
+        if self.zero3 is None:
+            return p.detach()
+        return self.zero3.weight(p)
+
+    def materialized(self, unit: int):
+        """Stage 3: a context in which unit ``unit``'s weights (``self.units[unit]``) can be
+        overwritten whole, with no collective (see :meth:`Zero3.materialized`)."""
+        return self.zero3.materialized(unit)
+
+    def gathered(self):
+        """A context with every weight whole, e.g. to export the model (at stage 3 a collective
+        that gathers the whole stage on every rank; otherwise it only waits for the weights)."""
+        if self.zero3 is None:
+            self.wait_params()
+            return nullcontext()
+        return self.zero3.gathered()
+
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
         return zero_memory(self)
@@ -307,5 +384,6 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
     def __repr__(self) -> str:
         return (
             f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
-            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, overlap={self.overlap})"
+            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, stage={self.stage}, "
+            f"overlap={self.overlap})"
         )
