@@ -48,7 +48,7 @@ from parallax.optim.protocol import at_backward_end
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT = 2  # reduce-scatters a pass leaves running before it waits for the oldest
+IN_FLIGHT = 1  # reduce-scatters a pass leaves running before it waits for the oldest
 
 
 class PassReducer:
@@ -73,9 +73,10 @@ class PassReducer:
         for b in layout.buckets:
             self.of_unit.setdefault(b.unit, []).append(b.index)
         self.before_end: list[Callable[[], None]] = []  # run first at the end of each pass
+        self.on_unit_grad: Callable[[int], None] | None = None  # ZeRO-3's count of arrivals
         self.staging: list[torch.Tensor] = []  # nothing persistent beyond the shards
         self.live_bytes = self.peak_bytes = 0  # pass buffers and partial results alive
-        self.rounds = 0  # passes that reduced something, this step
+        self.late = 0  # passes that finish() had to end (gradients outside a backward pass)
         self._queued = False
         self.reset(open=False)
 
@@ -116,6 +117,8 @@ class PassReducer:
         self.touch(bucket.unit)
         if self.ordered:
             self._launch_ready(bucket.unit)
+        elif self.on_unit_grad is not None:
+            self.on_unit_grad(bucket.unit)
 
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self.bufs.get(b)
@@ -188,8 +191,6 @@ class PassReducer:
         layout order, and wait for them (a pass's reduce-scatters never outlive it)."""
         for hook in self.before_end:
             hook()
-        if self.touched:
-            self.rounds += 1
         for unit in sorted(self.touched):
             for b in self.of_unit.get(unit, ()):
                 if not self.sent[b]:
@@ -204,7 +205,6 @@ class PassReducer:
         self.summed = [False] * len(self.layout.buckets)  # the shard holds this step's sum
         self.pending: list[tuple] = []
         self.done = False
-        self.rounds = 0
         self._start_pass()
 
     def discard(self) -> None:
@@ -217,6 +217,7 @@ class PassReducer:
         if self.done:
             return
         if self.touched:  # gradients that arrived outside an autograd pass
+            self.late += 1
             self.end_pass()
         self._drain()
         if self.stream is not None:

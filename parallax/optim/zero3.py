@@ -8,7 +8,9 @@ gradient of its outputs is computed (a multi-grad hook: before the unit's own ba
 unit is gathered again and the one before it prefetched; when the gradients of all its inputs
 are computed (its backward is over) it is released and its gradient buckets are reduced
 (:meth:`~parallax.optim.passes.PassReducer.launch_unit`). A unit whose inputs need no gradient
-(the first block of a first stage) ends at the end of the backward pass instead. Where a unit's
+(an embedding, the first block of a first stage) has nothing left to do once all its trainable
+parameters have their gradients, so it ends then; one whose parameters do not all get a
+gradient ends with the backward pass. Where a unit's
 input is the previous unit's output (a stack of blocks) one hook does both, the finished unit's
 release first, so at any time a rank holds at most the blocks running (a block and the units it
 is nested in) plus the prefetched one; never one per microbatch in flight, however a pipeline
@@ -91,6 +93,12 @@ class UnitGathers:
         self.recording = True
         self.gathered = [False] * len(units)
         self.peak_bytes = 0
+        # units whose last forward took no input that needs a gradient: they end when all
+        # their trainable parameters have arrived (counted per pass)
+        self.trainable = [sum(p.requires_grad for p in unit.params) for unit in units]
+        self.inputless: set[int] = set()
+        self.arrived = [0] * len(units)
+        reducer.on_unit_grad = self.on_grad
         self._out_hooks: dict[int, tuple[Any, int, weakref.ref]] = {}  # id(output) -> hook
         self.stores = list({id(s): s for bs in buckets for s, _ in bs}.values())
         reducer.before_end.append(self.end_pass)
@@ -161,7 +169,9 @@ class UnitGathers:
         self.prefetch(self._neighbour(u, +1))
         tensors = _grad_tensors(inputs) if torch.is_grad_enabled() else []
         if not tensors:
+            self.inputless.add(u)
             return
+        self.inputless.discard(u)
         calls: tuple[tuple[str, int], ...] = (("post_backward", u),)
         if len(tensors) == 1 and id(tensors[0]) in self._out_hooks:
             handle, v, t = self._out_hooks.pop(id(tensors[0]))
@@ -194,6 +204,12 @@ class UnitGathers:
         self.reducer.touch(self.units[u].index)
         self.prefetch(self._neighbour(u, -1))
 
+    def on_grad(self, u: int) -> None:
+        """A trainable parameter of unit ``u`` got this pass's gradient."""
+        self.arrived[u] += 1
+        if u in self.inputless and self.arrived[u] == self.trainable[u] and u in self.active:
+            self.post_backward(u)
+
     def post_backward(self, u: int) -> None:
         self.active.discard(u)
         if self.reshard and not self.units[u].keep:
@@ -204,6 +220,7 @@ class UnitGathers:
         """The backward pass is over: units still active end now."""
         for u in sorted(self.active):
             self.post_backward(u)
+        self.arrived = [0] * len(self.units)
         for key in list(self.works):  # prefetches nobody used (a unit that did not run)
             comm.wait(self.works.pop(key))
         self._out_hooks.clear()

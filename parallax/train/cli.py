@@ -217,10 +217,10 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
     from the weights in memory) and the adapter alone in PEFT's format to ``path/adapter``."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
-    trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
-    trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each rank its slice
-    if trainer.base_identity is not None:
-        lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
+    with trainer.optimizer.gathered():  # the weights as updated (whole at --zero 3)
+        trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each its slice
+        if trainer.base_identity is not None:
+            lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
     if trainer.ctx.rank == 0:
         log.info("exported the Hugging Face checkpoint to %s", path)
 
