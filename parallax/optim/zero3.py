@@ -98,6 +98,7 @@ class UnitGathers:
         self.trainable = [sum(p.requires_grad for p in unit.params) for unit in units]
         self.inputless: set[int] = set()
         self.arrived = [0] * len(units)
+        self.ended: set[int] = set()  # units whose backward ended in this pass
         reducer.on_unit_grad = self.on_grad
         self._out_hooks: dict[int, tuple[Any, int, weakref.ref]] = {}  # id(output) -> hook
         self.stores = list({id(s): s for bs in buckets for s, _ in bs}.values())
@@ -202,7 +203,9 @@ class UnitGathers:
         self.ensure(u)
         self.active.add(u)
         self.reducer.touch(self.units[u].index)
-        self.prefetch(self._neighbour(u, -1))
+        before = self._neighbour(u, -1)
+        if before not in self.ended:  # (a tower's embeddings may be done before its first block)
+            self.prefetch(before)
 
     def on_grad(self, u: int) -> None:
         """A trainable parameter of unit ``u`` got this pass's gradient."""
@@ -212,6 +215,7 @@ class UnitGathers:
 
     def post_backward(self, u: int) -> None:
         self.active.discard(u)
+        self.ended.add(u)
         if self.reshard and not self.units[u].keep:
             self.release(u)
         self.reducer.launch_unit(u)
