@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
 from parallax import comm
@@ -35,6 +36,7 @@ from parallax.train import lora, state
 from parallax.train.config import TrainConfig, parse_args
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Ending, is_comm_failure, sigterm_held
+from parallax.train.memory_limit import out_of_memory_message
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
 from parallax.train.trainer import InputError, Trainer
 
@@ -143,6 +145,8 @@ def run(cfg: TrainConfig, ctx: ParallelContext, stop_after: int | None = None) -
             except InputError as err:
                 more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
                 raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
+            except torch.OutOfMemoryError as err:
+                raise UserError(out_of_memory_message(cfg, step, err)) from None
             tokens = trainer.tokens(microbatches) * ctx.dp_size
             flops = trainer.model_flops(microbatches) * ctx.dp_size  # what this step computes
             monitor.record(step, output, tokens, flops, data_wait_s=output.data_wait_s)

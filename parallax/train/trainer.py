@@ -35,6 +35,7 @@ from parallax.tensor.sharding import unshard_tensor
 from parallax.train import groups, inputs, lora
 from parallax.train.config import TrainConfig
 from parallax.train.inputs import InputError
+from parallax.train.memory_limit import apply_gpu_memory_limit
 from parallax.train.optimizer import build_optimizer
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
@@ -76,6 +77,7 @@ class Trainer:
             model_config, checkpoint_dir = spec.config, spec.checkpoint
         fill_lr_defaults(recipe, name, cfg)
         cfg.check()
+        apply_gpu_memory_limit(cfg, ctx)
         self.cfg, self.ctx, self.recipe = cfg, ctx, recipe
         self.model_config = recipe.configure(model_config, cfg)
         self.checkpoint_dir = checkpoint_dir
