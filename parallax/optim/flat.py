@@ -39,6 +39,7 @@ class FlatBuffers:
         device: torch.device,
         homes: Sequence[str],
         stage: int = 1,
+        offload: bool = False,
     ) -> None:
         check_homes(layout, homes, stage)
         self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
@@ -72,7 +73,14 @@ class FlatBuffers:
         separate = sum(b.chunk for b in buckets if layout.dtypes[b.buffer] != torch.float32)
         shard = sum(b.chunk for b, home in zip(buckets, homes) if home == SHARD)
         staged = [b.chunk for b, home in zip(buckets, homes) if home == STAGED]
-        self.master_flat = torch.zeros(separate, device=device) if separate else None
+        self.offload = offload
+        if offload:  # every master in host memory, no reduced gradient on the device
+            separate, shard = sum(b.chunk for b in buckets), 0
+            self.master_flat = torch.zeros(
+                separate, device="cpu", pin_memory=torch.cuda.is_available()
+            )
+        else:
+            self.master_flat = torch.zeros(separate, device=device) if separate else None
         self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
         # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped
         self.staging = torch.zeros(max(staged), device=device) if staged else None
@@ -81,8 +89,12 @@ class FlatBuffers:
         offset = shard_offset = 0
         for b, home in zip(buckets, homes):
             mine = self.own_param(b.index)
-            grad = None  # STAGED: no home between steps
-            if mine.dtype == torch.float32 and home == SHARD and not full_grads:
+            grad = None  # STAGED: no home between steps; offloaded: on the host when stepped
+            if offload:
+                master = self.master_flat[offset : offset + b.chunk]
+                master.copy_(mine)
+                offset += b.chunk
+            elif mine.dtype == torch.float32 and home == SHARD and not full_grads:
                 master = mine  # the fp32 weights' own chunk; the gradient in its slice
                 grad = self.grad_shard_flat[shard_offset : shard_offset + b.chunk]
                 shard_offset += b.chunk

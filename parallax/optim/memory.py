@@ -117,11 +117,13 @@ def plain_adamw_bytes(params: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _split(tensors: Iterable[torch.Tensor], device: torch.device) -> tuple[int, int]:
+def _split(
+    tensors: Iterable[torch.Tensor], device: torch.device, offloaded: bool = False
+) -> tuple[int, int]:
     """(device bytes, host bytes) of ``tensors``' distinct storage: host memory is the CPU's
-    when the model is on another device (on a CPU run everything is the device's)."""
+    when the model is on another device or the optimizer is offloaded."""
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    offloaded = device.type != "cpu"
+    offloaded = offloaded or device.type != "cpu"
     host = [t for t in tensors if offloaded and t.device.type == "cpu"]
     on_device = [t for t in tensors if not (offloaded and t.device.type == "cpu")]
     return tensor_bytes(on_device), tensor_bytes(host)
@@ -134,8 +136,10 @@ def zero_memory(opt: ZeroOptimizer) -> MemoryReport:
     ]
     flat = opt.flat
     masters, grads = flat.master_flat, flat.grad_shard_flat
-    master_bytes, master_host = _split([masters] if masters is not None else [], opt.device)
-    state_bytes, state_host = _split(states, opt.device)
+    host = opt.host is not None  # offloaded: the host's, even on a CPU-only run
+    master_bytes, master_host = _split([masters] if masters is not None else [], opt.device, host)
+    state_bytes, state_host = _split(states, opt.device, host)
+    extra_host = tensor_bytes(opt.host.host_tensors()) if host else 0
     z3 = opt.zero3
     store = flat.store
     return MemoryReport(
@@ -153,5 +157,5 @@ def zero_memory(opt: ZeroOptimizer) -> MemoryReport:
         gathered_bytes=z3.gathers.gathered_bytes() if z3 is not None else 0,
         peak_gathered_bytes=z3.gathers.peak_bytes if z3 is not None else 0,
         pass_peak_bytes=getattr(opt.reducer, "peak_bytes", 0),
-        host_bytes=master_host + state_host,
+        host_bytes=master_host + state_host + extra_host,
     )

@@ -29,6 +29,10 @@ runs the same graph. So each touched unit goes out exactly once per pass. The co
 rests on: in a pass, a unit is touched on every dp rank or on none (a chunk at ZeRO-2 whose
 only trainable parameters some ranks' data leave unused would break it).
 
+With ``--offload optimizer`` there is no shard on the device: each pass's reduced chunk goes to
+``sink`` (:class:`~parallax.optim.offload.HostSteps`), which accumulates it in host memory and
+steps the bucket there once its last pass (``passes`` of them) is in.
+
 Buckets of ``sequence_parallel`` parameters (partial over tp) wait for the end of the pass and
 are summed over tp on the current stream there, then reduced over dp like the others. On GPUs
 the reduce-scatters and the additions into the shards run on a side stream (``stream``).
@@ -55,7 +59,7 @@ class PassReducer:
     def __init__(
         self,
         layout: FlatLayout,
-        outputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor | None],
         names: Sequence[str],
         ctx: ParallelContext,
         *,
@@ -74,6 +78,7 @@ class PassReducer:
             self.of_unit.setdefault(b.unit, []).append(b.index)
         self.before_end: list[Callable[[], None]] = []  # run first at the end of each pass
         self.on_unit_grad: Callable[[int], None] | None = None  # ZeRO-3's count of arrivals
+        self.sink = None  # offload: takes each pass's reduced chunks instead of the shards
         self.staging: list[torch.Tensor] = []  # nothing persistent beyond the shards
         self.live_bytes = self.peak_bytes = 0  # pass buffers and partial results alive
         self.late = 0  # passes that finish() had to end (gradients outside a backward pass)
@@ -158,8 +163,16 @@ class PassReducer:
         if bucket.sequence_parallel:
             comm.all_reduce(buf, self.ctx.tp_group)  # partial over tp -> full, current stream
         out, tmp = self.outputs[b], None
+        first = not self.summed[b]
+        self.rounds[b] += 1
+        if self.sink is not None and self.rounds[b] > self.passes:
+            raise RuntimeError(
+                f"bucket {b} was reduced in more backward passes than "
+                f"backward_passes_per_step={self.passes}: with --offload optimizer its host step "
+                "starts after the last one; set backward_passes_per_step to the passes per step"
+            )
         with comm.side_stream(self.stream):
-            if self.summed[b]:  # a later pass of the step: reduce aside, then add
+            if self.summed[b] or self.sink is not None:  # reduce aside, then add (or hand on)
                 tmp = torch.empty(bucket.chunk, device=self.device)  # (bucket/dp,) fp32
                 self._count(tmp.numel() * 4)
             work = comm.reduce_scatter_into(
@@ -168,17 +181,20 @@ class PassReducer:
         if self.stream is not None:
             buf.record_stream(self.stream)  # filled on the compute stream, read on the side
         self.summed[b] = self.sent[b] = True
-        self.pending.append((work, tmp, buf, b))
+        self.pending.append((work, tmp, buf, b, first, self.rounds[b] == self.passes))
         self._drain(keep=IN_FLIGHT)
 
     def _drain(self, keep: int = 0) -> None:
         """Wait for all but the ``keep`` newest reduce-scatters, add their results in, free."""
         with comm.side_stream(self.stream if self.pending[: -keep or None] else None):
             while len(self.pending) > keep:
-                work, tmp, buf, b = self.pending.pop(0)
+                work, tmp, buf, b, first, last = self.pending.pop(0)
                 comm.wait(work)
-                if tmp is not None:
+                if self.sink is not None:
+                    self.sink.arrive(b, tmp, first, last)
+                elif tmp is not None:
                     self.outputs[b].add_(tmp)
+                if tmp is not None:
                     self.live_bytes -= tmp.numel() * 4
                 self.live_bytes -= buf.numel() * 4
 
@@ -203,6 +219,7 @@ class PassReducer:
         """Forget this step's sums (``zero_grad()``, ``step()``)."""
         self.open = open
         self.summed = [False] * len(self.layout.buckets)  # the shard holds this step's sum
+        self.rounds = [0] * len(self.layout.buckets)  # passes reduced this step
         self.pending: list[tuple] = []
         self.done = False
         self._start_pass()
@@ -222,6 +239,12 @@ class PassReducer:
         self._drain()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self.sink is not None:  # buckets whose last pass did not come: complete now
+            for b in range(len(self.layout.buckets)):
+                if self.rounds[b] != self.passes:
+                    self.sink.complete(b, self.summed[b])
+            self.done = True
+            return
         for b, out in enumerate(self.outputs):
             if not self.summed[b]:
                 out.zero_()

@@ -40,6 +40,7 @@ from parallax.optim.gather import DeferredGathers
 from parallax.optim.grads import GradArrivals
 from parallax.optim.groups import accept, check_passes
 from parallax.optim.memory import MemoryReport, zero_memory
+from parallax.optim.offload import HostSteps, host_options
 from parallax.optim.passes import PassReducer
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
 from parallax.optim.reducer import GradReducer
@@ -59,8 +60,12 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
     (whose weights are sharded: every parameter of theirs that requires a gradient must be in
     ``params``, the others are frozen) and at stage 2 optional (each backward pass then reduces
     only the chunks it ran). ``reshard_after_forward`` (stage 3): see :mod:`parallax.optim.zero3`.
-    At stages 2 and 3 ``overlap`` and ``backward_passes_per_step`` do not apply: every pass is
-    reduced as it ends.
+    At stages 2 and 3 ``overlap`` does not apply: every pass is reduced as it ends.
+
+    ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
+    memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
+    reduced; ``step_in_backward``: right then, during the backward (nothing may clip the
+    gradients after it), else in ``step()``. See :mod:`parallax.optim.offload`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
     or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
@@ -99,6 +104,8 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         stage: int = 1,
         modules: Iterable[nn.Module] | nn.Module | None = None,
         reshard_after_forward: bool = True,
+        offload: bool = False,
+        step_in_backward: bool = False,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -108,6 +115,10 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
     ) -> None:
         self.ctx, self.overlap, self.stage = ctx, overlap, stage
         modules = check_stage(stage, modules)
+        if offload and stage < 2:
+            raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {stage}")
+        if offload:
+            optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
         got = accept(
             ctx, params, optimizer_class, backward_passes_per_step, bucket_numel, param_order
@@ -126,7 +137,7 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
             units=unit_of,
         )
         self.flat = FlatBuffers(
-            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes(), stage
+            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes(), stage, offload
         )
         members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
         for pc, t in zip(self.flat.pieces, self.flat.piece_params):
@@ -145,12 +156,14 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         )
         # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
         # the dp average and the clip coefficient then cost no pass over the gradients
-        self._fold = takes_grad_scale(self.inner)
+        self._fold = takes_grad_scale(self.inner) and not offload  # (host: scaled apart)
         self._side_copies = side_stream_grad_copies
         self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
         self._build_reduction(backward_passes_per_step, side_stream_grad_copies)
+        self.host = HostSteps(self, group_of, step_in_backward) if offload else None
+        self.reducer.sink = self.host
         self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
         self.zero3 = (
             Zero3(
@@ -179,6 +192,7 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
                 stream=self._stream,
                 device=self.device,
             )
+            self.reducer.passes = passes
             self.grads = GradArrivals(self.params, None, self.reducer, None)
             return
         self.reducer = GradReducer(
@@ -244,14 +258,10 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
             with torch.enable_grad():
                 loss = closure()
         flags = self._reduce()
-        stepped = False  # pieces whose fp32 gradient already has its home: one step for all
-        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
-            t.grad = g if g is not None and flags[pc.param] else None
-            stepped = stepped or g is not None
-        with self._grad_scale():
-            if stepped:
-                self.inner.step()
-            self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
+        if self.host is not None:  # on the host, bucket by bucket (some maybe done already)
+            self.host.step(flags)
+        else:
+            self._step_inner(flags)
         self.gathers.works = self.flat.gather_params(
             self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
         )
@@ -260,8 +270,21 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         self._end_step(open=False)
         return loss
 
+    def _step_inner(self, flags: list[bool]) -> None:
+        stepped = False  # pieces whose fp32 gradient already has its home: one step for all
+        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
+            t.grad = g if g is not None and flags[pc.param] else None
+            stepped = stepped or g is not None
+        with self._grad_scale():
+            if stepped:
+                self.inner.step()
+            self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
+
     def _end_step(self, open: bool) -> None:
         self.reducer.reset(open)
+        if self.host is not None:
+            self.host.wait()
+            self.host.reset()
         self._flags, self._coefs, self._unscale = None, [], None
 
     def _grad_scale(self):
@@ -321,6 +344,8 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
         gradients first if ``step()`` has not yet."""
         self._reduce()
+        if self.host is not None:  # from each bucket's share, taken on the host
+            return self.host.grad_norm(norm_type)
         replicated = [
             getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
         ]
@@ -344,6 +369,9 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
         total = self.grad_norm(norm_type)
         coef = clip_coefficient(total, max_norm)
+        if self.host is not None:
+            self.host.clip(coef)
+            return total
         if self._fold:  # applied by the optimizer's kernel in step()
             self._unscale = coef if self._unscale is None else self._unscale * coef
             return total

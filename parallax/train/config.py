@@ -262,10 +262,20 @@ def memory_problems(cfg) -> list[str]:
             "weights after use and gathers them again elsewhere; use --zero 2 or drop "
             "--cuda-graphs"
         )
+    if cfg.offload != "none" and cfg.zero < 2:
+        problems.append(
+            f"--offload {cfg.offload} steps each bucket on the host as its reduction completes: "
+            f"it needs --zero 2 or 3 (got --zero {cfg.zero})"
+        )
     if not 0.0 < cfg.offload_fraction <= 1.0:
         problems.append(f"--offload-fraction must be in (0, 1], got {cfg.offload_fraction:g}")
     elif cfg.offload_fraction < 1.0 and cfg.offload == "none":
         problems.append("--offload-fraction says how much to offload: it needs --offload optimizer")
+    elif cfg.offload_fraction < 1.0:
+        problems.append(
+            f"--offload-fraction {cfg.offload_fraction:g}: only the whole optimizer state can be "
+            "offloaded yet (1.0)"
+        )
     if cfg.gpu_memory_limit is not None and cfg.gpu_memory_limit <= 0:
         problems.append(f"--gpu-memory-limit must be > 0 GiB, got {cfg.gpu_memory_limit:g}")
     return problems

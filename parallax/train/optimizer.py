@@ -16,7 +16,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
     named = [(n, p) for n, p in trainer._named_parameters() if p.requires_grad]
     kwargs = {}
     if trainer.ctx.device.type == "cuda":
-        kwargs["fused"] = True  # one kernel for the whole fp32 shard
+        kwargs["fused"] = True  # one kernel for the whole fp32 shard (offloaded: the CPU's)
     return ZeroOptimizer(
         groups.param_groups(named, trainer.cfg),
         torch.optim.AdamW,
@@ -24,6 +24,9 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         stage=trainer.cfg.zero,
         modules=trainer.chunks,
         reshard_after_forward=trainer.cfg.reshard_after_forward,
+        offload=trainer.cfg.offload == "optimizer",
+        # nothing clips after the backward: the host steps each bucket during it
+        step_in_backward=not trainer.cfg.grad_clip,
         overlap=trainer.cfg.overlap_grad_reduce,
         backward_passes_per_step=trainer.recipe.backward_passes(trainer.num_microbatches),
         param_order=[p for _, p in named],

@@ -13,9 +13,11 @@ from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _batches, separate
 
 STEPS = 2
-LORA = dict(finetune="lora", lr=3e-3, grad_clip=1.0, warmup_steps=1)
+LORA = dict(finetune="lora", lr=3e-3, warmup_steps=1)  # no clipping: offload steps early
 FREEZE = dict(freeze="vision")
 COMPILE = dict(compile=True, activation_checkpointing=True)  # with the aot_eager backend
+OFFLOAD = dict(offload="optimizer")
+OFFLOAD_FLAGS = ["--offload", "optimizer"]
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -69,6 +71,8 @@ CASES = {
         (1, 1, 2, "full", dict(zero=3, **COMPILE)),
         (1, 1, 2, "lora", dict(zero=3, **LORA)),
         (1, 1, 2, "freeze", dict(zero=3, **FREEZE)),
+        (1, 1, 2, "full", dict(zero=2, **OFFLOAD)),  # host steps after the clipping
+        (1, 1, 2, "lora", dict(zero=3, **OFFLOAD, **LORA)),  # host steps during the backward
     ],
     4: [
         (2, 1, 2, "full", dict(zero=2)),
@@ -78,6 +82,7 @@ CASES = {
         (1, 2, 2, "full", dict(zero=3, schedule="interleaved", chunks=2)),
         (1, 2, 2, "lora", dict(zero=3, schedule="gpipe", **LORA)),
         (2, 1, 2, "freeze", dict(zero=3, reshard_after_forward=False, **FREEZE)),
+        (1, 2, 2, "full", dict(zero=3, schedule="1f1b", **OFFLOAD)),
     ],
     8: [
         (2, 2, 2, "full", dict(zero=3, schedule="1f1b")),
@@ -113,6 +118,22 @@ def test_zero_2_and_3_match_one_process(references, world):
         assert seen.keys() == ref_weights.keys(), case
         for name, value in ref_weights.items():
             assert_close(seen[name], value, rtol=1e-5, atol=1e-5, msg=f"{case}: {name}")
+
+
+def test_offload_at_dp1_equals_the_run_without_it(references):
+    """One process, the optimizer offloaded (ZeRO-2 at dp 1: nothing sharded, everything on the
+    host), against the same run without offload. CPU tensors both ways: only the kernels
+    differ (torch's fused CPU AdamW against its foreach AdamW), ~1e-7."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = _run(ParallelContext.local(), _cfg(zero=2, **OFFLOAD))
+    finally:
+        torch.set_num_threads(threads)
+    ref_history, ref_weights = references["full"]
+    assert_close(torch.tensor(got[0]), torch.tensor(ref_history), rtol=1e-6, atol=1e-6)
+    for name, value in ref_weights.items():
+        assert_close(got[1][name], value, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def _holds_units(unit, units) -> bool:
@@ -198,20 +219,26 @@ def _losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def test_resume_across_stages_and_layouts(tmp_path):
-    """A checkpoint written at --zero 3 dp2 holds the same full logical tensors as one written
-    at --zero 1, and resumes at --zero 1 tp2 dp1 to the uninterrupted run's next loss."""
+def test_resume_across_stages_layouts_and_offload(tmp_path):
+    """Checkpoints are layout-free: one written at --zero 3 dp2 with the optimizer offloaded
+    holds the same full logical tensors as one written at --zero 1, and each resumes at
+    another stage, layout and offload to the uninterrupted run's next loss."""
+    import shutil
+
     from parallax.checkpoint import Checkpoint
 
-    a, b = tmp_path / "a", tmp_path / "b"
-    run_ranks(_cli, 2, 1, 2, str(a), ["--zero", "3"], 2)  # stops after saving step 2
-    run_ranks(_cli, 2, 2, 1, str(a), ["--zero", "1", "--resume"])
-    run_ranks(_cli, 2, 1, 2, str(b), ["--zero", "1"])  # uninterrupted
-    assert _losses(a)[3] == pytest.approx(_losses(b)[3], rel=1e-5)
-    with (
-        Checkpoint(a / "checkpoints/step_00000002") as x,
-        Checkpoint(b / "checkpoints/step_00000002") as y,
-    ):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run_ranks(_cli, 2, 1, 2, str(a), ["--zero", "3", *OFFLOAD_FLAGS], 2)  # stops at step 2
+    run_ranks(_cli, 2, 2, 1, str(a), ["--zero", "1", "--resume"])  # tp2, offload off
+    run_ranks(_cli, 2, 1, 2, str(b), ["--zero", "1"])  # uninterrupted: steps 1 to 3
+    shutil.copytree(b / "checkpoints" / "step_00000002", c / "checkpoints" / "step_00000002")
+    shutil.copy(b / "metrics.jsonl", c / "metrics.jsonl")
+    run_ranks(_cli, 2, 1, 2, str(c), ["--zero", "2", *OFFLOAD_FLAGS, "--resume"])  # offload on
+    step3 = _losses(b)[3]
+    assert _losses(a)[3] == pytest.approx(step3, rel=1e-5)
+    assert _losses(c)[3] == pytest.approx(step3, rel=1e-5)
+    x, y = (Checkpoint(d / "checkpoints" / "step_00000002") for d in (a, b))
+    with x, y:
         assert x.names() == y.names()
         for name in x.names():
             assert_close(x.get(name), y.get(name), rtol=1e-5, atol=1e-6, msg=name)
