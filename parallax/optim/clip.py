@@ -63,3 +63,51 @@ def _fp32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Ten
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+class NormMethods:
+    """ZeroOptimizer's ``grad_norm`` and ``clip_grad_norm_``, from its reduced gradients (or, with
+    the optimizer offloaded, from each bucket's share taken on the host)."""
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
+        gradients first if ``step()`` has not yet."""
+        self._reduce()
+        if self.host is not None:  # from each bucket's share, taken on the host
+            return self.host.grad_norm(norm_type)
+        replicated = [
+            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
+        ]
+        counted = (  # tp-replicated pieces count on tp rank 0 only
+            [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
+            # staged buckets: their 16-bit gradients, the norm taken in fp32
+            for group in self.flat.reduced_grads_by_bucket(self._coefs, staged_as_is=True)
+        )
+        total = global_grad_norm(counted, self.ctx, norm_type, self.device)
+        if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
+            if self.ctx.dp_size > 1:
+                total = total / self.ctx.dp_size
+            if self._unscale is not None:
+                total = total * self._unscale
+        return total
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
+        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
+        total = self.grad_norm(norm_type)
+        coef = clip_coefficient(total, max_norm)
+        if self.host is not None:
+            self.host.clip(coef)
+            return total
+        if self._fold:  # applied by the optimizer's kernel in step()
+            self._unscale = coef if self._unscale is None else self._unscale * coef
+            return total
+        for out in self.flat.grad_outs:
+            if out is not None:
+                out.mul_(coef)
+        if self.staged:
+            self._coefs.append(coef)
+        return total

@@ -13,7 +13,7 @@ own: a LoRA run's frozen base is sharded too), and gathers them around each use
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -145,3 +145,29 @@ class Zero3:
         finally:
             for u in range(len(self.units)):
                 self.gathers.release(u)
+
+
+class WeightMethods:
+    """ZeroOptimizer's access to the weights outside a forward (stage 3 shards them)."""
+
+    def weight(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter ``p``'s current values on this tp rank, whole (any parameter of the
+        modules, frozen ones included). At stage 3 a collective over dp: every dp rank asks
+        for the same parameters in the same order; one tensor is made, never a whole block."""
+        self.wait_params()
+        if self.zero3 is None:
+            return p.detach()
+        return self.zero3.weight(p)
+
+    def materialized(self, unit: int):
+        """Stage 3: a context in which unit ``unit``'s weights (``self.units[unit]``) can be
+        overwritten whole, with no collective (see :meth:`Zero3.materialized`)."""
+        return self.zero3.materialized(unit)
+
+    def gathered(self):
+        """A context with every weight whole, e.g. to export the model (at stage 3 a collective
+        that gathers the whole stage on every rank; otherwise it only waits for the weights)."""
+        if self.zero3 is None:
+            self.wait_params()
+            return nullcontext()
+        return self.zero3.gathered()

@@ -34,7 +34,7 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.optim.buckets import build_layout, grad_homes
-from parallax.optim.clip import clip_coefficient, global_grad_norm
+from parallax.optim.clip import NormMethods
 from parallax.optim.flat import FlatBuffers
 from parallax.optim.gather import DeferredGathers
 from parallax.optim.grads import GradArrivals
@@ -45,7 +45,13 @@ from parallax.optim.passes import PassReducer
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
 from parallax.optim.reducer import GradReducer
 from parallax.optim.staged import StagedSteps
-from parallax.optim.stages import Zero3, check_stage, grouped_order, parameter_units
+from parallax.optim.stages import (
+    WeightMethods,
+    Zero3,
+    check_stage,
+    grouped_order,
+    parameter_units,
+)
 from parallax.optim.state import StateMethods
 
 log = logging.getLogger(__name__)
@@ -53,7 +59,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
 
 
-class ZeroOptimizer(StateMethods, OptimizerFacade):
+class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
     """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
 
     ``stage`` (1, 2 or 3) and ``modules``: the model chunks holding ``params``, needed at stage 3
@@ -125,29 +131,8 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         )
         self.names, self.params, self.device = got.names, got.params, got.device
         self._group_names = got.group_names
-        groups, group_of = got.groups, got.group_of
-        self.units, unit_of = parameter_units(stage, modules, self.params)
-        self.layout = build_layout(
-            [tuple(p.shape) for p in self.params],
-            [p.dtype for p in self.params],
-            got.sequence_parallel,
-            ctx.dp_size,
-            bucket_numel,
-            grouped_order(got.order, unit_of, len(self.params)),
-            units=unit_of,
-        )
-        self.flat = FlatBuffers(
-            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes(), stage, offload
-        )
-        members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
-        for pc, t in zip(self.flat.pieces, self.flat.piece_params):
-            members[group_of[pc.param]].append(t)
-        self.staged = StagedSteps(self.flat, [group_of[pc.param] for pc in self.flat.pieces])
-        self._adopt(
-            optimizer_class(
-                [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
-            )
-        )
+        self._build_buffers(got, modules, bucket_numel, offload)
+        self._build_inner(optimizer_class, got.groups, got.group_of, optimizer_kwargs)
         # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
         self._stream = (
             torch.cuda.Stream(self.device)
@@ -162,7 +147,7 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
         self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
         self._build_reduction(backward_passes_per_step, side_stream_grad_copies)
-        self.host = HostSteps(self, group_of, step_in_backward) if offload else None
+        self.host = HostSteps(self, got.group_of, step_in_backward) if offload else None
         self.reducer.sink = self.host
         self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
         self.zero3 = (
@@ -179,6 +164,40 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
             else None
         )
         log.debug("%r: %s", self, self.memory_report())
+
+    def _build_buffers(self, got, modules: list[nn.Module], bucket_numel: int, offload: bool):
+        """The layout (by block at stage 3, by chunk at 2) and this rank's buffers."""
+        self.units, unit_of = parameter_units(self.stage, modules, self.params)
+        self.layout = build_layout(
+            [tuple(p.shape) for p in self.params],
+            [p.dtype for p in self.params],
+            got.sequence_parallel,
+            self.ctx.dp_size,
+            bucket_numel,
+            grouped_order(got.order, unit_of, len(self.params)),
+            units=unit_of,
+        )
+        self.flat = FlatBuffers(
+            self.params,
+            self.layout,
+            self.ctx.dp_rank,
+            self.device,
+            self._grad_homes(),
+            self.stage,
+            offload,
+        )
+
+    def _build_inner(self, optimizer_class, groups, group_of, optimizer_kwargs) -> None:
+        """The wrapped optimizer over this rank's pieces, in the given groups."""
+        members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
+        for pc, t in zip(self.flat.pieces, self.flat.piece_params):
+            members[group_of[pc.param]].append(t)
+        self.staged = StagedSteps(self.flat, [group_of[pc.param] for pc in self.flat.pieces])
+        self._adopt(
+            optimizer_class(
+                [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
+            )
+        )
 
     def _build_reduction(self, passes: int, side_copies: bool) -> None:
         if self.stage >= 2:  # every backward pass reduced as it ends, no gradient buffer
@@ -337,73 +356,6 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         """Finish every parameter all-gather still in flight (see :meth:`overlap_param_gather`):
         call it before reading parameters outside a hooked forward, e.g. to save or evaluate."""
         self.gathers.wait_all()
-
-    # -- clipping ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
-        gradients first if ``step()`` has not yet."""
-        self._reduce()
-        if self.host is not None:  # from each bucket's share, taken on the host
-            return self.host.grad_norm(norm_type)
-        replicated = [
-            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
-        ]
-        counted = (  # tp-replicated pieces count on tp rank 0 only
-            [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
-            # staged buckets: their 16-bit gradients, the norm taken in fp32
-            for group in self.flat.reduced_grads_by_bucket(self._coefs, staged_as_is=True)
-        )
-        total = global_grad_norm(counted, self.ctx, norm_type, self.device)
-        if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
-            if self.ctx.dp_size > 1:
-                total = total / self.ctx.dp_size
-            if self._unscale is not None:
-                total = total * self._unscale
-        return total
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
-        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
-        total = self.grad_norm(norm_type)
-        coef = clip_coefficient(total, max_norm)
-        if self.host is not None:
-            self.host.clip(coef)
-            return total
-        if self._fold:  # applied by the optimizer's kernel in step()
-            self._unscale = coef if self._unscale is None else self._unscale * coef
-            return total
-        for out in self.flat.grad_outs:
-            if out is not None:
-                out.mul_(coef)
-        if self.staged:
-            self._coefs.append(coef)
-        return total
-
-    # -- the weights outside a forward (stage 3 shards them) ---------------------------------------
-    def weight(self, p: torch.Tensor) -> torch.Tensor:
-        """Parameter ``p``'s current values on this tp rank, whole (any parameter of the
-        modules, frozen ones included). At stage 3 a collective over dp: every dp rank asks
-        for the same parameters in the same order; one tensor is made, never a whole block."""
-        self.wait_params()
-        if self.zero3 is None:
-            return p.detach()
-        return self.zero3.weight(p)
-
-    def materialized(self, unit: int):
-        """Stage 3: a context in which unit ``unit``'s weights (``self.units[unit]``) can be
-        overwritten whole, with no collective (see :meth:`Zero3.materialized`)."""
-        return self.zero3.materialized(unit)
-
-    def gathered(self):
-        """A context with every weight whole, e.g. to export the model (at stage 3 a collective
-        that gathers the whole stage on every rank; otherwise it only waits for the weights)."""
-        if self.zero3 is None:
-            self.wait_params()
-            return nullcontext()
-        return self.zero3.gathered()
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""

@@ -23,8 +23,13 @@ them). Either way a recomputation (activation checkpointing) finds its unit alre
 for the backward.
 
 Hooks run eagerly in front of and behind compiled blocks (``torch.compiler.disable``), so the
-collectives stay outside the graphs. Every dp rank must run the same units in the same order
-(the collectives pair up by order), as torch's FSDP requires.
+collectives stay outside the graphs, and a compiled block reads its weights as graph inputs:
+their storage comes and goes between calls without a recompilation. CUDA graphs cannot work
+here: a replay reads each weight at the address it was recorded with, and a block's gathered
+weights land wherever the allocator puts them at each gather (and are gone between uses), so
+``--cuda-graphs`` with ``--zero 3`` is refused by the config (stage 2 keeps whole weights and
+works with them). Every dp rank must run the same units in the same order (the collectives pair
+up by order), as torch's FSDP requires.
 """
 
 from __future__ import annotations
