@@ -54,9 +54,9 @@ def _reference(name, accum, clip, always):
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-def _zero(ctx, name, stage, accum, clip, sp, always) -> dict:
+def _zero(ctx, name, stage, accum, clip, sp, always, offload=False) -> dict:
     cls, kwargs = OPTIMIZERS[name]
-    model = build(ctx, sp)
+    model = build(ctx, sp).to(ctx.device)
     opt = ZeroOptimizer(
         groups(model),
         cls,
@@ -65,13 +65,16 @@ def _zero(ctx, name, stage, accum, clip, sp, always) -> dict:
         modules=[model],
         bucket_numel=100,  # several buckets even for this tiny model
         param_order=model.parameters(),  # buckets go out in the backward's order
+        backward_passes_per_step=accum,
+        offload=offload,
+        step_in_backward=offload and clip is None,
         **kwargs,
     )
     norms, grads_left = [], 0
     for step in range(STEPS):
         opt.zero_grad()
         for micro in range(accum):
-            x, y, use = (local_rows(t, ctx) for t in _batch(step, micro, always))
+            x, y, use = (local_rows(t, ctx).to(ctx.device) for t in _batch(step, micro, always))
             (F.mse_loss(model(x, use), y) / accum).backward()
             grads_left += sum(p.grad is not None for p in model.parameters())
         if clip is not None:

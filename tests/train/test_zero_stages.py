@@ -242,3 +242,30 @@ def test_resume_across_stages_layouts_and_offload(tmp_path):
         assert x.names() == y.names()
         for name in x.names():
             assert_close(x.get(name), y.get(name), rtol=1e-5, atol=1e-6, msg=name)
+
+
+BAD = [
+    (dict(zero=4), "--zero must be 1, 2 or 3, got 4"),
+    (dict(zero=3, compile=True, cuda_graphs=True), "--cuda-graphs cannot replay blocks under"),
+    (dict(zero=2, reshard_after_forward=False), "it needs --zero 3 (got --zero 2)"),
+    (dict(zero=1, offload="optimizer"), "it needs --zero 2 or 3 (got --zero 1)"),
+    (dict(zero=2, offload_fraction=0.5), "it needs --offload optimizer"),
+    (dict(zero=2, offload="optimizer", offload_fraction=0.5), "only the whole optimizer state"),
+]
+
+
+def _refused(kw: dict) -> str | None:
+    """A Trainer built with a bad combination, on every rank of a dp2 run."""
+    try:
+        Trainer(_cfg(dp=2, **kw), context(dp=2))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_bad_combinations_are_refused_on_every_rank_before_any_collective():
+    """Checked from the flags alone, so every rank raises the same message before it builds
+    anything (a rank left alone would wait in the optimizer's first collective)."""
+    for kw, words in BAD:
+        messages = run_ranks(_refused, 2, kw, timeout=60)
+        assert messages[0] == messages[1] and messages[0] and words in messages[0], messages
