@@ -19,7 +19,7 @@ model's weights only while gathered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class FlatBuffers:
         device: torch.device,
         homes: Sequence[str],
         stage: int = 1,
-        offload: bool = False,
+        offload: Collection[int] = (),
     ) -> None:
         check_homes(layout, homes, stage)
         self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
@@ -70,30 +70,29 @@ class FlatBuffers:
             self.grad_views.append(grad)
 
         buckets = layout.buckets
-        separate = sum(b.chunk for b in buckets if layout.dtypes[b.buffer] != torch.float32)
-        shard = sum(b.chunk for b, home in zip(buckets, homes) if home == SHARD)
+        self.offload = set(offload)  # buckets whose masters live in host memory
+        on_device = [b for b in buckets if b.index not in self.offload]
+        separate = sum(b.chunk for b in on_device if layout.dtypes[b.buffer] != torch.float32)
+        shard = sum(b.chunk for b in on_device if homes[b.index] == SHARD)
         staged = [b.chunk for b, home in zip(buckets, homes) if home == STAGED]
-        self.offload = offload
-        if offload:  # every master in host memory, no reduced gradient on the device
-            separate, shard = sum(b.chunk for b in buckets), 0
-            self.master_flat = torch.zeros(
-                separate, device="cpu", pin_memory=torch.cuda.is_available()
-            )
-        else:
-            self.master_flat = torch.zeros(separate, device=device) if separate else None
+        hosted = sum(b.chunk for b in buckets if b.index in self.offload)
+        self.host_master_flat = (  # offloaded: no reduced gradient on the device either
+            torch.zeros(hosted, pin_memory=torch.cuda.is_available()) if hosted else None
+        )
+        self.master_flat = torch.zeros(separate, device=device) if separate else None
         self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
         # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped
         self.staging = torch.zeros(max(staged), device=device) if staged else None
         self.masters: list[torch.Tensor] = []  # per bucket: this rank's fp32 master chunk
         self.grad_outs: list[torch.Tensor | None] = []  # per bucket: where its reduced chunk lands
-        offset = shard_offset = 0
+        offset = shard_offset = host_offset = 0
         for b, home in zip(buckets, homes):
             mine = self.own_param(b.index)
             grad = None  # STAGED: no home between steps; offloaded: on the host when stepped
-            if offload:
-                master = self.master_flat[offset : offset + b.chunk]
+            if b.index in self.offload:
+                master = self.host_master_flat[host_offset : host_offset + b.chunk]
                 master.copy_(mine)
-                offset += b.chunk
+                host_offset += b.chunk
             elif mine.dtype == torch.float32 and home == SHARD and not full_grads:
                 master = mine  # the fp32 weights' own chunk; the gradient in its slice
                 grad = self.grad_shard_flat[shard_offset : shard_offset + b.chunk]
@@ -154,17 +153,22 @@ class FlatBuffers:
         return stage
 
     def reduced_grads_by_bucket(
-        self, coefs: Sequence[torch.Tensor] = (), staged_as_is: bool = False
+        self,
+        coefs: Sequence[torch.Tensor] = (),
+        staged_as_is: bool = False,
+        skip: Collection[int] = (),
     ) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Every piece's fp32 reduced gradient as ``(piece index, tensor)``, one list per bucket
         in piece order (so norms can be taken a bucket at a time, in one multi-tensor kernel).
         A staged bucket's pieces are views of the staging buffer, valid until the next list is
         asked for; with ``staged_as_is`` (and no ``coefs``) they are views of the 16-bit
         gradients themselves, which hold the same values (for a norm taken in fp32 without
-        making the fp32 copy)."""
+        making the fp32 copy). Buckets in ``skip`` (offloaded ones) are left out."""
         as_is = staged_as_is and not coefs
         group: list[tuple[int, torch.Tensor]] = []
         for k, (pc, grad) in enumerate(zip(self.pieces, self.piece_grads)):
+            if pc.bucket in skip:
+                continue
             if group and pc.bucket != self.pieces[group[-1][0]].bucket:
                 yield group
                 group = []

@@ -1,7 +1,8 @@
 """What the optimizer holds on this rank, measured from its tensors, against plain AdamW.
 
-Device bytes and host bytes are counted apart (``--offload optimizer`` keeps the fp32 masters
-and the optimizer's state in host memory); at ZeRO-3 the weights are this rank's shards plus the
+Device bytes and host bytes are counted apart (``--offload optimizer`` keeps the fp32 masters,
+the optimizer's state and the gradient accumulators of the offloaded buckets in host memory,
+counted as the host's even on a CPU-only run); at ZeRO-3 the weights are this rank's shards plus the
 blocks gathered at the moment of the report (none between uses), and the largest amount gathered
 at once so far.
 """
@@ -117,39 +118,24 @@ def plain_adamw_bytes(params: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _split(
-    tensors: Iterable[torch.Tensor], device: torch.device, offloaded: bool = False
-) -> tuple[int, int]:
-    """(device bytes, host bytes) of ``tensors``' distinct storage: host memory is the CPU's
-    when the model is on another device or the optimizer is offloaded."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    offloaded = offloaded or device.type != "cpu"
-    host = [t for t in tensors if offloaded and t.device.type == "cpu"]
-    on_device = [t for t in tensors if not (offloaded and t.device.type == "cpu")]
-    return tensor_bytes(on_device), tensor_bytes(host)
-
-
 def zero_memory(opt: ZeroOptimizer) -> MemoryReport:
     """What ``opt`` holds on this rank, measured from its tensors."""
-    states = [
-        v for s in opt.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-    ]
-    flat = opt.flat
-    masters, grads = flat.master_flat, flat.grad_shard_flat
-    host = opt.host is not None  # offloaded: the host's, even on a CPU-only run
-    master_bytes, master_host = _split([masters] if masters is not None else [], opt.device, host)
-    state_bytes, state_host = _split(states, opt.device, host)
-    extra_host = tensor_bytes(opt.host.host_tensors()) if host else 0
-    z3 = opt.zero3
-    store = flat.store
+    flat, z3 = opt.flat, opt.zero3
+    hosted = {id(t) for pc, t in zip(flat.pieces, flat.piece_params) if pc.bucket in flat.offload}
+    states = {True: [], False: []}  # on the host (offloaded pieces) or not
+    for t, held in opt.inner.state.items():
+        states[id(t) in hosted] += [v for v in held.values() if isinstance(v, torch.Tensor)]
+    masters, grads, store = flat.master_flat, flat.grad_shard_flat, flat.store
+    host = [t for t in (flat.host_master_flat,) if t is not None]
+    host += opt.host.host_tensors() if opt.host is not None else []
     return MemoryReport(
         numel=sum(p.numel() for p in opt.params),
         dp=opt.ctx.dp_size,
         param_bytes=tensor_bytes(flat.param_buffers if store is None else store.shards),
         grad_bytes=tensor_bytes(flat.grad_buffers),
-        master_bytes=master_bytes,
+        master_bytes=tensor_bytes([masters] if masters is not None else []),
         grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
-        state_bytes=state_bytes,
+        state_bytes=tensor_bytes(states[False]),
         plain_adamw_bytes=plain_adamw_bytes(opt.params),
         staging_bytes=tensor_bytes([flat.staging, *opt.reducer.staging]),
         stage=opt.stage,
@@ -157,5 +143,5 @@ def zero_memory(opt: ZeroOptimizer) -> MemoryReport:
         gathered_bytes=z3.gathers.gathered_bytes() if z3 is not None else 0,
         peak_gathered_bytes=z3.gathers.peak_bytes if z3 is not None else 0,
         pass_peak_bytes=getattr(opt.reducer, "peak_bytes", 0),
-        host_bytes=master_host + state_host + extra_host,
+        host_bytes=tensor_bytes(host) + tensor_bytes(states[True]),
     )

@@ -79,6 +79,20 @@ def host_options(optimizer_class: type, options: dict[str, Any]) -> dict[str, An
     return options
 
 
+def offloaded_buckets(layout, fraction: float) -> list[int]:
+    """The buckets to offload: the first ones reduced (layout order) up to ``fraction`` of the
+    elements, at least one when ``fraction`` > 0."""
+    if fraction <= 0:
+        return []
+    total, out, held = sum(b.numel for b in layout.buckets), [], 0
+    for b in layout.buckets:
+        if out and held + b.numel > fraction * total + 0.5:
+            break
+        out.append(b.index)
+        held += b.numel
+    return out
+
+
 class HostSteps:
     """The host side of an offloaded ZeroOptimizer (see the module docstring): accumulators,
     staging, the worker thread and each bucket's step."""
@@ -86,6 +100,8 @@ class HostSteps:
     def __init__(self, opt: ZeroOptimizer, group_of: Sequence[int], early: bool) -> None:
         self.opt, self.flat, self.layout = opt, opt.flat, opt.layout
         self.early, self.dp = early, opt.ctx.dp_size
+        self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
+        self.hosted = frozenset(self.buckets)
         self.piece_groups = [group_of[pc.param] for pc in self.flat.pieces]
         buckets = self.layout.buckets
         self.pieces_of_bucket: list[list[int]] = [[] for _ in buckets]
@@ -96,13 +112,13 @@ class HostSteps:
             tp0 or getattr(opt.params[pc.param], "tp_shard", None) is not None
             for pc in self.flat.pieces
         ]
-        dtypes = [self.layout.dtypes[b.buffer] for b in buckets]
-        self.acc = [torch.zeros(b.chunk, dtype=dt) for b, dt in zip(buckets, dtypes)]
+        dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
+        self.acc = {b: torch.zeros(buckets[b].chunk, dtype=dt) for b, dt in dtypes.items()}
         self.on_device = opt.device.type == "cuda"
         self.pool: dict[torch.dtype, queue.Queue] = {}
         if self.on_device:  # pinned staging for the device-to-host copies, per dtype
-            most = max(b.chunk for b in buckets)
-            for dt in set(dtypes):
+            most = max(buckets[b].chunk for b in self.buckets)
+            for dt in set(dtypes.values()):
                 self.pool[dt] = queue.Queue()
                 for _ in range(POOL):
                     self.pool[dt].put(torch.empty(most, dtype=dt, pin_memory=True))
@@ -112,14 +128,14 @@ class HostSteps:
     def reset(self) -> None:
         """A new step: nothing in, nothing stepped."""
         self.jobs: list[Future] = []
-        self.final = [False] * len(self.layout.buckets)
-        self.stepped = [False] * len(self.layout.buckets)
-        self.partials: list[tuple[float, float] | None] = [None] * len(self.layout.buckets)
+        self.final = dict.fromkeys(self.buckets, False)
+        self.stepped = dict.fromkeys(self.buckets, False)
+        self.partials: dict[int, tuple[float, float]] = {}
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
         staging = [t for q in self.pool.values() for t in list(q.queue)]
-        return [*self.acc, *staging]
+        return [*self.acc.values(), *staging]
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
@@ -226,26 +242,22 @@ class HostSteps:
         for job in jobs:
             job.result()  # a worker's error is raised here
 
-    def grad_norm(self, norm_type: float) -> torch.Tensor:
-        """The global gradient norm (collective over the world group), from each bucket's
-        share taken when its gradient was complete."""
+    def local_part(self, norm_type: float) -> float:
+        """What this rank's offloaded gradients add to the global norm: the sum of their
+        squares (2-norm) or their largest element (inf-norm), from each bucket's share taken
+        when its gradient was complete."""
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(
                 f"with --offload optimizer the gradient norm is the 2- or inf-norm, not {norm_type}"
             )
         self.wait()
-        parts = [p for p in self.partials if p is not None]
-        ctx = self.opt.ctx
+        parts = self.partials.values()
         if norm_type == math.inf:
-            local = torch.tensor(max((p[1] for p in parts), default=0.0), dtype=torch.float64)
-            total = comm.all_reduce(local.to(self.opt.device), ctx.world_group, op="max")
-            return total.float()
-        local = torch.tensor(sum(p[0] for p in parts), dtype=torch.float64)
-        total = comm.all_reduce(local.to(self.opt.device), ctx.world_group)
-        return total.sqrt().float()
+            return max((p[1] for p in parts), default=0.0)
+        return sum(p[0] for p in parts)
 
     def clip(self, coef: torch.Tensor) -> None:
-        if any(self.stepped):
+        if any(self.stepped.values()):
             raise RuntimeError(
                 "with --offload optimizer and step_in_backward the host steps each bucket during "
                 "the backward: nothing may clip the gradients after it (grad clipping off)"
@@ -255,7 +267,7 @@ class HostSteps:
     def step(self, flags: Sequence[bool]) -> None:
         """Step every bucket not stepped yet (with the clip coefficient), then wait for all."""
         self.wait()
-        for b in range(len(self.layout.buckets)):
+        for b in self.buckets:
             if not self.stepped[b]:
                 self._submit(self._step_later, b, self.coef, flags)
         self.wait()

@@ -29,9 +29,10 @@ runs the same graph. So each touched unit goes out exactly once per pass. The co
 rests on: in a pass, a unit is touched on every dp rank or on none (a chunk at ZeRO-2 whose
 only trainable parameters some ranks' data leave unused would break it).
 
-With ``--offload optimizer`` there is no shard on the device: each pass's reduced chunk goes to
-``sink`` (:class:`~parallax.optim.offload.HostSteps`), which accumulates it in host memory and
-steps the bucket there once its last pass (``passes`` of them) is in.
+With ``--offload optimizer`` an offloaded bucket (``sink.buckets``) has no shard on the device:
+each pass's reduced chunk goes to ``sink`` (:class:`~parallax.optim.offload.HostSteps`), which
+accumulates it in host memory and steps the bucket there once its last pass (``passes`` of
+them) is in.
 
 Buckets of ``sequence_parallel`` parameters (partial over tp) wait for the end of the pass and
 are summed over tp on the current stream there, then reduced over dp like the others. On GPUs
@@ -78,7 +79,7 @@ class PassReducer:
             self.of_unit.setdefault(b.unit, []).append(b.index)
         self.before_end: list[Callable[[], None]] = []  # run first at the end of each pass
         self.on_unit_grad: Callable[[int], None] | None = None  # ZeRO-3's count of arrivals
-        self.sink = None  # offload: takes each pass's reduced chunks instead of the shards
+        self.sink = None  # offload: takes each pass's reduced chunks of its ``buckets``
         self.staging: list[torch.Tensor] = []  # nothing persistent beyond the shards
         self.live_bytes = self.peak_bytes = 0  # pass buffers and partial results alive
         self.late = 0  # passes that finish() had to end (gradients outside a backward pass)
@@ -165,14 +166,15 @@ class PassReducer:
         out, tmp = self.outputs[b], None
         first = not self.summed[b]
         self.rounds[b] += 1
-        if self.sink is not None and self.rounds[b] > self.passes:
+        sunk = self.sink is not None and b in self.sink.hosted
+        if sunk and self.rounds[b] > self.passes:
             raise RuntimeError(
                 f"bucket {b} was reduced in more backward passes than "
                 f"backward_passes_per_step={self.passes}: with --offload optimizer its host step "
                 "starts after the last one; set backward_passes_per_step to the passes per step"
             )
         with comm.side_stream(self.stream):
-            if self.summed[b] or self.sink is not None:  # reduce aside, then add (or hand on)
+            if self.summed[b] or sunk:  # reduce aside, then add (or hand on)
                 tmp = torch.empty(bucket.chunk, device=self.device)  # (bucket/dp,) fp32
                 self._count(tmp.numel() * 4)
             work = comm.reduce_scatter_into(
@@ -190,7 +192,7 @@ class PassReducer:
             while len(self.pending) > keep:
                 work, tmp, buf, b, first, last = self.pending.pop(0)
                 comm.wait(work)
-                if self.sink is not None:
+                if self.sink is not None and b in self.sink.hosted:
                     self.sink.arrive(b, tmp, first, last)
                 elif tmp is not None:
                     self.outputs[b].add_(tmp)
@@ -239,13 +241,13 @@ class PassReducer:
         self._drain()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        if self.sink is not None:  # buckets whose last pass did not come: complete now
-            for b in range(len(self.layout.buckets)):
-                if self.rounds[b] != self.passes:
-                    self.sink.complete(b, self.summed[b])
-            self.done = True
-            return
+        sunk = self.sink.buckets if self.sink is not None else ()
+        for b in sunk:  # offloaded buckets whose last pass did not come: complete now (in order)
+            if self.rounds[b] != self.passes:
+                self.sink.complete(b, self.summed[b])
         for b, out in enumerate(self.outputs):
+            if b in sunk:
+                continue
             if not self.summed[b]:
                 out.zero_()
             elif self.average and self.ctx.dp_size > 1:

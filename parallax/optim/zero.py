@@ -40,7 +40,7 @@ from parallax.optim.gather import DeferredGathers
 from parallax.optim.grads import GradArrivals
 from parallax.optim.groups import accept, check_passes
 from parallax.optim.memory import MemoryReport, zero_memory
-from parallax.optim.offload import HostSteps, host_options
+from parallax.optim.offload import HostSteps, host_options, offloaded_buckets
 from parallax.optim.passes import PassReducer
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
 from parallax.optim.reducer import GradReducer
@@ -71,7 +71,10 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
     ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
     memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
     reduced; ``step_in_backward``: right then, during the backward (nothing may clip the
-    gradients after it), else in ``step()``. See :mod:`parallax.optim.offload`.
+    gradients after it), else in ``step()``. ``offload_fraction``: the share of the elements
+    offloaded, the first buckets reduced (the last layers: their host steps have the most
+    backward left to hide under); the others stay on the device. See
+    :mod:`parallax.optim.offload`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
     or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
@@ -111,6 +114,7 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
         modules: Iterable[nn.Module] | nn.Module | None = None,
         reshard_after_forward: bool = True,
         offload: bool = False,
+        offload_fraction: float = 1.0,
         step_in_backward: bool = False,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
@@ -123,6 +127,8 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
         modules = check_stage(stage, modules)
         if offload and stage < 2:
             raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {stage}")
+        if not 0.0 < offload_fraction <= 1.0:
+            raise ValueError(f"offload_fraction must be in (0, 1], got {offload_fraction}")
         if offload:
             optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
@@ -131,7 +137,7 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
         )
         self.names, self.params, self.device = got.names, got.params, got.device
         self._group_names = got.group_names
-        self._build_buffers(got, modules, bucket_numel, offload)
+        self._build_buffers(got, modules, bucket_numel, offload_fraction if offload else 0.0)
         self._build_inner(optimizer_class, got.groups, got.group_of, optimizer_kwargs)
         # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
         self._stream = (
@@ -165,8 +171,9 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
         )
         log.debug("%r: %s", self, self.memory_report())
 
-    def _build_buffers(self, got, modules: list[nn.Module], bucket_numel: int, offload: bool):
-        """The layout (by block at stage 3, by chunk at 2) and this rank's buffers."""
+    def _build_buffers(self, got, modules: list[nn.Module], bucket_numel: int, offload: float):
+        """The layout (by block at stage 3, by chunk at 2) and this rank's buffers, the first
+        ``offload`` share of the elements offloaded."""
         self.units, unit_of = parameter_units(self.stage, modules, self.params)
         self.layout = build_layout(
             [tuple(p.shape) for p in self.params],
@@ -184,7 +191,7 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
             self.device,
             self._grad_homes(),
             self.stage,
-            offload,
+            offloaded_buckets(self.layout, offload),
         )
 
     def _build_inner(self, optimizer_class, groups, group_of, optimizer_kwargs) -> None:
@@ -279,8 +286,7 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
         flags = self._reduce()
         if self.host is not None:  # on the host, bucket by bucket (some maybe done already)
             self.host.step(flags)
-        else:
-            self._step_inner(flags)
+        self._step_inner(flags)  # the buckets on the device
         self.gathers.works = self.flat.gather_params(
             self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
         )

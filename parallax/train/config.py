@@ -271,11 +271,7 @@ def memory_problems(cfg) -> list[str]:
         problems.append(f"--offload-fraction must be in (0, 1], got {cfg.offload_fraction:g}")
     elif cfg.offload_fraction < 1.0 and cfg.offload == "none":
         problems.append("--offload-fraction says how much to offload: it needs --offload optimizer")
-    elif cfg.offload_fraction < 1.0:
-        problems.append(
-            f"--offload-fraction {cfg.offload_fraction:g}: only the whole optimizer state can be "
-            "offloaded yet (1.0)"
-        )
+
     if cfg.gpu_memory_limit is not None and cfg.gpu_memory_limit <= 0:
         problems.append(f"--gpu-memory-limit must be > 0 GiB, got {cfg.gpu_memory_limit:g}")
     return problems

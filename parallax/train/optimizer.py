@@ -25,6 +25,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         modules=trainer.chunks,
         reshard_after_forward=trainer.cfg.reshard_after_forward,
         offload=trainer.cfg.offload == "optimizer",
+        offload_fraction=trainer.cfg.offload_fraction,
         # nothing clips after the backward: the host steps each bucket during it
         step_in_backward=not trainer.cfg.grad_clip,
         overlap=trainer.cfg.overlap_grad_reduce,

@@ -16,19 +16,22 @@ from tests.optim.common import OPTIMIZERS, batch, build, groups, local_rows
 STEPS = 3
 TOL = dict(rtol=1e-5, atol=1e-6)
 
-# (optimizer, stage, accumulation, clip, sequence parallel, tower on every row). At stage 3
-# every dp rank must run the same modules: the tower (used by one dp rank's rows only on odd
-# steps) then runs on all rows.
+# (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, share of the
+# optimizer offloaded). At stage 3 every dp rank must run the same modules: the tower (used by
+# one dp rank's rows only on odd steps) then runs on all rows.
 CASES = {
     2: [
-        ("adamw", 2, 2, 0.5, False, False),
-        ("adamw-fused", 2, 1, 0.5, False, False),
-        ("adamw", 3, 2, 0.5, False, True),
-        ("sgd", 3, 1, None, False, True),
+        ("adamw", 2, 2, 0.5, False, False, 0.0),
+        ("adamw-fused", 2, 1, 0.5, False, False, 0.0),
+        ("adamw", 3, 2, 0.5, False, True, 0.0),
+        ("sgd", 3, 1, None, False, True, 0.0),
+        ("adamw", 2, 2, 0.5, False, False, 0.5),  # half on the host, stepped after the clip
+        ("adamw", 3, 2, None, False, True, 0.5),  # ... stepped during the backward
     ],
     "2x2": [
-        ("adamw", 2, 2, 0.5, True, False),
-        ("adamw", 3, 2, 0.5, True, True),
+        ("adamw", 2, 2, 0.5, True, False, 0.0),
+        ("adamw", 3, 2, 0.5, True, True, 0.0),
+        ("adamw", 3, 2, 0.5, True, True, 1.0),
     ],
 }
 
@@ -54,7 +57,8 @@ def _reference(name, accum, clip, always):
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-def _zero(ctx, name, stage, accum, clip, sp, always, offload=False) -> dict:
+def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0) -> dict:
+    """``offload``: the share of the optimizer offloaded (0: none)."""
     cls, kwargs = OPTIMIZERS[name]
     model = build(ctx, sp).to(ctx.device)
     opt = ZeroOptimizer(
@@ -66,8 +70,9 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=False) -> dict:
         bucket_numel=100,  # several buckets even for this tiny model
         param_order=model.parameters(),  # buckets go out in the backward's order
         backward_passes_per_step=accum,
-        offload=offload,
-        step_in_backward=offload and clip is None,
+        offload=offload > 0,
+        offload_fraction=offload or 1.0,
+        step_in_backward=offload > 0 and clip is None,
         **kwargs,
     )
     norms, grads_left = [], 0
@@ -99,6 +104,7 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=False) -> dict:
         model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         gathered_now=report.gathered_bytes,
         late=opt.reducer.late,
+        host_bytes=report.host_bytes,
     )
 
 
@@ -115,9 +121,9 @@ def test_stages_2_and_3_match_torch(layout):
     tp, world = (2, 4) if layout == "2x2" else (1, layout)
     results = run_ranks(_cases, world, tp, CASES[layout])
     dp = world // tp
-    for k, (name, stage, accum, clip, sp, always) in enumerate(CASES[layout]):
+    for k, (name, stage, accum, clip, sp, always, offload) in enumerate(CASES[layout]):
         ref_weights, ref_norms = _reference(name, accum, clip, always)
-        case = f"{name} stage={stage} accum={accum} clip={clip} sp={sp}"
+        case = f"{name} stage={stage} accum={accum} clip={clip} sp={sp} offload={offload}"
         for rank in results:
             got = rank[k]
             assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **TOL, msg=case)
@@ -131,6 +137,7 @@ def test_stages_2_and_3_match_torch(layout):
             per_bucket = 4 * got["largest_bucket"] * (1 + 1 / dp)
             bound = (IN_FLIGHT + 1) * per_bucket + 4 * got["held"] * (1 + 1 / dp)
             assert got["pass_peak"] <= bound, case
+            assert (got["host_bytes"] > 0) == (offload > 0), case
             if stage == 3:
                 assert got["gathered_now"] == 0, case
                 # this rank's shard of every weight (frozen ones too), padding aside

@@ -15,12 +15,13 @@ from tests.optim.test_zero_stages import TOL, _reference, _zero
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-# (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, offload)
+# (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, offloaded share)
 CASES = [
-    ("adamw-fused", 2, 2, 0.5, False, False, False),
-    ("adamw-fused", 3, 2, 0.5, False, True, False),
-    ("adamw", 2, 2, 0.5, False, False, True),
-    ("adamw", 3, 2, None, False, True, True),  # offloaded, stepped during the backward
+    ("adamw-fused", 2, 2, 0.5, False, False, 0.0),
+    ("adamw-fused", 3, 2, 0.5, False, True, 0.0),
+    ("adamw", 2, 2, 0.5, False, False, 1.0),
+    ("adamw", 3, 2, None, False, True, 1.0),  # offloaded, stepped during the backward
+    ("adamw-fused", 3, 2, 0.5, False, True, 0.5),  # half offloaded
 ]
 
 
