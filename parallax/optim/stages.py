@@ -136,15 +136,23 @@ class Zero3:
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Every unit whole for the block (collective): the whole stage's weights on each rank,
-        for an export that reads the model as a whole."""
-        for u in range(len(self.units)):
+        """Every weight whole for the block (collective): the whole stage's weights on each
+        rank, for an export that reads the model as a whole. Each parameter holds a copy of
+        its gathered values meanwhile, not a view of the block's buffer: a point-to-point send
+        of a tensor (the adapter export's) leaves its storage unresizable, which a gathered
+        buffer must not be."""
+        saved = []
+        for u, unit in enumerate(self.units):
             self.gathers.ensure(u)
+            for p in unit.params:
+                saved.append((p, p.data))
+                p.data = p.data.clone()
+            self.gathers.release(u)
         try:
             yield
         finally:
-            for u in range(len(self.units)):
-                self.gathers.release(u)
+            for p, view in saved:
+                p.data = view
 
 
 class WeightMethods:

@@ -56,6 +56,11 @@ def _grad_tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _opaque(output: Any) -> bool:
+    """An output whose tensors the hooks cannot see (an object torch's pytree does not open)."""
+    return output is not None and not isinstance(output, torch.Tensor | tuple | list | dict)
+
+
 @torch.compiler.disable
 def _pre_forward(ref: weakref.ref, u: int, module, args, kwargs) -> None:
     gathers = ref()
@@ -196,13 +201,10 @@ class UnitGathers:
             handle = register_multi_grad_hook(tensors, begin, mode="any")
             if len(tensors) == 1:
                 self._out_hooks[id(tensors[0])] = (handle, u, weakref.ref(tensors[0]))
-        elif torch.is_grad_enabled() and self._has_grads(output):
+        elif torch.is_grad_enabled() and _opaque(output):
             held = True  # outputs hidden from the hooks: keep the weights for the backward
         if not held:
             self.release(u)
-
-    def _has_grads(self, output: Any) -> bool:
-        return not isinstance(output, torch.Tensor | tuple | list | dict) and output is not None
 
     def pre_backward(self, u: int) -> None:
         self.ensure(u)
