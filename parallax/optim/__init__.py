@@ -1,4 +1,4 @@
-"""ZeRO-1 optimizer-state sharding over the data-parallel group (see :mod:`parallax.optim.zero`)."""
+"""ZeRO 1-3 over the data-parallel group and optimizer offload (:mod:`parallax.optim.zero`)."""
 
 from parallax.optim.memory import MemoryReport
 from parallax.optim.state import FORMAT as STATE_FORMAT

@@ -47,6 +47,7 @@ class Bucket:
     params: tuple[int, ...]
     sequence_parallel: bool
     dp: int
+    unit: int = 0  # the group of parameters it belongs to (a block at ZeRO-3, a chunk at 2)
 
     @property
     def numel(self) -> int:
@@ -103,11 +104,14 @@ def build_layout(
     dp: int,
     bucket_numel: int,
     order: Sequence[int] | None = None,
+    units: Sequence[int] | None = None,
 ) -> FlatLayout:
     """Pack parameters (given by shape, dtype and sequence-parallel flag) into buckets.
 
     ``order`` lists the parameter indices in the order the forward pass uses them (default:
-    as given); they are packed and reduced from its end.
+    as given); they are packed and reduced from its end. ``units`` (a unit per parameter, each
+    unit's parameters contiguous in ``order``): no bucket holds two units, and each unit's
+    sequence-parallel buckets follow its others (ZeRO-2 and 3 reduce unit by unit).
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
@@ -117,6 +121,8 @@ def build_layout(
     buckets: list[Bucket] = []
     open_: dict[tuple[int, bool], list[int]] = {}  # (buffer, sp) -> params of the open bucket
     filled: dict[tuple[int, bool], int] = {}  # (buffer, sp) -> elements in the open bucket
+
+    unit_now = [0]
 
     def close(key: tuple[int, bool]) -> None:
         members = open_.pop(key, [])
@@ -132,7 +138,9 @@ def build_layout(
             offset += _round_up(numel, ALIGN)
         end = start + _round_up(offset - start, dp * ALIGN)
         sizes[buf] = end
-        buckets.append(Bucket(len(buckets), buf, start, end, tuple(members), sp, dp))
+        buckets.append(
+            Bucket(len(buckets), buf, start, end, tuple(members), sp, dp, unit=unit_now[0])
+        )
 
     def fill(i: int) -> None:
         key = (buffer_dtypes.index(dtypes[i]), bool(sequence_parallel[i]))
@@ -144,19 +152,36 @@ def build_layout(
     order = list(range(len(shapes)) if order is None else order)[::-1]  # backward: last first
     if sorted(order) != list(range(len(shapes))):
         raise ValueError("order must be a permutation of the parameter indices")
-    for i in order:
-        if not sequence_parallel[i]:
-            fill(i)
-    for key in sorted(k for k in open_ if not k[1]):
-        close(key)
-    for i in order:  # partial-over-tp gradients: their own buckets, reduced last
-        if sequence_parallel[i]:
-            fill(i)
-    for key in sorted(open_):
-        close(key)
+    for unit, members in _unit_runs(order, units):
+        unit_now[0] = unit
+        for i in members:
+            if not sequence_parallel[i]:
+                fill(i)
+        for key in sorted(k for k in open_ if not k[1]):
+            close(key)
+        for i in members:  # partial-over-tp gradients: their own buckets, reduced last
+            if sequence_parallel[i]:
+                fill(i)
+        for key in sorted(open_):
+            close(key)
     return FlatLayout(
         buffer_dtypes, tuple(sizes), tuple(slots[i] for i in range(len(shapes))), tuple(buckets), dp
     )
+
+
+def _unit_runs(order: list[int], units: Sequence[int] | None) -> list[tuple[int, list[int]]]:
+    """``order`` cut where the unit changes; every unit must be one run."""
+    if units is None:
+        return [(0, order)]
+    runs: list[tuple[int, list[int]]] = []
+    for i in order:
+        if runs and runs[-1][0] == units[i]:
+            runs[-1][1].append(i)
+        else:
+            runs.append((units[i], [i]))
+    if len({u for u, _ in runs}) != len(runs):
+        raise ValueError("each unit's parameters must be contiguous in the order")
+    return runs
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -175,9 +200,11 @@ STAGED = "staged"  # dp=1: made in a reused buffer right before the bucket is st
 HOMES = (OWN, SHARD, INPLACE, STAGED)
 
 
-def grad_homes(layout: FlatLayout, overlap: bool) -> list[str]:
+def grad_homes(layout: FlatLayout, overlap: bool, stage: int = 1) -> list[str]:
     """The cheapest correct home of each bucket's fp32 reduced gradient.
 
+    At ZeRO-2 and 3 there is no full gradient buffer: every bucket accumulates its reduced
+    gradient in a persistent fp32 slice (4/dp bytes per parameter), whatever its dtype.
     fp32 buckets are reduced in place. Otherwise, at dp=1 there is nothing to reduce (only the
     tp sum of sequence-parallel buckets, which are small and keep a slice): the fp32 gradient
     is made in a reused staging buffer when the optimizer steps the bucket. At dp >= 2, a
@@ -186,6 +213,8 @@ def grad_homes(layout: FlatLayout, overlap: bool) -> list[str]:
     ``dp * itemsize >= 4`` bytes per chunk element and are dead once copied into the fp32
     staging buffer; a bucket that overlap may reduce during backward keeps a persistent slice.
     """
+    if stage >= 2:
+        return [SHARD] * len(layout.buckets)
     homes = []
     for b in layout.buckets:
         dtype = layout.dtypes[b.buffer]
@@ -200,11 +229,15 @@ def grad_homes(layout: FlatLayout, overlap: bool) -> list[str]:
     return homes
 
 
-def check_homes(layout: FlatLayout, homes: Sequence[str]) -> None:
+def check_homes(layout: FlatLayout, homes: Sequence[str], stage: int = 1) -> None:
     """Reject homes that cannot hold a bucket's reduced gradient (an internal consistency
     check: :func:`grad_homes` never makes them)."""
     if len(homes) != len(layout.buckets):
         raise ValueError(f"{len(homes)} gradient homes for {len(layout.buckets)} buckets")
+    if stage >= 2:
+        if any(home != SHARD for home in homes):
+            raise ValueError(f"ZeRO-{stage} keeps every bucket's gradient in a {SHARD!r} slice")
+        return
     for b, home in zip(layout.buckets, homes):
         fp32 = layout.dtypes[b.buffer] == torch.float32
         bad = (

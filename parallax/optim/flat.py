@@ -9,17 +9,24 @@ copies); for other dtypes the master is a separate fp32 slice, and the gradient 
 slice, an fp32 view over the bucket's own gradient bytes, or (dp=1) the staging buffer, filled
 bucket by bucket when the optimizer steps. The wrapped optimizer steps *pieces*: views of those
 chunks, one per parameter part.
+
+At ZeRO-2 and 3 there is no gradient buffer (``.grad`` stays None; each backward pass's
+gradients go to :class:`~parallax.optim.passes.PassReducer`) and every bucket's reduced
+gradient lives in the fp32 slice. At ZeRO-3 there is no parameter buffer either: a
+:class:`~parallax.optim.sharded.ShardedStore` holds this rank's chunk of each bucket, and the
+model's weights only while gathered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
 from parallax import comm
 from parallax.comm import Group
 from parallax.optim.buckets import INPLACE, SHARD, STAGED, FlatLayout, Piece, check_homes
+from parallax.optim.sharded import ShardedStore
 
 
 class FlatBuffers:
@@ -31,18 +38,31 @@ class FlatBuffers:
         dp_rank: int,
         device: torch.device,
         homes: Sequence[str],
+        stage: int = 1,
+        offload: Collection[int] = (),
     ) -> None:
-        check_homes(layout, homes)
+        check_homes(layout, homes, stage)
         self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
+        self.zero_stage = stage
         sizes = list(zip(layout.dtypes, layout.sizes))
-        self.param_buffers = [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
-        self.grad_buffers = [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
+        self.store = ShardedStore(params, layout, dp_rank, device) if stage == 3 else None
+        self.param_buffers = (
+            [] if stage == 3 else [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
+        )
+        full_grads = stage == 1
+        self.grad_buffers = (
+            [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes] if full_grads else []
+        )
         self.grad_views: list[torch.Tensor] = []
         for p, slot in zip(params, layout.slots):
             span = slice(slot.offset, slot.offset + slot.numel)
-            view = self.param_buffers[slot.buffer][span].view(p.shape)
-            view.copy_(p.detach())
-            p.data = view
+            if self.store is None:
+                view = self.param_buffers[slot.buffer][span].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+            if not full_grads:
+                p.grad = None
+                continue
             grad = self.grad_buffers[slot.buffer][span].view(p.shape)
             if p.grad is not None:
                 grad.copy_(p.grad)
@@ -50,20 +70,34 @@ class FlatBuffers:
             self.grad_views.append(grad)
 
         buckets = layout.buckets
-        separate = sum(b.chunk for b in buckets if layout.dtypes[b.buffer] != torch.float32)
-        shard = sum(b.chunk for b, home in zip(buckets, homes) if home == SHARD)
+        self.offload = set(offload)  # buckets whose masters live in host memory
+        on_device = [b for b in buckets if b.index not in self.offload]
+        separate = sum(b.chunk for b in on_device if layout.dtypes[b.buffer] != torch.float32)
+        shard = sum(b.chunk for b in on_device if homes[b.index] == SHARD)
         staged = [b.chunk for b, home in zip(buckets, homes) if home == STAGED]
+        hosted = sum(b.chunk for b in buckets if b.index in self.offload)
+        self.host_master_flat = (  # offloaded: no reduced gradient on the device either
+            torch.zeros(hosted, pin_memory=torch.cuda.is_available()) if hosted else None
+        )
         self.master_flat = torch.zeros(separate, device=device) if separate else None
         self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
         # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped
         self.staging = torch.zeros(max(staged), device=device) if staged else None
         self.masters: list[torch.Tensor] = []  # per bucket: this rank's fp32 master chunk
         self.grad_outs: list[torch.Tensor | None] = []  # per bucket: where its reduced chunk lands
-        offset = shard_offset = 0
+        offset = shard_offset = host_offset = 0
         for b, home in zip(buckets, homes):
-            mine = self.own_chunk(b.index, self.param_buffers)
-            grad = None  # STAGED: no home between steps
-            if mine.dtype == torch.float32:
+            mine = self.own_param(b.index)
+            grad = None  # STAGED: no home between steps; offloaded: on the host when stepped
+            if b.index in self.offload:
+                master = self.host_master_flat[host_offset : host_offset + b.chunk]
+                master.copy_(mine)
+                host_offset += b.chunk
+            elif mine.dtype == torch.float32 and home == SHARD and not full_grads:
+                master = mine  # the fp32 weights' own chunk; the gradient in its slice
+                grad = self.grad_shard_flat[shard_offset : shard_offset + b.chunk]
+                shard_offset += b.chunk
+            elif mine.dtype == torch.float32:
                 master = mine
                 if home != STAGED:
                     grad = self.own_chunk(b.index, self.grad_buffers)
@@ -94,6 +128,13 @@ class FlatBuffers:
     def _piece(chunks: Sequence[torch.Tensor | None], pc: Piece) -> torch.Tensor:
         return chunks[pc.bucket][pc.chunk_offset : pc.chunk_offset + pc.numel]
 
+    def own_param(self, b: int) -> torch.Tensor:
+        """This rank's chunk of bucket ``b``'s weights (in the model's dtype): a view of the
+        parameter buffer, or at ZeRO-3 the persistent shard."""
+        if self.store is not None:
+            return self.store.shards[b]
+        return self.own_chunk(b, self.param_buffers)
+
     def own_chunk(self, b: int, buffers: list[torch.Tensor]) -> torch.Tensor:
         """This rank's chunk of bucket ``b`` in ``buffers`` (the parameter or gradient ones)."""
         bucket = self.layout.buckets[b]
@@ -112,17 +153,22 @@ class FlatBuffers:
         return stage
 
     def reduced_grads_by_bucket(
-        self, coefs: Sequence[torch.Tensor] = (), staged_as_is: bool = False
+        self,
+        coefs: Sequence[torch.Tensor] = (),
+        staged_as_is: bool = False,
+        skip: Collection[int] = (),
     ) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Every piece's fp32 reduced gradient as ``(piece index, tensor)``, one list per bucket
         in piece order (so norms can be taken a bucket at a time, in one multi-tensor kernel).
         A staged bucket's pieces are views of the staging buffer, valid until the next list is
         asked for; with ``staged_as_is`` (and no ``coefs``) they are views of the 16-bit
         gradients themselves, which hold the same values (for a norm taken in fp32 without
-        making the fp32 copy)."""
+        making the fp32 copy). Buckets in ``skip`` (offloaded ones) are left out."""
         as_is = staged_as_is and not coefs
         group: list[tuple[int, torch.Tensor]] = []
         for k, (pc, grad) in enumerate(zip(self.pieces, self.piece_grads)):
+            if pc.bucket in skip:
+                continue
             if group and pc.bucket != self.pieces[group[-1][0]].bucket:
                 yield group
                 group = []
@@ -141,7 +187,7 @@ class FlatBuffers:
     def reload_masters(self) -> None:
         """Copy the parameters' current values into the separate fp32 masters."""
         for b, master in enumerate(self.masters):
-            mine = self.own_chunk(b, self.param_buffers)
+            mine = self.own_param(b)
             if master.data_ptr() != mine.data_ptr():
                 master.copy_(mine)
 
@@ -167,9 +213,11 @@ class FlatBuffers:
                 bucket, master = self.layout.buckets[b], self.masters[b]
                 if not any(changed[i] for i in bucket.params):
                     continue
-                mine = self.own_chunk(b, self.param_buffers)  # (bucket/dp,)
+                mine = self.own_param(b)  # (bucket/dp,)
                 if master.data_ptr() != mine.data_ptr():
                     mine.copy_(master)  # fp32 -> the model's dtype
+                if self.store is not None:
+                    continue  # ZeRO-3: the next use gathers it
                 full = self.param_buffers[bucket.buffer][bucket.start : bucket.end]  # (bucket,)
                 work = comm.all_gather_into(full, mine, group, async_op=True)
                 if work is not None:

@@ -7,6 +7,9 @@ holds the owning optimizer's token (an int, so the model stays picklable) for as
 optimizer lives. A later optimizer over the same parameters takes them over; the earlier one's
 hooks then stand aside. :func:`parallax.tensor.sync_sequence_parallel_grads` reads the mark
 to refuse summing gradients that ZeRO sums itself.
+
+At ZeRO-2 and 3 there are no views (``views=None``): each gradient is handed to the
+:class:`~parallax.optim.passes.PassReducer` as it arrives and ``.grad`` goes back to None.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
 from parallax.comm import Group
+from parallax.optim.passes import PassReducer
 from parallax.optim.reducer import GradReducer
 
 _TOKENS = itertools.count(1)  # which optimizer owns a parameter's hook
@@ -42,13 +46,14 @@ def _release(params: list[torch.Tensor], hooks: list[RemovableHandle], token: in
 
 
 class GradArrivals:
-    """The gradient hooks of ``params`` (``views``: their slots in the flat gradient buffer)."""
+    """The gradient hooks of ``params`` (``views``: their slots in the flat gradient buffer, or
+    None at ZeRO-2/3)."""
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        views: Sequence[torch.Tensor],
-        reducer: GradReducer,
+        views: Sequence[torch.Tensor] | None,
+        reducer: GradReducer | PassReducer,
         copy_stream: torch.cuda.Stream | None,
     ) -> None:
         self.params, self.views, self.reducer = params, views, reducer
@@ -68,6 +73,12 @@ class GradArrivals:
     def on_grad(self, i: int, p: torch.Tensor) -> None:
         # once per parameter and backward pass, so kept lean: no grad-mode switch (neither the
         # view nor a .grad requires grad, so the copy records nothing)
+        if self.views is None:  # ZeRO-2/3: into this pass's reduction, then gone
+            grad, p.grad = p.grad, None
+            self.has[i] = True
+            if grad is not None:
+                self.reducer.take(i, grad)
+            return
         view = self.views[i]
         grad = p.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
@@ -87,6 +98,8 @@ class GradArrivals:
     @torch.no_grad()
     def reattach(self) -> None:
         """Put the views back where ``.grad`` was replaced (e.g. ``model.zero_grad()``)."""
+        if self.views is None:
+            return
         for i, (p, view) in enumerate(zip(self.params, self.views)):
             g = p.grad
             if g is None:
@@ -103,7 +116,7 @@ class GradArrivals:
     def clear(self, buffers: Sequence[torch.Tensor], set_to_none: bool) -> None:
         """Forget which parameters got a gradient; ``.grad`` to None, or to zeroed views."""
         self.has = [False] * len(self.params)
-        if set_to_none:  # the first gradient is copied into the view, not added to zeros
+        if set_to_none or self.views is None:  # the first gradient is copied, not added
             for p in self.params:
                 p.grad = None
             return

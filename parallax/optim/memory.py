@@ -1,15 +1,21 @@
-"""What the optimizer holds on this rank, measured from its tensors, against plain AdamW."""
+"""What the optimizer holds on this rank, measured from its tensors, against plain AdamW.
+
+Device bytes and host bytes are counted apart (``--offload optimizer`` keeps the fp32 masters,
+the optimizer's state and the gradient accumulators of the offloaded buckets in host memory,
+counted as the host's even on a CPU-only run); at ZeRO-3 the weights are this rank's shards plus the
+blocks gathered at the moment of the report (none between uses), and the largest amount gathered
+at once so far.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from parallax.optim.zero import ZeroOptimizer
+Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
 
 GiB = 2**30
 
@@ -27,26 +33,41 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes on this rank. ``numel`` counts this rank's trainable elements (its tp/pp share,
-    whole over dp); frozen parameters are outside the optimizer and not counted."""
+    whole over dp); frozen parameters are outside the optimizer and not counted, except at
+    ZeRO-3, which shards them too (``frozen_bytes``)."""
 
     numel: int
     dp: int
-    param_bytes: int  # flat parameter buffers (every dp rank holds all of them)
-    grad_bytes: int  # flat gradient buffers (same)
+    param_bytes: int  # flat parameter buffers (ZeRO-1/2: every dp rank holds all; 3: its shard)
+    grad_bytes: int  # flat gradient buffers (ZeRO-1 only: 2 and 3 have none)
     master_bytes: int  # fp32 master slice kept apart from the parameters (none for fp32 params)
     grad_shard_bytes: int  # persistent fp32 reduced-gradient slice (see buckets.grad_homes)
     state_bytes: int  # the wrapped optimizer's state tensors (its 1/dp slice)
     plain_adamw_bytes: int  # unsharded AdamW on the same parameters, see plain_adamw_bytes()
     staging_bytes: int = 0  # fp32 buffers of about one bucket each, whatever the model's size
+    stage: int = 1
+    frozen_bytes: int = 0  # ZeRO-3: this rank's shard of the frozen weights
+    gathered_bytes: int = 0  # ZeRO-3: whole blocks gathered at the time of the report
+    peak_gathered_bytes: int = 0  # ZeRO-3: the most gathered at once so far
+    pass_peak_bytes: int = 0  # ZeRO-2/3: the most pass buffers (one bucket each) alive so far
+    host_bytes: int = 0  # --offload optimizer: masters and state in host memory (not in total)
 
     @property
     def optimizer_bytes(self) -> int:
-        """fp32 masters and reduced gradients plus the optimizer's state: what ZeRO-1 shards."""
+        """fp32 masters and reduced gradients plus the optimizer's state on the device."""
         return self.master_bytes + self.grad_shard_bytes + self.state_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.staging_bytes
+        """Device bytes held between steps (the gathered blocks as of now)."""
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.staging_bytes
+            + self.frozen_bytes
+            + self.gathered_bytes
+        )
 
     def bytes_per_param(self) -> dict[str, float]:
         n = max(self.numel, 1)
@@ -55,6 +76,8 @@ class MemoryReport:
             "grads": self.grad_bytes / n,
             "optimizer": self.optimizer_bytes / n,
             "staging": self.staging_bytes / n,
+            "frozen": self.frozen_bytes / n,
+            "host": self.host_bytes / n,
             "total": self.total_bytes / n,
             "plain_adamw": self.plain_adamw_bytes / n,
         }
@@ -67,12 +90,20 @@ class MemoryReport:
             ("fp32 reduced-grad slice", self.grad_shard_bytes),
             ("optimizer state slice", self.state_bytes),
             ("fp32 staging buffers", self.staging_bytes),
-            ("total", self.total_bytes),
+            ("frozen weight shard", self.frozen_bytes),
+            ("gathered blocks (now)", self.gathered_bytes),
+            ("total on the device", self.total_bytes),
+            ("gathered blocks (peak)", self.peak_gathered_bytes),
+            ("gradient pass buffers (peak)", self.pass_peak_bytes),
+            ("host (offloaded)", self.host_bytes),
             ("plain AdamW would need", self.plain_adamw_bytes),
         ]
         n = max(self.numel, 1)
-        lines = [f"ZeRO-1 memory on this rank ({self.numel:,} trainable elements, dp={self.dp}):"]
-        lines += [f"  {k:<24} {v / GiB:10.3f} GiB  {v / n:6.2f} B/param" for k, v in rows]
+        lines = [
+            f"ZeRO-{self.stage} memory on this rank ({self.numel:,} trainable elements, "
+            f"dp={self.dp}):"
+        ]
+        lines += [f"  {k:<30} {v / GiB:10.3f} GiB  {v / n:6.2f} B/param" for k, v in rows]
         return "\n".join(lines)
 
 
@@ -86,20 +117,30 @@ def plain_adamw_bytes(params: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def zero_memory(opt: ZeroOptimizer) -> MemoryReport:
+def zero_memory(opt: Zero) -> MemoryReport:
     """What ``opt`` holds on this rank, measured from its tensors."""
-    states = [
-        v for s in opt.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-    ]
-    masters, grads = opt.flat.master_flat, opt.flat.grad_shard_flat
+    flat, z3 = opt.flat, opt.zero3
+    hosted = {id(t) for pc, t in zip(flat.pieces, flat.piece_params) if pc.bucket in flat.offload}
+    states = {True: [], False: []}  # on the host (offloaded pieces) or not
+    for t, held in opt.inner.state.items():
+        states[id(t) in hosted] += [v for v in held.values() if isinstance(v, torch.Tensor)]
+    masters, grads, store = flat.master_flat, flat.grad_shard_flat, flat.store
+    host = [t for t in (flat.host_master_flat,) if t is not None]
+    host += opt.host.host_tensors() if opt.host is not None else []
     return MemoryReport(
         numel=sum(p.numel() for p in opt.params),
         dp=opt.ctx.dp_size,
-        param_bytes=tensor_bytes(opt.flat.param_buffers),
-        grad_bytes=tensor_bytes(opt.flat.grad_buffers),
+        param_bytes=tensor_bytes(flat.param_buffers if store is None else store.shards),
+        grad_bytes=tensor_bytes(flat.grad_buffers),
         master_bytes=tensor_bytes([masters] if masters is not None else []),
         grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
-        state_bytes=tensor_bytes(states),
+        state_bytes=tensor_bytes(states[False]),
         plain_adamw_bytes=plain_adamw_bytes(opt.params),
-        staging_bytes=tensor_bytes([opt.flat.staging, *opt.reducer.staging]),
+        staging_bytes=tensor_bytes([flat.staging, *opt.reducer.staging]),
+        stage=opt.stage,
+        frozen_bytes=z3.frozen.shard_bytes() if z3 is not None and z3.frozen else 0,
+        gathered_bytes=z3.gathers.gathered_bytes() if z3 is not None else 0,
+        peak_gathered_bytes=z3.gathers.peak_bytes if z3 is not None else 0,
+        pass_peak_bytes=getattr(opt.reducer, "peak_bytes", 0),
+        host_bytes=tensor_bytes(host) + tensor_bytes(states[True]),
     )

@@ -25,6 +25,11 @@ optimizer it wraps, which steps this rank's fp32 master pieces. What that takes,
    ``"params"`` swapped for a subset steps exactly that subset (staged buckets).
 5. **Compiled modules.** ``nn.Module.compile()`` stores the compiled forward in
    ``_compiled_call_impl``; a forward pre-hook then goes on the compiled module as a whole.
+6. **The end of a backward pass.** ZeRO-2 and 3 reduce each backward pass when it ends: the
+   autograd engine's ``queue_callback`` (what torch's own FSDP uses) runs a function once the
+   graph task now running is done, and ``torch._C._current_graph_task_id()`` says whether one
+   is running (-1 outside a backward; inside, e.g. during an activation-checkpointing
+   recomputation).
 """
 
 from __future__ import annotations
@@ -144,6 +149,20 @@ def narrowed(inner: torch.optim.Optimizer, members: Sequence[list[torch.Tensor]]
     finally:
         for g, s in zip(groups, saved):
             g["params"] = s
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass (point 6)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward pass now running ends (point 6); False (and nothing
+    queued) outside a backward pass."""
+    if not in_backward():
+        return False
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    return True
 
 
 def is_compiled(module: nn.Module) -> bool:

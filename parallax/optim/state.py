@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,15 +29,14 @@ from parallax import comm
 from parallax.optim.agree import plane_gather
 from parallax.tensor.sharding import logical_shape, shard_tensor, unshard_tensor
 
-if TYPE_CHECKING:
-    from parallax.optim.zero import ZeroOptimizer
+Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
 
 FORMAT = "parallax.zero/1"
 
 Kinds = dict[str, tuple[str, str]]  # state name -> ("elem" | "scalar", dtype)
 
 
-def _local_kinds(opt: ZeroOptimizer) -> dict[int, Kinds]:
+def _local_kinds(opt: Zero) -> dict[int, Kinds]:
     out: dict[int, Kinds] = {}
     for i, pieces in enumerate(opt.flat.pieces_of):
         for _, t in pieces:
@@ -62,7 +61,7 @@ def _local_kinds(opt: ZeroOptimizer) -> dict[int, Kinds]:
     return out
 
 
-def state_kinds(opt: ZeroOptimizer) -> dict[int, Kinds]:
+def state_kinds(opt: Zero) -> dict[int, Kinds]:
     """Per parameter index, the state its owners hold, agreed over dp and tp (collective).
     State that cannot be saved, on any rank of the plane, raises on all of them."""
     try:
@@ -90,7 +89,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def state_meta(opt: ZeroOptimizer) -> dict[str, Any]:
+def state_meta(opt: Zero) -> dict[str, Any]:
     kinds = state_kinds(opt)
     groups = [
         {**{k: _jsonable(v) for k, v in g.items() if k != "params"}, "params": list(names)}
@@ -105,7 +104,7 @@ def state_meta(opt: ZeroOptimizer) -> dict[str, Any]:
     }
 
 
-def _full(opt: ZeroOptimizer, i: int, source: Callable[[torch.Tensor], torch.Tensor], dtype):
+def _full(opt: Zero, i: int, source: Callable[[torch.Tensor], torch.Tensor], dtype):
     """The full logical tensor of one per-element state of parameter ``i`` (collective)."""
     p = opt.params[i]
     flat = torch.zeros(p.numel(), dtype=dtype, device=opt.device)  # (numel on this tp rank,)
@@ -117,7 +116,7 @@ def _full(opt: ZeroOptimizer, i: int, source: Callable[[torch.Tensor], torch.Ten
     return local if info is None else unshard_tensor(local, info, opt.ctx.tp_group)
 
 
-def _scalar(opt: ZeroOptimizer, i: int, key: str) -> torch.Tensor:
+def _scalar(opt: Zero, i: int, key: str) -> torch.Tensor:
     value = torch.full((), -math.inf, dtype=torch.float64, device=opt.device)
     for _, t in opt.flat.pieces_of[i]:
         held = opt.inner.state.get(t, {}).get(key)
@@ -127,7 +126,7 @@ def _scalar(opt: ZeroOptimizer, i: int, key: str) -> torch.Tensor:
     return value.float()
 
 
-def state_tensors(opt: ZeroOptimizer) -> Iterator[tuple[str, torch.Tensor]]:
+def state_tensors(opt: Zero) -> Iterator[tuple[str, torch.Tensor]]:
     kinds, state = state_kinds(opt), opt.inner.state
     for i, name in enumerate(opt.names):
         yield f"{name}.master", _full(opt, i, lambda t: t, torch.float32)
@@ -155,7 +154,7 @@ def _fetch(get: Callable[[str], torch.Tensor], key: str, shape: tuple[int, ...])
     return value
 
 
-def _check_meta(opt: ZeroOptimizer, meta: dict[str, Any]) -> None:
+def _check_meta(opt: Zero, meta: dict[str, Any]) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} optimizer state (format {meta.get('format')!r})")
     missing = [n for n in opt.names if n not in meta["keys"]]
@@ -177,9 +176,7 @@ def _check_meta(opt: ZeroOptimizer, meta: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def load_state_tensors(
-    opt: ZeroOptimizer, meta: dict[str, Any], get: Callable[[str], torch.Tensor]
-) -> None:
+def load_state_tensors(opt: Zero, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
     _check_meta(opt, meta)
     opt.inner.state.clear()  # the new slices replace the old ones, not add to them
     index = {id(t): k for k, t in enumerate(t for g in opt.inner.param_groups for t in g["params"])}
@@ -204,7 +201,7 @@ def load_state_tensors(
 
 
 def _load_one(
-    opt: ZeroOptimizer,
+    opt: Zero,
     i: int,
     key: str,
     full: torch.Tensor,
@@ -220,13 +217,17 @@ def _load_one(
     p, info = opt.params[i], getattr(opt.params[i], "tp_shard", None)
     local = full.to(opt.device)
     local = local if info is None else shard_tensor(local, info)  # (this tp rank's shape)
-    if key == "master":
+    sharded = opt.flat.store is not None  # ZeRO-3: the model holds this rank's shard only
+    if key == "master" and not sharded:
         p.data.copy_(local)  # fp32 -> the model's dtype
     flat = local.reshape(-1)
     for pc, t in opt.flat.pieces_of[i]:
         part = flat[pc.start : pc.start + pc.numel]
         if key == "master":
             t.copy_(part)
+            if sharded:  # fp32 -> the model's dtype, in the shard
+                shard = opt.flat.own_param(pc.bucket)
+                shard[pc.chunk_offset : pc.chunk_offset + pc.numel].copy_(part)
         else:
             new_state.setdefault(index[id(t)], {})[key] = part.clone()
 

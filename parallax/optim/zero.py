@@ -1,4 +1,4 @@
-"""ZeRO-1: a wrapper that shards any torch optimizer's state over the data-parallel group.
+"""ZeRO 1, 2 and 3: a wrapper that shards any torch optimizer's state over the data-parallel group.
 
 Every dp rank holds the whole model (parameters and gradients, in flat per-dtype buffers the
 parameters are views into) but keeps optimizer state for its own slice of each bucket only.
@@ -7,6 +7,12 @@ this rank's fp32 master slice, all-gather the updated slices back into the model
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
 At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
 only while the optimizer steps that bucket (:mod:`parallax.optim.staged`).
+
+``stage=2`` also shards the reduced gradients: no gradient buffer, each backward pass is
+reduce-scattered into this rank's fp32 shard as it ends (:mod:`parallax.optim.passes` says
+why per pass). ``stage=3`` also shards the weights, trainable and frozen, of the ``modules``
+given: each block is gathered just before use and released after
+(:mod:`parallax.optim.zero3`, :mod:`parallax.optim.stages`); the step updates shards only.
 
 The parts: the layout and buffers (:mod:`~parallax.optim.buckets`, :mod:`~parallax.optim.flat`),
 gradients arriving (:mod:`~parallax.optim.grads`) and their reduction
@@ -28,15 +34,24 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.optim.buckets import build_layout, grad_homes
-from parallax.optim.clip import clip_coefficient, global_grad_norm
+from parallax.optim.clip import NormMethods
 from parallax.optim.flat import FlatBuffers
 from parallax.optim.gather import DeferredGathers
 from parallax.optim.grads import GradArrivals
 from parallax.optim.groups import accept, check_passes
 from parallax.optim.memory import MemoryReport, zero_memory
+from parallax.optim.offload import HostSteps, host_options, offloaded_buckets
+from parallax.optim.passes import PassReducer
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
 from parallax.optim.reducer import GradReducer
 from parallax.optim.staged import StagedSteps
+from parallax.optim.stages import (
+    WeightMethods,
+    Zero3,
+    check_stage,
+    grouped_order,
+    parameter_units,
+)
 from parallax.optim.state import StateMethods
 
 log = logging.getLogger(__name__)
@@ -44,8 +59,22 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
 
 
-class ZeroOptimizer(StateMethods, OptimizerFacade):
+class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
     """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
+
+    ``stage`` (1, 2 or 3) and ``modules``: the model chunks holding ``params``, needed at stage 3
+    (whose weights are sharded: every parameter of theirs that requires a gradient must be in
+    ``params``, the others are frozen) and at stage 2 optional (each backward pass then reduces
+    only the chunks it ran). ``reshard_after_forward`` (stage 3): see :mod:`parallax.optim.zero3`.
+    At stages 2 and 3 ``overlap`` does not apply: every pass is reduced as it ends.
+
+    ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
+    memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
+    reduced; ``step_in_backward``: right then, during the backward (nothing may clip the
+    gradients after it), else in ``step()``. ``offload_fraction``: the share of the elements
+    offloaded, the first buckets reduced (the last layers: their host steps have the most
+    backward left to hide under); the others stay on the device. See
+    :mod:`parallax.optim.offload`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
     or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
@@ -81,6 +110,12 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         optimizer_class: type[torch.optim.Optimizer],
         ctx: ParallelContext,
         *,
+        stage: int = 1,
+        modules: Iterable[nn.Module] | nn.Module | None = None,
+        reshard_after_forward: bool = True,
+        offload: bool = False,
+        offload_fraction: float = 1.0,
+        step_in_backward: bool = False,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -88,25 +123,79 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         side_stream_grad_copies: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
-        self.ctx, self.overlap = ctx, overlap
+        self.ctx, self.overlap, self.stage = ctx, overlap, stage
+        modules = check_stage(stage, modules)
+        if offload and stage < 2:
+            raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {stage}")
+        if not 0.0 < offload_fraction <= 1.0:
+            raise ValueError(f"offload_fraction must be in (0, 1], got {offload_fraction}")
+        if offload:
+            optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
         got = accept(
             ctx, params, optimizer_class, backward_passes_per_step, bucket_numel, param_order
         )
         self.names, self.params, self.device = got.names, got.params, got.device
         self._group_names = got.group_names
-        groups, group_of = got.groups, got.group_of
+        self._build_buffers(got, modules, bucket_numel, offload_fraction if offload else 0.0)
+        self._build_inner(optimizer_class, got.groups, got.group_of, optimizer_kwargs)
+        # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
+        self._stream = (
+            torch.cuda.Stream(self.device)
+            if self.device.type == "cuda" and ctx.dp_size > 1
+            else None
+        )
+        # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
+        # the dp average and the clip coefficient then cost no pass over the gradients
+        self._fold = takes_grad_scale(self.inner) and not offload  # (host: scaled apart)
+        self._side_copies = side_stream_grad_copies
+        self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
+        self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
+        self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
+        self._build_reduction(backward_passes_per_step, side_stream_grad_copies)
+        self.host = HostSteps(self, got.group_of, step_in_backward) if offload else None
+        self.reducer.sink = self.host
+        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
+        self.zero3 = (
+            Zero3(
+                self.units,
+                self.params,
+                self.flat.store,
+                ctx,
+                self.reducer,
+                bucket_numel,
+                reshard_after_forward,
+            )
+            if stage == 3
+            else None
+        )
+        log.debug("%r: %s", self, self.memory_report())
+
+    def _build_buffers(self, got, modules: list[nn.Module], bucket_numel: int, offload: float):
+        """The layout (by block at stage 3, by chunk at 2) and this rank's buffers, the first
+        ``offload`` share of the elements offloaded."""
+        self.units, unit_of = parameter_units(self.stage, modules, self.params)
         self.layout = build_layout(
             [tuple(p.shape) for p in self.params],
             [p.dtype for p in self.params],
             got.sequence_parallel,
-            ctx.dp_size,
+            self.ctx.dp_size,
             bucket_numel,
-            got.order,
+            grouped_order(got.order, unit_of, len(self.params)),
+            units=unit_of,
         )
         self.flat = FlatBuffers(
-            self.params, self.layout, ctx.dp_rank, self.device, self._grad_homes()
+            self.params,
+            self.layout,
+            self.ctx.dp_rank,
+            self.device,
+            self._grad_homes(),
+            self.stage,
+            offloaded_buckets(self.layout, offload),
         )
+
+    def _build_inner(self, optimizer_class, groups, group_of, optimizer_kwargs) -> None:
+        """The wrapped optimizer over this rank's pieces, in the given groups."""
         members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
         for pc, t in zip(self.flat.pieces, self.flat.piece_params):
             members[group_of[pc.param]].append(t)
@@ -116,38 +205,39 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
                 [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
             )
         )
-        # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
-        self._stream = (
-            torch.cuda.Stream(self.device)
-            if self.device.type == "cuda" and ctx.dp_size > 1
-            else None
-        )
-        # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
-        # the dp average and the clip coefficient then cost no pass over the gradients
-        self._fold = takes_grad_scale(self.inner)
-        self._side_copies = side_stream_grad_copies
-        self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
-        self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
-        self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
+
+    def _build_reduction(self, passes: int, side_copies: bool) -> None:
+        if self.stage >= 2:  # every backward pass reduced as it ends, no gradient buffer
+            self.reducer = PassReducer(
+                self.layout,
+                self.flat.grad_outs,
+                self.names,
+                self.ctx,
+                ordered=self.stage == 2,
+                average=not self._fold,
+                stream=self._stream,
+                device=self.device,
+            )
+            self.reducer.passes = passes
+            self.grads = GradArrivals(self.params, None, self.reducer, None)
+            return
         self.reducer = GradReducer(
             self.layout,
             self.flat.grad_buffers,
             self.flat.grad_outs,
             self.names,
-            ctx,
-            overlap,
-            backward_passes_per_step,
+            self.ctx,
+            self.overlap,
+            passes,
             average=not self._fold,
             stream=self._stream,
         )
-        copies = self._stream if side_stream_grad_copies and overlap else None
+        copies = self._stream if side_copies and self.overlap else None
         self.grads = GradArrivals(self.params, self.flat.grad_views, self.reducer, copies)
-        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
-        log.debug("%r: %s", self, self.memory_report())
 
     def _grad_homes(self) -> list[str]:
         """Where each bucket's fp32 reduced gradient lives (see ``buckets.grad_homes``)."""
-        return grad_homes(self.layout, self.overlap)
+        return grad_homes(self.layout, self.overlap, self.stage)
 
     @torch.no_grad()
     def reload_master_weights(self) -> None:
@@ -194,6 +284,18 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
             with torch.enable_grad():
                 loss = closure()
         flags = self._reduce()
+        if self.host is not None:  # on the host, bucket by bucket (some maybe done already)
+            self.host.step(flags)
+        self._step_inner(flags)  # the buckets on the device
+        self.gathers.works = self.flat.gather_params(
+            self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
+        )
+        if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
+            self.zero3.gathers.release_all()
+        self._end_step(open=False)
+        return loss
+
+    def _step_inner(self, flags: list[bool]) -> None:
         stepped = False  # pieces whose fp32 gradient already has its home: one step for all
         for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
             t.grad = g if g is not None and flags[pc.param] else None
@@ -202,14 +304,12 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
             if stepped:
                 self.inner.step()
             self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
-        self.gathers.works = self.flat.gather_params(
-            self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
-        )
-        self._end_step(open=False)
-        return loss
 
     def _end_step(self, open: bool) -> None:
         self.reducer.reset(open)
+        if self.host is not None:
+            self.host.wait()
+            self.host.reset()
         self._flags, self._coefs, self._unscale = None, [], None
 
     def _grad_scale(self):
@@ -252,53 +352,16 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
         ancestor), not through another module's attribute. Anything else that reads parameters
         between ``step()`` and the next forward calls :meth:`wait_params` first; this
         optimizer's own methods do. Returns the hooks' handles; removing them all turns the
-        deferral off again.
+        deferral off again. At stage 3 there is nothing to defer (every use gathers): [].
         """
+        if self.stage == 3:
+            return []
         return self.gathers.register(modules)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (see :meth:`overlap_param_gather`):
         call it before reading parameters outside a hooked forward, e.g. to save or evaluate."""
         self.gathers.wait_all()
-
-    # -- clipping ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
-        gradients first if ``step()`` has not yet."""
-        self._reduce()
-        replicated = [
-            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
-        ]
-        counted = (  # tp-replicated pieces count on tp rank 0 only
-            [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
-            # staged buckets: their 16-bit gradients, the norm taken in fp32
-            for group in self.flat.reduced_grads_by_bucket(self._coefs, staged_as_is=True)
-        )
-        total = global_grad_norm(counted, self.ctx, norm_type, self.device)
-        if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
-            if self.ctx.dp_size > 1:
-                total = total / self.ctx.dp_size
-            if self._unscale is not None:
-                total = total * self._unscale
-        return total
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
-        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
-        total = self.grad_norm(norm_type)
-        coef = clip_coefficient(total, max_norm)
-        if self._fold:  # applied by the optimizer's kernel in step()
-            self._unscale = coef if self._unscale is None else self._unscale * coef
-            return total
-        for out in self.flat.grad_outs:
-            if out is not None:
-                out.mul_(coef)
-        if self.staged:
-            self._coefs.append(coef)
-        return total
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
@@ -307,5 +370,6 @@ class ZeroOptimizer(StateMethods, OptimizerFacade):
     def __repr__(self) -> str:
         return (
             f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
-            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, overlap={self.overlap})"
+            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, stage={self.stage}, "
+            f"overlap={self.overlap})"
         )

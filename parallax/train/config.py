@@ -25,6 +25,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine", "step")
 ACTION_HEADS = ("tokens", "l1")
+OFFLOADS = ("none", "optimizer")
+ZERO_STAGES = (1, 2, 3)
 LOGITS = ("labelled", "all")
 FINETUNES = ("full", "lora")
 # what ``None`` means for the optimisation flags: full fine-tuning's defaults, and OpenVLA's LoRA
@@ -46,6 +48,10 @@ LORA_ONLY = {"needs": ("finetune", "lora")}  # the LoRA options mean nothing wit
 AUTO_ONLY = {"needs": ("layout", "auto", "what the planner plans for")}
 LAYOUTS = ("manual", "auto")
 INTERCONNECTS = ("nvlink", "pcie", "pcie-no-p2p")
+
+
+def _zero_stage(stage: int) -> str | None:
+    return None if stage in ZERO_STAGES else f"must be 1, 2 or 3, got {stage}"
 
 
 def _adapter_dir(path: str) -> str | None:
@@ -304,6 +310,46 @@ class TrainConfig:
         default_text="overlapped",
     )
     # -- memory
+    zero: int = opt(
+        1,
+        "ZeRO stage over each dp group: 1 shards the optimizer state and fp32 masters, 2 also "
+        "the reduced gradients, 3 also the weights (each block gathered just before its use)",
+        MEMORY,
+        check=_zero_stage,
+        metavar="{1,2,3}",
+    )
+    reshard_after_forward: bool = opt(
+        True,
+        "at --zero 3: free each block's gathered weights after its forward and gather them "
+        "again for the backward; off: keep them from the first forward to the step (one "
+        "gather per block per step, the stage's whole weights held)",
+        MEMORY,
+        switch="both",
+        needs=("zero", 3),
+    )
+    offload: str = opt(
+        "none",
+        "optimizer: this rank's fp32 masters and AdamW moments in (pinned) host memory, each "
+        "bucket stepped on the host as its gradients arrive (needs --zero 2 or 3)",
+        MEMORY,
+        choices=OFFLOADS,
+    )
+    offload_fraction: float = opt(
+        1.0,
+        "the share of the optimizer state (the last layers' buckets first) on the host",
+        MEMORY,
+        check=within(0, 1, "(]"),
+        needs=("offload", "optimizer"),
+        metavar="F",
+    )
+    gpu_memory_limit: float | None = opt(
+        None,
+        "cap this process's GPU memory at GIB (torch's per-process memory fraction): emulates "
+        "a smaller card on a large one and protects a shared GPU",
+        MEMORY,
+        check=positive,
+        metavar="GIB",
+    )
     activation_checkpointing: bool = opt(
         False, "recompute each block's activations in the backward pass", MEMORY, switch="on"
     )

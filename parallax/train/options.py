@@ -123,9 +123,10 @@ def needs_problems(cfg: Any) -> list[str]:
         if bool(have) if want is True else have == want:
             continue
         shown = "" if isinstance(value, bool) else f" {value}"
+        name = flag(f.name) if value is not False else "--no-" + flag(f.name)[2:]
         wanted = "" if want is True else f" {want}"
         reason = f" ({why[0]})" if why else ""
-        found.append(f"{flag(f.name)}{shown} needs {flag(other)}{wanted}{reason}")
+        found.append(f"{name}{shown} needs {flag(other)}{wanted}{reason}")
     return found
 
 

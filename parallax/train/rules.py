@@ -79,6 +79,22 @@ def _cuda_graphs(cfg: Any) -> str | None:
     return None
 
 
+def _zero(cfg: Any) -> str | None:
+    if cfg.offload != "none" and cfg.zero < 2:
+        return (
+            f"--offload {cfg.offload} steps each bucket on the host as its reduction completes: "
+            f"it needs --zero 2 or 3 (got --zero {cfg.zero})"
+        )
+    if cfg.zero == 3 and cfg.cuda_graphs:
+        return (
+            "--cuda-graphs cannot replay blocks under --zero 3: a CUDA graph reads each weight "
+            "at the address it was recorded with, and zero 3 frees each block's gathered "
+            "weights after use and gathers them again elsewhere; use --zero 2 or drop "
+            "--cuda-graphs"
+        )
+    return None
+
+
 def _step_schedule(cfg: Any) -> str | None:
     if cfg.lr_schedule == "step" and cfg.lr_decay_steps is None:
         return "--lr-schedule step needs --lr-decay-steps N (the step the lr drops at)"
@@ -90,6 +106,7 @@ RULES: tuple[Callable[[Any], str | None], ...] = (
     _one_chunk,
     _cuda_graphs,
     _step_schedule,
+    _zero,
 )
 
 

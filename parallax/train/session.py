@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from parallax import comm
 from parallax.checkpoint import CheckpointError
 from parallax.context import ParallelContext
@@ -26,6 +28,7 @@ from parallax.train import lora, sinks, state
 from parallax.train.agreement import USER_ERRORS, UserError, agree
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Preempted, Preemption
+from parallax.train.memory_limit import out_of_memory_message
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
 from parallax.train.run import Run
 from parallax.train.trainer import InputError, Trainer
@@ -180,6 +183,8 @@ def _one_step(s: Session, step: int, preemption: Preemption):
     except InputError as err:
         more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
         raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
+    except torch.OutOfMemoryError as err:
+        raise UserError(out_of_memory_message(s.cfg, step, err)) from None
     dp = s.ctx.dp_size
     tokens = s.trainer.tokens(microbatches) * dp
     flops = s.trainer.model_flops(microbatches) * dp  # what this step computes
@@ -246,9 +251,9 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
     from the weights in memory) and the adapter alone in PEFT's format to ``path/adapter``."""
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
-    trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
-    trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each rank its slice
-    if trainer.base_identity is not None:
-        lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
+    with trainer.optimizer.gathered():  # the weights as updated (whole at --zero 3)
+        trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each its slice
+        if trainer.base_identity is not None:
+            lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
     if trainer.ctx.rank == 0:
         log.info("exported the Hugging Face checkpoint to %s", path)

@@ -15,6 +15,11 @@ a pure function of the step and the flags; :mod:`parallax.train.steps` says why)
 line which differ from the saved run's; a model that differs from the saved one is refused
 naming both (:func:`check_same_model`).
 
+At ``--zero 3`` the weights are sharded over dp as well: every dp rank takes part in gathering
+each tensor for the writer (one tensor at a time, never a whole block), and a resume writes each
+block's weights into the rank's shards (:meth:`parallax.optim.ZeroOptimizer.materialized`).
+So a checkpoint is the same whatever the stage, and any stage resumes any other.
+
 One ``--out`` holds one run: a fresh run refuses a folder that holds another run's checkpoints
 or metrics, unless told to ``--resume`` it or to ``--overwrite`` it (:func:`check_out`).
 """
@@ -45,6 +50,7 @@ from parallax.optim.state import FORMAT as OPTIM_FORMAT
 from parallax.optim.state import state_kinds
 from parallax.recipe import registry
 from parallax.tensor import logical_shape
+from parallax.tensor.sharding import unshard_tensor
 from parallax.train import lora
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
 from parallax.train.steps import schedule_changes
@@ -107,11 +113,8 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
     optim_meta = trainer.optimizer.state_meta()  # collective
     stage_metas = comm.all_gather_object(optim_meta, ctx.pp_group)
     writer = ctx.dp_rank == 0 and ctx.tp_rank == 0
-    sources: list[TensorSource] = []
     only = _trained_only(trainer)
-    if ctx.dp_rank == 0:  # tp peers of other dp ranks hold the same weights: they sit out
-        for chunk in trainer.chunks:
-            sources += module_sources(chunk, ctx.tp_group, write=writer, only=only)
+    sources = _model_sources(trainer, writer, only)
     sources += _optimizer_sources(trainer, writer)
     sources = split_fused(sources)  # the separate tensors of fused projections
     meta = {
@@ -135,6 +138,49 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
         group=ctx.world_group,
         keep_last=cfg.keep_last,
     )
+
+
+def _model_sources(trainer, write: bool, only) -> list[TensorSource]:
+    """The weights as full logical tensors. tp peers of other dp ranks hold the same weights
+    and sit out, except at ZeRO-3, where each dp rank holds a part of each (a collective)."""
+    ctx, opt = trainer.ctx, trainer.optimizer
+    if opt.stage < 3:
+        if ctx.dp_rank != 0:
+            return []
+        return [
+            src
+            for chunk in trainer.chunks
+            for src in module_sources(chunk, ctx.tp_group, write=write, only=only)
+        ]
+
+    def produce(p) -> torch.Tensor:
+        local = opt.weight(p)  # (this tp rank's shape), gathered over dp
+        info = getattr(p, "tp_shard", None)
+        return local if info is None else unshard_tensor(local, info, ctx.tp_group)
+
+    return [
+        TensorSource(name, logical_shape(p), p.dtype, lambda p=p: produce(p), write=write)
+        for chunk in trainer.chunks
+        for name, p in chunk.named_parameters()
+        if only is None or only(name)
+    ]
+
+
+def _load_weights(trainer, view: SeparateView, only) -> None:
+    """Every weight this run reads from the checkpoint into the model (no collective)."""
+    opt = trainer.optimizer
+    if opt.stage < 3:
+        for chunk in trainer.chunks:
+            load_module(chunk, view, only=only)
+        return
+    for unit in opt.units:  # one block at a time, into this rank's shards
+        names = set(unit.names)
+        with opt.materialized(unit.index):
+            load_module(
+                trainer.chunks[unit.chunk],
+                view,
+                only=lambda n, names=names: n in names and (only is None or only(n)),
+            )
 
 
 def _trained_only(trainer):
@@ -283,9 +329,7 @@ def follow_schedule(trainer, step: int, weight_decay: list[float]) -> None:
 
 def _load(trainer, ckpt: Checkpoint, loader) -> int:
     view = SeparateView(ckpt)
-    only = _trained_only(trainer)
-    for chunk in trainer.chunks:
-        load_module(chunk, view, only=only)
+    _load_weights(trainer, view, _trained_only(trainer))
     meta = ckpt.meta
     decay = [g["weight_decay"] for g in trainer.optimizer.param_groups]  # this run's
     try:  # the optimizer's own checks (shapes, groups) are this rank's alone: agree on them too

@@ -1,4 +1,4 @@
-"""The composition: one model, split over pp, sharded over tp, trained with ZeRO-1 over dp.
+"""The composition: one model, split over pp, sharded over tp, trained with ZeRO 1-3 over dp.
 
 :class:`Trainer` builds this rank's model chunks through the model family's recipe
 (:mod:`parallax.recipe.protocol`), the pipeline schedule, the optimizer (with the run's parameter
@@ -16,6 +16,7 @@ them without a device synchronisation.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,11 @@ from parallax.optim import ZeroOptimizer
 from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
 from parallax.recipe.protocol import Microbatch, Recipe, whole_model
+from parallax.tensor.sharding import unshard_tensor
 from parallax.train import groups, inputs, lora
 from parallax.train.config import TrainConfig
 from parallax.train.inputs import InputError
+from parallax.train.memory_limit import apply_gpu_memory_limit
 from parallax.train.optimizer import build_optimizer
 from parallax.train.run import Run, resolve
 from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
@@ -72,6 +75,7 @@ class Trainer:
         self.ctx, self.recipe = ctx, run.recipe
         self.model_config, self.checkpoint_dir = run.model_config, run.checkpoint
         recipe, cfg, checkpoint_dir = run.recipe, run, run.checkpoint
+        apply_gpu_memory_limit(cfg, ctx)
         recipe.check_layout(self.model_config, cfg, ctx.dims)
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.num_microbatches = num_microbatches(cfg, ctx.dp_size)
@@ -117,7 +121,7 @@ class Trainer:
             lora.load_init(self.chunks, cfg, ctx)
             self.base_identity = lora.base_identity(self.chunks, ctx)
         self.optimizer = self._build_optimizer()
-        if cfg.overlap_param_gather and ctx.dp_size > 1:
+        if cfg.overlap_param_gather and ctx.dp_size > 1 and cfg.zero < 3:
             self.optimizer.overlap_param_gather(*self.chunks)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self._metrics: list[torch.Tensor] = []
@@ -143,6 +147,15 @@ class Trainer:
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of this rank's chunks as ``(global name, full logical tensor)``, one
+        at a time (at ``--zero 3`` the parameters hold no values between uses: read them
+        here). Collective over dp and tp: every rank of the stage consumes it all."""
+        for name, p in self._named_parameters():
+            local = self.optimizer.weight(p)  # (this tp rank's shape)
+            info = getattr(p, "tp_shard", None)
+            yield name, local if info is None else unshard_tensor(local, info, self.ctx.tp_group)
 
     def _compile_options(self, given: dict | None) -> dict:
         """``torch.compile`` options: those given, and with ``cuda_graphs`` the inductor's

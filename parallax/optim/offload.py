@@ -1,0 +1,272 @@
+"""``--offload optimizer``: this rank's fp32 masters and optimizer state in host memory, stepped
+there bucket by bucket while the backward goes on.
+
+At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
+(:mod:`parallax.optim.passes`). Offloaded, that chunk goes straight to the host: cast to the
+model's dtype on the device, copied into a pinned staging buffer (pinned only when CUDA is there)
+on the reduction's side stream, and added by a worker thread into the bucket's host accumulator.
+When the bucket's last pass is in, the worker makes its fp32 gradient (the accumulator over dp,
+one bucket at a time), takes its share of the gradient norm, and steps the wrapped optimizer on
+the bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running
+it once), otherwise its foreach kernels. ``step()`` then copies the updated weights back to the
+device bucket by bucket (:meth:`~parallax.optim.flat.FlatBuffers.gather_params`; at ZeRO-3
+into the shards, which the next forward gathers).
+
+**When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
+gradients) a bucket is stepped as soon as its gradient is complete, so the host's work hides
+under the rest of the backward; the dp-global "got a gradient" flags of its parameters come from
+one small all-reduce at its last reduce-scatter. Clipping needs the norm of the whole gradient
+before any step: then only the copies, the accumulation and the norm run under the backward,
+and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient.
+
+**Gradient accumulation beside 90 GB of state.** A 7.5B model's fp32 masters and two AdamW
+moments are 12 bytes per parameter: 90 GB on the host (at dp 1). The device keeps no gradient
+between passes (ZeRO-2/3 keep no gradient buffer; offloaded, not even the fp32 shard), and the
+host accumulates in the model's dtype: 2 bytes per parameter, 15 GB, so 105 GB in all beside
+~15 GB of bf16 weights on the card; an fp32 host accumulator would add 30 GB and not fit a 125
+GiB host. The fp32 gradient exists one bucket at a time, while that bucket is stepped. The
+price of bf16 accumulation is one rounding per pass (the reduced gradient itself is fp32);
+fp32 models accumulate in fp32. Each pass moves 2/dp bytes per parameter to the host (15 GB
+at dp 1: 0.27 s at 55 GB/s pinned) and adds them there (memory-bound), so fewer, larger
+microbatches (with activation checkpointing) keep the host from becoming the bottleneck.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import queue
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from parallax import comm
+from parallax.optim.protocol import narrowed
+
+Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
+
+POOL = 4  # pinned staging buffers: reductions in flight to the host
+
+
+@functools.cache
+def cpu_fused_available(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class(fused=True)`` steps CPU tensors in this torch (tried once)."""
+    p = torch.zeros(2, requires_grad=True)
+    try:
+        opt = optimizer_class([p], lr=0.0, fused=True)
+        p.grad = torch.zeros(2)
+        opt.step()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def host_options(optimizer_class: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped optimizer's options for host tensors: fused on the CPU where available,
+    else foreach (torch's optimizers that take either; others as given)."""
+    options = dict(options)
+    if not optimizer_class.__module__.startswith("torch.optim"):
+        return options
+    options.pop("fused", None)
+    options.pop("foreach", None)
+    if cpu_fused_available(optimizer_class):
+        options["fused"] = True
+    else:
+        options["foreach"] = True
+    return options
+
+
+def offloaded_buckets(layout, fraction: float) -> list[int]:
+    """The buckets to offload: the first ones reduced (layout order) up to ``fraction`` of the
+    elements, at least one when ``fraction`` > 0."""
+    if fraction <= 0:
+        return []
+    total, out, held = sum(b.numel for b in layout.buckets), [], 0
+    for b in layout.buckets:
+        if out and held + b.numel > fraction * total + 0.5:
+            break
+        out.append(b.index)
+        held += b.numel
+    return out
+
+
+class HostSteps:
+    """The host side of an offloaded ZeroOptimizer (see the module docstring): accumulators,
+    staging, the worker thread and each bucket's step."""
+
+    def __init__(self, opt: Zero, group_of: Sequence[int], early: bool) -> None:
+        self.opt, self.flat, self.layout = opt, opt.flat, opt.layout
+        self.early, self.dp = early, opt.ctx.dp_size
+        self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
+        self.hosted = frozenset(self.buckets)
+        self.piece_groups = [group_of[pc.param] for pc in self.flat.pieces]
+        buckets = self.layout.buckets
+        self.pieces_of_bucket: list[list[int]] = [[] for _ in buckets]
+        for k, pc in enumerate(self.flat.pieces):
+            self.pieces_of_bucket[pc.bucket].append(k)
+        tp0 = opt.ctx.tp_rank == 0  # tp-replicated pieces count in the norm on tp rank 0 only
+        self.counted = [
+            tp0 or getattr(opt.params[pc.param], "tp_shard", None) is not None
+            for pc in self.flat.pieces
+        ]
+        dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
+        self.acc = {b: torch.zeros(buckets[b].chunk, dtype=dt) for b, dt in dtypes.items()}
+        self.on_device = opt.device.type == "cuda"
+        self.pool: dict[torch.dtype, queue.Queue] = {}
+        if self.on_device:  # pinned staging for the device-to-host copies, per dtype
+            most = max(buckets[b].chunk for b in self.buckets)
+            for dt in set(dtypes.values()):
+                self.pool[dt] = queue.Queue()
+                for _ in range(POOL):
+                    self.pool[dt].put(torch.empty(most, dtype=dt, pin_memory=True))
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: nothing in, nothing stepped."""
+        self.jobs: list[Future] = []
+        self.final = dict.fromkeys(self.buckets, False)
+        self.stepped = dict.fromkeys(self.buckets, False)
+        self.partials: dict[int, tuple[float, float]] = {}
+        self.coef: float | None = None
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        staging = [t for q in self.pool.values() for t in list(q.queue)]
+        return [*self.acc.values(), *staging]
+
+    # -- the main thread: what arrives from the reduction ------------------------------------------
+    def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
+        """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done)."""
+        dtype = self.acc[b].dtype
+        if self.on_device:  # on the current (side) stream: after the reduce-scatter
+            staging = self.pool[dtype].get()  # waits for the worker when all are in use
+            part = staging[: grad.numel()]
+            part.copy_(grad.to(dtype), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._submit(self._accumulate, b, part, event, first, staging)
+        else:
+            self._submit(self._accumulate, b, grad, None, first, None)
+        if last:
+            self.complete(b, summed=True)
+
+    def complete(self, b: int, summed: bool) -> None:
+        """Bucket ``b``'s gradient is all in (``summed``: some pass reduced it this step)."""
+        if self.final[b]:
+            return
+        self.final[b] = True
+        flags = None
+        if self.early and summed:  # which of its parameters got a gradient on any dp rank
+            has = [self.opt.grads.has[i] for i in self.layout.buckets[b].params]
+            flags = torch.tensor(has, dtype=torch.float32).to(self.opt.device)
+            work = comm.all_reduce_async(flags, self.opt.ctx.dp_group)
+            flags = (flags, work)
+        self._submit(self._finish, b, summed, flags)
+
+    def _submit(self, fn, *args) -> None:
+        self.jobs.append(self.worker.submit(fn, *args))
+
+    # -- the worker thread ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _accumulate(self, b, part, event, first, staging) -> None:
+        if event is not None:
+            event.synchronize()
+        if first:
+            self.acc[b].copy_(part)
+        else:
+            self.acc[b].add_(part)
+        if staging is not None:
+            self.pool[staging.dtype].put(staging)
+
+    def _gradient(self, b: int, summed: bool, coef: float | None) -> torch.Tensor:
+        """Bucket ``b``'s fp32 gradient: the dp average (times ``coef``), one bucket's worth."""
+        acc = self.acc[b]
+        if not summed:
+            acc.zero_()
+        grad = acc.clone() if acc.dtype == torch.float32 else acc.float()  # (bucket/dp,) fp32
+        if self.dp > 1:
+            grad.div_(self.dp)
+        if coef is not None:
+            grad.mul_(coef)
+        return grad
+
+    @torch.no_grad()
+    def _finish(self, b: int, summed: bool, flags) -> None:
+        grad = self._gradient(b, summed, None)
+        squares, largest = 0.0, 0.0
+        for k in self.pieces_of_bucket[b]:
+            pc = self.flat.pieces[k]
+            if self.counted[k]:
+                piece = grad[pc.chunk_offset : pc.chunk_offset + pc.numel]
+                squares += torch.linalg.vector_norm(piece, dtype=torch.float64).item() ** 2
+                largest = max(largest, piece.abs().max().item() if pc.numel else 0.0)
+        self.partials[b] = (squares, largest)
+        if flags is not None:
+            tensor, work = flags
+            comm.wait(work)
+            got = tensor.cpu().tolist()
+            params = self.layout.buckets[b].params
+            self._step(b, grad, {i: bool(f) for i, f in zip(params, got)})
+
+    def _step(self, b: int, grad: torch.Tensor, flags) -> None:
+        """Step the bucket's pieces whose parameter has a gradient on some dp rank."""
+        inner, flat = self.opt.inner, self.flat
+        members: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        live = []
+        for k in self.pieces_of_bucket[b]:
+            pc, t = flat.pieces[k], flat.piece_params[k]
+            if flags[pc.param]:
+                t.grad = grad[pc.chunk_offset : pc.chunk_offset + pc.numel]
+                members[self.piece_groups[k]].append(t)
+                live.append(t)
+        try:
+            if live:
+                with narrowed(inner, members):
+                    inner.step()
+        finally:
+            for t in live:
+                t.grad = None
+        self.stepped[b] = True
+
+    @torch.no_grad()
+    def _step_later(self, b: int, coef: float | None, flags) -> None:
+        if not self.stepped[b]:  # (a bucket no pass reduced has a zeroed accumulator)
+            self._step(b, self._gradient(b, True, coef), flags)
+
+    # -- the main thread: the step ---------------------------------------------------------------
+    def wait(self) -> None:
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job.result()  # a worker's error is raised here
+
+    def local_part(self, norm_type: float) -> float:
+        """What this rank's offloaded gradients add to the global norm: the sum of their
+        squares (2-norm) or their largest element (inf-norm), from each bucket's share taken
+        when its gradient was complete."""
+        if norm_type not in (2.0, math.inf):
+            raise NotImplementedError(
+                f"with --offload optimizer the gradient norm is the 2- or inf-norm, not {norm_type}"
+            )
+        self.wait()
+        parts = self.partials.values()
+        if norm_type == math.inf:
+            return max((p[1] for p in parts), default=0.0)
+        return sum(p[0] for p in parts)
+
+    def clip(self, coef: torch.Tensor) -> None:
+        if any(self.stepped.values()):
+            raise RuntimeError(
+                "with --offload optimizer and step_in_backward the host steps each bucket during "
+                "the backward: nothing may clip the gradients after it (grad clipping off)"
+            )
+        self.coef = float(coef) if self.coef is None else self.coef * float(coef)
+
+    def step(self, flags: Sequence[bool]) -> None:
+        """Step every bucket not stepped yet (with the clip coefficient), then wait for all."""
+        self.wait()
+        for b in self.buckets:
+            if not self.stepped[b]:
+                self._submit(self._step_later, b, self.coef, flags)
+        self.wait()

@@ -1,0 +1,62 @@
+"""``--gpu-memory-limit GIB``: a cap on this process's GPU memory, and what to say when a step
+runs out of it.
+
+The cap is torch's per-process memory fraction (the caching allocator refuses to grow past it),
+computed from the device's total memory: it emulates a smaller card on a large one (a 24 GiB
+RTX 4090 on an H200) and keeps a shared GPU's other tenants safe. On the CPU it does nothing
+but say so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from parallax.context import ParallelContext
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+
+
+def apply_gpu_memory_limit(cfg, ctx: ParallelContext) -> None:
+    """Cap this process's GPU memory at ``cfg.gpu_memory_limit`` GiB (no collective: every rank
+    checks its own device, and a cap larger than the device is a ``ValueError``)."""
+    limit = cfg.gpu_memory_limit
+    if limit is None:
+        return
+    if ctx.device.type != "cuda":
+        if ctx.rank == 0:
+            log.info("--gpu-memory-limit %g GiB: no GPU on this run, nothing to cap", limit)
+        return
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    if limit * GiB > total:
+        raise ValueError(
+            f"--gpu-memory-limit {limit:g} GiB is more than this GPU's {total / GiB:.1f} GiB"
+        )
+    torch.cuda.set_per_process_memory_fraction(limit * GiB / total, ctx.device)
+    if ctx.rank == 0:
+        log.info("GPU memory capped at %g GiB of %.1f GiB per process", limit, total / GiB)
+
+
+def out_of_memory_message(cfg, step: int, err: BaseException) -> str:
+    """What a user reads when step ``step`` ran out of GPU memory: the cap, the step, and the
+    options of this run that would help."""
+    cap = (
+        f" under --gpu-memory-limit {cfg.gpu_memory_limit:g} GiB"
+        if cfg.gpu_memory_limit is not None
+        else ""
+    )
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    helps = []
+    if cfg.zero < 3:
+        helps.append(f"--zero 3 (now {cfg.zero}: shards the weights over dp too)")
+    if cfg.offload == "none":
+        helps.append("--offload optimizer (fp32 masters and AdamW moments in host memory)")
+    if not cfg.activation_checkpointing:
+        helps.append("--activation-checkpointing")
+    if cfg.micro_batch_size > 1:
+        helps.append(f"a smaller --micro-batch-size (now {cfg.micro_batch_size})")
+    advice = "; ".join(helps) if helps else "more GPUs (a larger --dp, --tp or --pp)"
+    return f"step {step} ran out of GPU memory{cap} ({first}). What would help: {advice}"
