@@ -8,7 +8,7 @@ import pytest
 import parallax.models.vlm as vlm
 from parallax.data import BatchLoader, SyntheticTask
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
-from parallax.plan.layout import OPTION_NAMES, Layout
+from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
 from parallax.plan.model import Model
 from parallax.testing import context, run_ranks
@@ -16,7 +16,6 @@ from parallax.train.config import TrainConfig
 from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 
-ZERO = "zero" in OPTION_NAMES  # ZeRO-2/3 and offload options in this parallax.train
 CASES = [
     ("tiny", (1, 1, 4), dict(precision="fp32")),
     ("tiny", (2, 1, 2), dict(precision="bf16")),
@@ -24,21 +23,18 @@ CASES = [
     ("tiny", (2, 2, 1), dict(precision="fp32", freeze_vision=True)),
     ("small", (2, 1, 2), dict(precision="bf16")),
     ("small", (1, 2, 2), dict(precision="bf16")),
+    ("tiny", (1, 1, 4), dict(precision="bf16", zero=2)),
+    ("tiny", (2, 1, 2), dict(precision="bf16", zero=3)),
+    ("tiny", (1, 2, 2), dict(precision="bf16", zero=3, finetune="lora")),
+    ("small", (1, 1, 4), dict(precision="bf16", zero=3)),
+    ("small", (2, 1, 2), dict(precision="bf16", zero=2, offload="optimizer")),
+    ("tiny", (1, 1, 4), dict(precision="fp32", zero=3, offload="optimizer")),
+    (
+        "small",
+        (1, 1, 4),
+        dict(precision="bf16", zero=2, offload="optimizer", offload_fraction=0.5),
+    ),  # fmt: skip
 ]
-if ZERO:
-    CASES += [
-        ("tiny", (1, 1, 4), dict(precision="bf16", zero=2)),
-        ("tiny", (2, 1, 2), dict(precision="bf16", zero=3)),
-        ("tiny", (1, 2, 2), dict(precision="bf16", zero=3, finetune="lora")),
-        ("small", (1, 1, 4), dict(precision="bf16", zero=3)),
-        ("small", (2, 1, 2), dict(precision="bf16", zero=2, offload="optimizer")),
-        ("tiny", (1, 1, 4), dict(precision="fp32", zero=3, offload="optimizer")),
-        (
-            "small",
-            (1, 1, 4),
-            dict(precision="bf16", zero=2, offload="optimizer", offload_fraction=0.5),
-        ),  # fmt: skip
-    ]
 
 
 def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float, ...]:
