@@ -24,8 +24,8 @@ LAYERS = [
     ("parallax.data",),
     ("parallax.recipe",),
     ("parallax.families",),
-    ("parallax.train",),
-    ("parallax.plan", "parallax.report", "parallax.testing"),
+    ("parallax.train", "parallax.plan"),
+    ("parallax.report", "parallax.testing"),
 ]
 
 

@@ -128,6 +128,16 @@ SPECS: dict[str, Spec] = {
         ("stack", "variant", "batch", "micro"),
         (STEP, ("samples/s/GPU", "samples_per_s_per_gpu", "g"), MFU, PEAK),
     ),
+    "plan_accuracy": Spec(
+        "plan.plan_accuracy",
+        ("name", "batch", "limit", "layout"),
+        (
+            ("GiB predicted", "predicted_gib", "g"),
+            ("GiB measured", "measured_gib", "g"),
+            ("step s predicted", "predicted_s", "g"),
+            ("step s measured", "measured_s", "g"),
+        ),
+    ),
     "data_throughput": Spec(
         "data.data_throughput",
         ("format", "workers", "batch", "image_size"),

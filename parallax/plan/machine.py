@@ -8,9 +8,11 @@ consumer card (RTX 4090 24 GB, RTX 5090 32 GB), with the link named by ``--inter
 Rates are what code achieves at a model's shapes, not datasheet peaks: ``gemm_tflops`` for bf16
 matrix products of transformer-block size, ``attention_tflops`` for fused attention,
 ``hbm_gbs`` for element-wise work (bytes read plus written per second), ``h2d_gbs`` for pinned
-host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters, and
-for collectives a :class:`Link` per scope: the bus bandwidth a ring achieves per GPU and a
-latency per collective.
+host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters,
+``host_gbs`` for the host's element-wise work (the offloaded gradient accumulation), and for
+collectives a :class:`Link` per scope: the bus bandwidth a ring achieves per GPU and a latency
+per collective. ``gemm_half_tokens``: the rows at which a block's matmuls run at half
+``gemm_tflops`` (small micro-batches of short sequences leave the GPU idle).
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ class Link:
         return self.latency_us * 1e-6 + share * nbytes / (self.busbw_gbs * 1e9)
 
 
-# Shipped links (defaults, not measurements): NVLink 4 within an H100/H200 node; PCIe 4 x16
-# with and without peer-to-peer (through host memory); 8 x 400 Gb/s InfiniBand across nodes.
+# Shipped links (defaults, not measurements): NVLink 4 within an H100/H200 node as parallax's
+# tp all-reduces of a 7B step achieve it (openvla_step tp2 on two H200s: about 100 GB/s, not
+# the 360 of a large all-reduce in isolation); PCIe 4 x16 with and without peer-to-peer (through
+# host memory); 8 x 400 Gb/s InfiniBand across nodes.
 LINKS = {
-    "nvlink": Link(busbw_gbs=360.0, latency_us=15.0),
+    "nvlink": Link(busbw_gbs=100.0, latency_us=25.0),
     "pcie": Link(busbw_gbs=22.0, latency_us=25.0),
     "pcie-no-p2p": Link(busbw_gbs=11.0, latency_us=40.0),
     "infiniband": Link(busbw_gbs=45.0, latency_us=30.0),
@@ -73,10 +77,14 @@ class Machine:
     host_adam_s: float  # fused AdamW on the host, seconds per 1e9 parameters (all cores)
     intra: Link = field(default_factory=lambda: LINKS["nvlink"])
     inter: Link = field(default_factory=lambda: LINKS["infiniband"])
+    host_gbs: float = 25.0  # host element-wise bandwidth (read + written), all cores
+    gemm_half_tokens: float = 384.0
+    attention_half_tokens: float = 512.0  # the sequence at which attention runs at half rate
     cuda_context_gib: float = 0.6  # the CUDA context and the kernels' workspaces per process
     allocator_reserve: float = 0.08  # share of the card the caching allocator cannot reuse
     nodes: int = 1
     measured: bool = False  # False: a shipped default
+    notes: str = ""  # what calibration measured and what it left at the defaults
 
     @property
     def gpus(self) -> int:
@@ -122,7 +130,7 @@ H200 = Machine(
     gpu_memory_gib=139.8,
     host_memory_gib=125.0,
     gpus_per_node=8,
-    gemm_tflops=650.0,
+    gemm_tflops=700.0,
     attention_tflops=420.0,
     hbm_gbs=4300.0,
     h2d_gbs=55.0,
@@ -162,3 +170,27 @@ def default_for(gpu_memory_gib: float | None, interconnect: str | None) -> Machi
     if gpu_memory_gib is not None:
         base = base.with_(gpu_memory_gib=float(gpu_memory_gib))
     return base.with_(intra=link) if link is not None else base
+
+
+def target(
+    *,
+    gpus_per_node: int,
+    nodes: int = 1,
+    gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
+    interconnect: str | None = None,
+    machine_file: str | None = None,
+) -> Machine:
+    """The profile to plan for: a measured one (``--machine FILE``) or the nearest shipped
+    default, with what was given on the command line overriding it."""
+    if machine_file:
+        base = load(machine_file)
+        if gpu_memory_gib is not None:
+            base = base.with_(gpu_memory_gib=float(gpu_memory_gib))
+        if interconnect:
+            base = base.with_(intra=LINKS[interconnect])
+    else:
+        base = default_for(gpu_memory_gib, interconnect)
+    if host_memory_gib is not None:
+        base = base.with_(host_memory_gib=float(host_memory_gib))
+    return base.with_(gpus_per_node=gpus_per_node, nodes=nodes)

@@ -12,6 +12,7 @@ from torch import nn
 from parallax.context import ParallelContext
 from parallax.data import BatchLoader
 from parallax.dims import ParallelDims
+from parallax.models.estimate import BlockEstimate, Part
 
 Microbatch = dict[str, Any]  # host tensors (and anything else the recipe puts there)
 
@@ -109,12 +110,13 @@ class RecipeDefaults:
         frozen parameters: ``requires_grad``), for what trains and what does not."""
         return 0.0
 
-    def activation_bytes(
-        self, config: Any, block_names: Sequence[str], micro_batch_size: int, tp: int
-    ) -> float:
-        """Estimated activation bytes at 16-bit that one microbatch in flight keeps on a rank
-        holding ``block_names`` (for ``--dry-run``; 0 when the family gives no estimate)."""
-        return 0.0
+    def block_estimates(self, config: Any, cfg) -> list[BlockEstimate]:
+        """Per pipeline block (in ``blocks()`` order), what one sample keeps for the backward
+        and computes (:mod:`parallax.models.estimate`): ``--dry-run`` and the planner
+        (:mod:`parallax.plan`) build their activation memory and step time from it. Default:
+        each block's cost as matmul FLOPs and no activations (a family should say more)."""
+        blocks = self.blocks(config)  # type: ignore[attr-defined]  # the Recipe's
+        return [BlockEstimate((Part(b.name, gemm_flops=b.cost),)) for b in blocks]
 
     def tokens(self, config: Any, microbatches: Sequence[Microbatch]) -> int:
         """Tokens these microbatches process (for tokens/s): image and text tokens."""

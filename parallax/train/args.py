@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for key, value in vars(args).items():
         if value is not None and key != "config":
             values[key] = _flag_value(key, value)
+    if values.get("layout") == "auto":  # the planner keeps what was given
+        values["layout_given"] = ",".join(sorted(k for k in values if k != "config"))
     cfg = TrainConfig(**values)
     cfg.check()
     return cfg

@@ -45,6 +45,9 @@ OPTIM, MEMORY, SPEED, RUN, EVAL = (
 )
 ONE = at_least(1)
 LORA_ONLY = {"needs": ("finetune", "lora")}  # the LoRA options mean nothing without it
+AUTO_ONLY = {"needs": ("layout", "auto", "what the planner plans for")}
+LAYOUTS = ("manual", "auto")
+INTERCONNECTS = ("nvlink", "pcie", "pcie-no-p2p")
 
 
 def _zero_stage(stage: int) -> str | None:
@@ -71,6 +74,54 @@ class TrainConfig:
     pp: int = opt(1, "pipeline stages", LAYOUT, check=ONE)
     dp: int | None = opt(
         None, "data-parallel size", LAYOUT, check=ONE, default_text="world/(tp*pp)"
+    )
+    layout: str = opt(
+        "manual",
+        "auto: run the planner's fastest layout that fits the GPUs (python -m parallax.plan) and "
+        "print it; --tp, --pp, --dp, --micro-batch-size, --schedule, --chunks, memory options "
+        "given beside it constrain the search",
+        LAYOUT,
+        choices=LAYOUTS,
+    )
+    gpu_memory: float | None = opt(
+        None,
+        "GiB of each GPU that --layout auto plans for",
+        LAYOUT,
+        check=positive,
+        metavar="GIB",
+        default_text="the device's",
+        **AUTO_ONLY,
+    )
+    host_memory: float | None = opt(
+        None,
+        "GiB of host memory per node that --layout auto plans for",
+        LAYOUT,
+        check=positive,
+        metavar="GIB",
+        default_text="this host's",
+        **AUTO_ONLY,
+    )
+    interconnect: str | None = opt(
+        None,
+        "how a node's GPUs talk, for --layout auto",
+        LAYOUT,
+        choices=INTERCONNECTS,
+        default_text="NVLink on data-centre GPUs, PCIe without peer-to-peer below 70 GiB",
+        **AUTO_ONLY,
+    )
+    machine: str | None = opt(
+        None,
+        "a measured machine profile for --layout auto (python -m parallax.plan calibrate "
+        "--out FILE)",
+        LAYOUT,
+        metavar="FILE",
+        **AUTO_ONLY,
+    )
+    layout_given: str | None = opt(
+        None,
+        "the options given beside --layout auto (the command line fills it in)",
+        LAYOUT,
+        hidden=True,
     )
     # -- model and data
     model: str = opt(

@@ -1,35 +1,39 @@
 """``--dry-run``: the plan of a run, computed without processes, data or weights.
 
-It checks the layout, the batch sizes and the schedule exactly as a real run would, then builds
-each pipeline rank's chunks on the ``meta`` device (shapes only) to count parameters per rank,
-and estimates memory per rank: weights, gradients, ZeRO-1 optimizer state, and activations
-(Megatron's ``s*b*h*34`` bytes per layer at 16-bit, times the microbatches a rank holds at the
-schedule's peak: an estimate, not a measurement).
+It checks the layout, the batch sizes and the schedule exactly as a real run would, then prints
+each pipeline rank's blocks, parameters and memory from the planner's memory model
+(:mod:`parallax.plan.memory`, one code path with ``python -m parallax.plan``): weights,
+gradients and optimizer state at the run's ZeRO stage, ZeRO-3's gathered units, activations
+at the schedule's peak, the backward's workspace and buffers, what a card needs with the
+allocator's reserve and the CUDA context, and host memory with offload. Under a memory cap
+(``--gpu-memory-limit`` or ``--gpu-memory``) it says whether the layout fits, and which options
+would make it fit.
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from parallax.context import ParallelContext
 from parallax.data.workers import auto_workers
 from parallax.dims import ParallelDims
-from parallax.pipeline import format_schedule, simulate, split
-from parallax.pipeline.simulate import peak_activations
+from parallax.pipeline import format_schedule, simulate
+from parallax.plan.advice import fit_advice
+from parallax.plan.layout import Layout
+from parallax.plan.machine import target
+from parallax.plan.memory import GIB, RankMemory, plan_memory
+from parallax.plan.model import Model
 from parallax.recipe.protocol import whole_model
 from parallax.train import groups, lora
 from parallax.train.config import TrainConfig
 from parallax.train.run import Run, resolve
 from parallax.train.steps import make_schedule, num_microbatches
 
-GIB = 2**30
 
-
-def _size(gib: float) -> str:
+def _size(nbytes: float) -> str:
+    gib = nbytes / GIB
     return f"{gib:.2f} GiB" if gib >= 0.1 else f"{gib * 1024:.2f} MiB"
 
 
@@ -40,65 +44,24 @@ def _dims(cfg: TrainConfig) -> ParallelDims:
     return ParallelDims(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or 1)
 
 
-def rank_plan(cfg: Run, dims: ParallelDims, pp_rank: int) -> dict:
-    """Blocks, parameters and memory of one (dp 0, tp 0) rank of pipeline rank ``pp_rank``."""
-    recipe, config = cfg.recipe, cfg.model_config
-    recipe.check_layout(config, cfg, dims)
-    blocks = recipe.blocks(config)
-    ranges = split([b.cost for b in blocks], dims.pp, cfg.chunks, pin_first=recipe.pin_first)
+def check_run(cfg: Run, dims: ParallelDims):
+    """Everything a run checks before it builds: the family's layout rules, the batch sizes,
+    the schedule and (LoRA) the globs against the whole model; returns the schedule."""
+    cfg.recipe.check_layout(cfg.model_config, cfg, dims)
     m = num_microbatches(cfg, dims.dp)
     schedule = make_schedule(cfg.schedule, dims.pp, m, cfg.chunks)
-    ctx = ParallelContext(dims=dims, rank=dims.rank(pp_rank, 0, 0), device=torch.device("meta"))
-    mine = [r for s, r in enumerate(ranges) if schedule.rank_of(s) == pp_rank]
-    if pp_rank == 0 and lora.enabled(cfg):  # the globs, as a run checks them
-        lora.check_globs(whole_model(recipe, config, cfg), cfg, recipe)
-    params = trainable = adapters = 0
-    weight_bytes = grad_bytes = optim = 0.0
-    by_group = [0] * len(groups.group_labels(cfg))
-    wbytes = 2 if cfg.precision == "bf16" else 4
-    dtype = torch.bfloat16 if wbytes == 2 else torch.float32
-    # ZeroOptimizer with AdamW: fp32 master and moments over dp (fp32 weights, such as LoRA
-    # adapters, are their own masters), and an fp32 gradient slice only where overlap may
-    # reduce during backward; frozen weights have none of it
-    per16 = 12 + (4 if dims.dp > 1 and cfg.overlap_grad_reduce else 0)
-    for r in mine:
-        chunk = recipe.build(config, r, ctx, cfg=cfg, dtype=dtype, device="meta", checkpoint=None)
-        report = lora.prepare(chunk, cfg, recipe)
-        adapters += report.adapters if report is not None else 0
-        groups.apply_freeze([chunk], cfg, recipe)
-        params += sum(p.numel() for p in chunk.parameters())
-        weight_bytes += sum(p.numel() * p.element_size() for p in chunk.parameters())
-        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
-        trainable += sum(p.numel() for _, p in named)
-        grad_bytes += sum(p.numel() * p.element_size() for _, p in named)
-        optim += sum(p.numel() * (8 if p.element_size() == 4 else per16) for _, p in named)
-        for i, g in enumerate(groups.param_groups(named, cfg)):
-            by_group[i] += sum(p.numel() for _, p in g["params"])
-    names = [blocks[i].name for r in mine for i in r]
-    optim /= dims.dp
-    in_flight = peak_activations(schedule)[pp_rank]
-    act = 0.0
-    if cfg.checkpointing is not True:  # recomputed blocks keep only their input
-        kept = names
-        if cfg.checkpointing == "text":  # VLM estimates count the decoder layers alone (a
-            kept = [n for n in names if not n.startswith("llm.")]  # dual encoder's: an upper bound)
-        per = recipe.activation_bytes(config, kept, cfg.micro_batch_size, dims.tp)
-        act = per * in_flight * (wbytes / 2)
-    return {
-        "blocks": names,
-        "params": params,
-        "trainable": trainable,
-        "adapters": adapters,
-        "groups": by_group,
-        "weights_gib": weight_bytes / GIB,
-        "grads_gib": grad_bytes / GIB,
-        "optimizer_gib": optim / GIB,
-        "activations_gib": act / GIB,
-        "schedule": schedule,
-    }
+    if lora.enabled(cfg):
+        lora.check_globs(whole_model(cfg.recipe, cfg.model_config, cfg), cfg, cfg.recipe)
+    return schedule
 
 
-def _blocks_text(names: list[str]) -> str:
+def memory_plan(cfg: Run, dims: ParallelDims) -> list[RankMemory]:
+    """Every pipeline rank's memory at ``dims`` (the run checked first, as a run would)."""
+    check_run(cfg, dims)
+    return plan_memory(Model(cfg), Layout.of(cfg, dims.dp), cfg.overlap_grad_reduce)
+
+
+def _blocks_text(names: tuple[str, ...]) -> str:
     llm = [int(n.split(".")[1]) for n in names if n.startswith("llm.")]
     parts = [n for n in names if not n.startswith("llm.")]
     if llm:
@@ -121,10 +84,9 @@ def launch_note(cfg: TrainConfig, dims: ParallelDims) -> str | None:
     )
 
 
-def _groups_table(cfg: Run, plans: list[dict]):
+def _groups_table(cfg: Run, plans: list[RankMemory]) -> Table:
     """Trainable parameters per optimizer group (peak lr) and pipeline rank, and what the
     freeze flags leave untrained."""
-
     rates = [lr for _, lr in groups.parse_lr_groups(cfg.lr_groups)] + [cfg.lr]
     table = Table(title="optimizer groups (trainable parameters per rank of each pp rank)")
     table.add_column("group (first matching glob)")
@@ -132,24 +94,80 @@ def _groups_table(cfg: Run, plans: list[dict]):
     for p in range(len(plans)):
         table.add_column(f"pp {p}")
     for i, label in enumerate(groups.group_labels(cfg)):
-        table.add_row(label, f"{rates[i // 2]:g}", *(f"{pl['groups'][i]:,}" for pl in plans))
-    frozen = [pl["params"] - pl["trainable"] for pl in plans]
+        table.add_row(label, f"{rates[i // 2]:g}", *(f"{pl.groups[i]:,}" for pl in plans))
     table.add_row(
         f"frozen ({', '.join(groups.freeze_globs(cfg, cfg.recipe)) or '-'})",
         "-",
-        *(f"{f:,}" for f in frozen),
+        *(f"{pl.params - pl.trainable:,}" for pl in plans),
     )
     return table
 
 
+COLUMNS = (
+    "pp rank",
+    "blocks",
+    "params",
+    "trainable",
+    "weights",
+    "grads",
+    "optimizer",
+    "gathered",
+    "activations",
+    "workspace, buffers",
+    "peak",
+    "card needs",
+    "host",
+)
+
+
+def memory_table(plans: list[RankMemory], machine, title: str) -> Table:
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col)
+    for r in plans:
+        table.add_row(
+            str(r.pp_rank),
+            _blocks_text(r.blocks),
+            f"{r.params:,}",
+            f"{r.trainable:,}",
+            _size(r.weights),
+            _size(r.gradients),
+            _size(r.optimizer),
+            _size(r.gathered),
+            _size(r.activations),
+            _size(r.workspace + r.buffers),
+            _size(r.gpu),
+            _size(r.needed(machine)),
+            _size(r.host),
+        )
+    return table
+
+
+def _memory_words(cfg: Run) -> str:
+    layout = Layout.of(cfg, 1)
+    words = [f"zero {layout.zero}"]
+    if layout.offload:
+        words.append(f"optimizer offloaded ({layout.offload:.0%} of it)")
+    if layout.checkpointing:
+        scope = layout.checkpointing if isinstance(layout.checkpointing, str) else "all"
+        words.append(f"activation checkpointing ({scope})")
+    return ", ".join(words)
+
+
 def print_plan(cfg: TrainConfig | Run, file=None) -> None:
-    """Print (to ``file``, default stdout) the layout, the blocks of each stage, parameters and
-    memory per rank, and the schedule table; raises ``ValueError`` for anything a real run
-    would refuse."""
+    """Print (to ``file``, default stdout) the layout, the blocks and memory of each pipeline
+    rank, whether it fits a memory cap, and the schedule table; raises ``ValueError`` for
+    anything a real run would refuse."""
     cfg = resolve(cfg)
     dims = _dims(cfg)
-    plans = [rank_plan(cfg, dims, p) for p in range(dims.pp)]
-    schedule = plans[0]["schedule"]
+    schedule = check_run(cfg, dims)
+    model = Model(cfg)
+    plans = plan_memory(model, Layout.of(cfg, dims.dp), cfg.overlap_grad_reduce)
+    machine = target(
+        gpus_per_node=min(dims.world_size, 8),
+        gpu_memory_gib=getattr(cfg, "gpu_memory", None),
+        machine_file=getattr(cfg, "machine", None),
+    )
     console = Console(file=file, width=max(160, Console().width))
     note = launch_note(cfg, dims)
     if note:
@@ -159,40 +177,21 @@ def print_plan(cfg: TrainConfig | Run, file=None) -> None:
         f"[bold]parallax plan[/bold]: model {cfg.model}, {dims} = {dims.world_size} "
         f"rank{'s' if dims.world_size > 1 else ''}; "
         f"global batch {cfg.global_batch_size} = {dims.dp} dp x {m} microbatches x "
-        f"{cfg.micro_batch_size}; precision {cfg.precision}; schedule {cfg.schedule}",
+        f"{cfg.micro_batch_size}; precision {cfg.precision}; schedule {cfg.schedule}; "
+        f"{_memory_words(cfg)}",
         highlight=False,
     )
-    table = Table(title="per rank (every tp and dp rank of a pipeline rank alike)")
-    for col in (
-        "pp rank",
-        "blocks",
-        "params",
-        "trainable",
-        "weights",
-        "grads",
-        "optimizer",
-        "activations (est.)",
-        "total (est.)",
-    ):
-        table.add_column(col)
-    for p, plan in enumerate(plans):
-        total = sum(
-            plan[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib")
-        )
-        table.add_row(
-            str(p),
-            _blocks_text(plan["blocks"]),
-            f"{plan['params']:,}",
-            f"{plan['trainable']:,}",
-            _size(plan["weights_gib"]),
-            _size(plan["grads_gib"]),
-            _size(plan["optimizer_gib"]),
-            _size(plan["activations_gib"]),
-            _size(total),
-        )
-    console.print(table)
+    title = (
+        "memory per rank, predicted (every tp and dp rank of a pipeline rank alike; the card "
+        f"needs the peak plus {machine.allocator_reserve:.0%} allocator reserve and "
+        f"{machine.cuda_context_gib:g} GiB CUDA context)"
+    )
+    console.print(memory_table(plans, machine, title))
+    advice = fit_advice(model, cfg, dims, plans, machine)
+    if advice:
+        console.print(advice, highlight=False)
     if lora.enabled(cfg):
-        counts = ", ".join(f"{pl['adapters']:,}" for pl in plans)
+        counts = ", ".join(f"{pl.adapters:,}" for pl in plans)
         console.print(
             f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "
             f"{cfg.lora_targets}; fully trained: {cfg.train or '-'}; adapter parameters per rank "

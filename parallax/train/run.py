@@ -5,8 +5,9 @@
 config and checkpoint, fills in what the family decides (the learning rate, its schedule and
 groups, LoRA's recipe) and applies the run's options to the model config. The CLI does this once
 and passes the Run down to the Trainer, the recipe, checkpoints and ``--dry-run``; nothing
-edits it later. A Run reads like the config it holds (``run.lr``, ``run.seed``), with the
-defaults filled in.
+edits it later. With ``--layout auto`` the layout options come from the planner here
+(:mod:`parallax.plan.auto`), for the world torchrun started. A Run reads like the config it
+holds (``run.lr``, ``run.seed``), with the defaults filled in.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parallax.plan import auto
 from parallax.recipe import registry
 from parallax.recipe.protocol import Recipe
 from parallax.train.config import FULL_DEFAULTS, LORA_DEFAULTS, TrainConfig
@@ -87,5 +89,8 @@ def resolve(
         spec = recipe.resolve(name)
         model_config, checkpoint = spec.config, spec.checkpoint
     flags = family_defaults(cfg, recipe, name)
+    if flags.layout == "auto":  # the planner's layout for this world, on every rank alike
+        as_given = Run(flags, recipe, name, recipe.configure(model_config, flags), checkpoint)
+        flags = auto.choose(as_given)
     configured = recipe.configure(model_config, flags)
     return Run(flags, recipe, name, configured, checkpoint)

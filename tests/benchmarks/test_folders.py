@@ -4,7 +4,18 @@ import ast
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-FOLDERS = ("layers", "pipeline", "zero", "openvla", "llava", "siglip", "lora", "data", "tools")
+FOLDERS = (
+    "layers",
+    "pipeline",
+    "zero",
+    "openvla",
+    "llava",
+    "siglip",
+    "lora",
+    "data",
+    "plan",
+    "tools",
+)
 
 
 def _imports(path: Path) -> set[str]:

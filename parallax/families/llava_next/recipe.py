@@ -39,6 +39,7 @@ from parallax.families.llava_next.batches import (
 )
 from parallax.families.llava_next.checkpoint import detect_layout
 from parallax.families.llava_next.config import PRESETS, LlavaNextConfig
+from parallax.families.llava_next.estimate import TYPICAL_TEXT_TOKENS, block_estimates
 from parallax.families.llava_next.flops import sample_flops
 from parallax.families.llava_next.model import LlavaNext
 from parallax.families.llava_next.objectives import (
@@ -50,6 +51,7 @@ from parallax.families.llava_next.objectives import (
     rows_loss,
 )
 from parallax.families.llava_next.vision import check_inputs, image_sizes_list
+from parallax.models.estimate import BlockEstimate
 from parallax.models.hf_io import CheckpointReader
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
@@ -61,7 +63,6 @@ log = logging.getLogger(__name__)
 DEFAULT_LR = {"llava-tiny": 3e-3}
 DEFAULT_LR_7B = 2e-5  # LLaVA-v1.6's fine-tuning rate
 VISION_LR_FACTOR = 0.1  # LLaVA-v1.6: mm_vision_tower_lr 2e-6 against 2e-5
-TYPICAL_TEXT_TOKENS = 100
 
 
 class LlavaRecipe(Recipe):
@@ -227,12 +228,9 @@ class LlavaRecipe(Recipe):
                 )
         return total
 
-    def activation_bytes(self, config, block_names, micro_batch_size, tp) -> float:
-        """Megatron's ``34 s b h`` bytes per decoder layer at 16-bit (the tower not counted),
-        for a sample of the most image tokens and a typical text."""
-        layers = sum(1 for n in block_names if n.startswith("llm."))
-        seq = min(config.max_length, config.max_image_tokens + TYPICAL_TEXT_TOKENS)
-        return 34.0 * seq * micro_batch_size * config.text.hidden_size * layers / tp
+    def block_estimates(self, config: LlavaNextConfig, cfg) -> list[BlockEstimate]:
+        """:func:`parallax.families.llava_next.estimate.block_estimates`."""
+        return block_estimates(config, cfg)
 
     def tokens(self, config: LlavaNextConfig, microbatches: Sequence[Microbatch]) -> int:
         """Real tokens (text and image) of these microbatches, padding not counted."""

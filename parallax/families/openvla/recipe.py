@@ -24,6 +24,7 @@ from parallax.families.openvla import oft_objective
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.families.openvla.config import PRESETS, OpenVLAConfig
 from parallax.families.openvla.data import is_streamed, open_mixture, stream_loader
+from parallax.families.openvla.estimate import block_estimates
 from parallax.families.openvla.flops import batch_flops
 from parallax.families.openvla.lora_flops import openvla_linear_costs, openvla_lora_flops
 from parallax.families.openvla.model import OpenVLA
@@ -39,6 +40,7 @@ from parallax.families.openvla.oft_batches import OFTBatchBuilder
 from parallax.families.openvla.oft_data import data_shape, stream_kwargs, synthetic_task, with_oft
 from parallax.families.openvla.oft_export import save_oft_modules
 from parallax.families.openvla.oft_head import FILM_LINEARS, LORA_EXCLUDE
+from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
@@ -290,12 +292,9 @@ class OpenVLARecipe(Recipe):
             total += b * openvla_lora_flops(model, t, rows, costs)
         return total
 
-    def activation_bytes(self, config, block_names, micro_batch_size, tp) -> float:
-        """Megatron's ``34 s b h`` bytes per decoder layer at 16-bit (the towers not counted),
-        for the patches and a typical prompt and action (48 tokens)."""
-        layers = sum(1 for n in block_names if n.startswith("llm."))
-        seq = config.prefix_tokens + 48 + (0 if config.oft is None else config.oft.slots)
-        return 34.0 * seq * micro_batch_size * config.text.hidden_size * layers / tp
+    def block_estimates(self, config: OpenVLAConfig, cfg) -> list[BlockEstimate]:
+        """:func:`parallax.families.openvla.estimate.block_estimates`."""
+        return block_estimates(self, config, cfg)
 
     def tokens(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch]) -> int:
         return sum(

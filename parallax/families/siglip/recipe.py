@@ -42,9 +42,11 @@ from parallax import comm
 from parallax.data import PairLoader
 from parallax.families.siglip.config import PRESETS, SiglipConfig
 from parallax.families.siglip.data import IndexedPairs, PairCollator, open_pairs
+from parallax.families.siglip.estimate import block_estimates
 from parallax.families.siglip.evaluate import evaluate_batch
 from parallax.families.siglip.model import Siglip
 from parallax.families.siglip.step import contrastive_step
+from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.recipe.protocol import MetricSpec, Microbatch, ModelSpec, Recipe, batch_args
 
@@ -262,12 +264,10 @@ class SiglipRecipe(Recipe):
         n = sum(mb["pixel_values"].shape[0] for mb in microbatches)
         return n * config.flops_per_sample(cfg.global_batch_size)
 
-    def activation_bytes(self, config, block_names, micro_batch_size, tp) -> float:
-        """Megatron's ``34 s b h`` bytes per block at 16-bit, both towers."""
-        v, t = config.vision, config.text
-        vis = 34.0 * v.num_patches * v.width * v.depth
-        txt = 34.0 * t.max_length * t.width * t.depth
-        return micro_batch_size * (vis + txt) / tp
+    def block_estimates(self, config: SiglipConfig, cfg) -> list[BlockEstimate]:
+        """:func:`parallax.families.siglip.estimate.block_estimates`; GradCache keeps one
+        microbatch's activations at a time, whatever the microbatches of a step."""
+        return block_estimates(config, cfg)
 
     def tokens(self, config: SiglipConfig, microbatches: Sequence[Microbatch]) -> int:
         return sum(

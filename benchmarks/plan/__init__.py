@@ -1,0 +1,1 @@
+"""Benchmarks of the planner: its predictions against measured runs."""

@@ -1,0 +1,230 @@
+"""How good are the planner's predictions? Each row asks ``parallax.plan`` for the fastest layout
+of a workload on this one GPU (under a memory cap where the row has one), then runs that layout
+and measures its peak GPU memory (``torch.cuda.max_memory_allocated``) and step time.
+
+    python -m benchmarks.plan.plan_accuracy [--rows openvla,openvla-32,...] [--compile]
+        [--machine FILE] [--steps 4 --warmup 2]
+    python -m benchmarks.plan.plan_accuracy --smoke    # tiny presets on the CPU, writes nothing
+
+Rows: OpenVLA-7B full fine-tuning uncapped and under 32 and 24 GiB (``--gpu-memory-limit``:
+torch's per-process fraction; the plan is made for that much and no CUDA context); LoRA at batch
+16 and 64; LLaVA-NeXT-7B (every image the largest canvas: 5 tiles, 2,928 image tokens, the case
+the planner plans for); SigLIP-large at batch 512. Targets (issue 27): peak memory within 10 %,
+step time within 15 %, and the first choice at least as fast as the best found by hand
+(``HAND``: RESULTS.md's fastest row of the same workload on one H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.tools.common import append_results, env_info, median, print_table
+from parallax.context import ParallelContext
+from parallax.data.vqa_synthetic import SyntheticVQA
+from parallax.plan.machine import GIB, load
+from parallax.plan.machine import default_for as default_machine
+from parallax.plan.model import Model
+from parallax.plan.search import search
+from parallax.train.config import TrainConfig
+from parallax.train.run import resolve
+from parallax.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    model: str
+    batch: int
+    finetune: str = "full"
+    limit: float | None = None  # GiB: --gpu-memory-limit
+
+
+ROWS = (
+    Row("openvla", "openvla-7b", 32),
+    Row("openvla-32", "openvla-7b", 32, limit=32.0),
+    Row("openvla-24", "openvla-7b", 32, limit=24.0),
+    Row("lora-16", "openvla-7b", 16, finetune="lora"),
+    Row("lora-64", "openvla-7b", 64, finetune="lora"),
+    Row("llava", "llava-v1.6-vicuna-7b", 8),
+    Row("siglip", "siglip-large-patch16-256", 512),
+)
+SMOKE = (
+    Row("tiny", "tiny", 8),
+    Row("tiny-capped", "tiny", 8, limit=0.012),
+    Row("tiny-lora", "tiny", 8, finetune="lora"),
+    Row("llava-tiny", "llava-tiny", 4),
+    Row("siglip-tiny", "siglip-tiny", 8),
+)
+# the fastest one-H200 rows of RESULTS.md for the same workload: samples/s, which row
+HAND = {
+    "openvla": (31.9, "openvla_step 1gpu micro 8 compile+cudagraphs (run fa6172bbbe39)"),
+    "lora-16": (56.2, "lora_step batch 16 compile+cudagraphs (session lora5)"),
+    "lora-64": (50.9, "lora_step batch 64 micro 16 ac-vision budget0.8 (session lora5)"),
+    "siglip": (749.0, "contrastive_step batch 512 cuda-graphs (run e7b7b31262f9)"),
+}
+COLUMNS = [
+    "row",
+    "batch",
+    "planned layout",
+    "GiB predicted",
+    "GiB measured",
+    "memory ratio",
+    "step s predicted",
+    "step s measured",
+    "time ratio",
+    "samples/s",
+    "x hand",
+    "status",
+]
+
+
+def plan_row(row: Row, args, device: torch.device):
+    """The row's run (resolved) and the planner's first choice for one GPU."""
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
+    cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
+    run = resolve(cfg)
+    card = 1.0  # GiB: the CPU smoke plans the tiny presets for a small card
+    if device.type == "cuda":
+        card = torch.cuda.get_device_properties(device).total_memory / GIB
+    machine = load(args.machine) if args.machine else default_machine(card, None)
+    machine = machine.with_(gpus_per_node=1, nodes=1, gpu_memory_gib=card)
+    if row.limit is not None:  # torch's fraction caps the allocator, not the CUDA context
+        machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)
+    result = search(Model(run), machine, 1, top=1)
+    return run, (result.ranked[0] if result.ranked else None)
+
+
+def _batches(run, ctx):
+    recipe = run.recipe
+    if recipe.name == "llava":  # every image the largest canvas: the planner's case
+        scale = max(1, run.model_config.tile_size // 56)
+        data = SyntheticVQA(num_samples=4 * run.global_batch_size, image_scale=scale,
+                            image_sizes=((56, 56),), text_only_fraction=0.0)  # fmt: skip
+    else:
+        data = recipe.dataset("synthetic", run)
+    loader = recipe.loader(data, run, ctx)
+    builder = recipe.collator(run.model_config, data, run.checkpoint)
+    return lambda: [builder(s) for s in loader.next_batch()]
+
+
+def measure(run, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
+    """(median step seconds, peak allocated GiB) of ``run`` on this device."""
+    ctx = ParallelContext.local(device=device)
+    trainer = Trainer(run, ctx)
+    next_batch = _batches(run, ctx)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    times = []
+    for i in range(warmup + steps):
+        batch = next_batch()
+        sync(device)
+        start = time.perf_counter()
+        out = trainer.train_step(batch)
+        out.loss.item()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+    return median(times), peak
+
+
+def run_row(row: Row, args, device: torch.device) -> dict:
+    """Plan, run, and compare one row (its status says what went wrong, if anything)."""
+    rec: dict = {"benchmark": "plan_accuracy", **dataclasses.asdict(row)}
+    cuda = device.type == "cuda"
+    try:
+        run, best = plan_row(row, args, device)
+        if best is None:
+            return {**rec, "status": "nothing fits"}
+        rec.update(
+            layout=best.layout.describe(),
+            flags=" ".join(best.layout.argv()),
+            predicted_gib=max(r.gpu for r in best.memory) / GIB,
+            predicted_s=best.time.seconds,
+        )
+        if cuda and row.limit is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(row.limit * GIB / total, device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        step, peak = measure(run.replace(**best.layout.options()), device, args.steps, args.warmup)
+        rec.update(measured_s=step, measured_gib=peak, samples_per_s=row.batch / step)
+        rec["status"] = "ok"
+    except torch.cuda.OutOfMemoryError as err:
+        rec["status"] = f"out of memory: {str(err).splitlines()[0][:100]}"
+    except (ValueError, RuntimeError) as err:
+        rec["status"] = f"error: {str(err).splitlines()[0][:100]}"
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.empty_cache()
+    return rec
+
+
+def table_row(rec: dict) -> list[object]:
+    def ratio(a: str, b: str) -> float:
+        return rec[a] / rec[b] if rec.get(a) and rec.get(b) else float("nan")
+
+    hand = HAND.get(rec["name"])
+    against = rec["samples_per_s"] / hand[0] if hand and rec.get("samples_per_s") else float("nan")
+    limit = f" (cap {rec['limit']:g} GiB)" if rec["limit"] else ""
+    return [
+        rec["name"] + limit,
+        rec["batch"],
+        rec.get("layout", "-"),
+        rec.get("predicted_gib", float("nan")),
+        rec.get("measured_gib", float("nan")),
+        ratio("predicted_gib", "measured_gib"),
+        rec.get("predicted_s", float("nan")),
+        rec.get("measured_s", float("nan")),
+        ratio("predicted_s", "measured_s"),
+        rec.get("samples_per_s", float("nan")),
+        against,
+        rec["status"],
+    ]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", help="comma-separated row names (default: all)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="--compile in every row")
+    p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
+    p.add_argument("--out", default="runs/plan_accuracy", help="the runs' --out")
+    p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
+    p.add_argument("--no-write", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    info = env_info()
+    rows = SMOKE if args.smoke else ROWS
+    if args.rows:
+        wanted = args.rows.split(",")
+        rows = tuple(r for r in rows if r.name in wanted)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    records = [run_row(row, args, device) for row in rows]
+    title = "plan_accuracy: the planner's first choice on one GPU, predicted against measured"
+    print_table(title, COLUMNS, [table_row(r) for r in records])
+    if not (args.smoke or args.no_write):
+        notes = (
+            "peak = torch.cuda.max_memory_allocated; step = median of the timed steps; "
+            "targets: memory ratio within 0.9-1.1, time ratio within 0.85-1.15; x hand = "
+            "samples/s against the fastest RESULTS.md row of the workload: "
+            + "; ".join(f"{k}: {v[1]}" for k, v in HAND.items())
+        )
+        append_results(title, COLUMNS, [table_row(r) for r in records], notes, records, info)
+    return records
+
+
+if __name__ == "__main__":
+    main()

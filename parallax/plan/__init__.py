@@ -1,0 +1,12 @@
+"""The planner: the fastest layout of a run that fits the GPUs at hand, predicted.
+
+:mod:`~parallax.plan.memory` (what a rank holds, the one model ``--dry-run`` prints),
+:mod:`~parallax.plan.cost` (a step's time), :mod:`~parallax.plan.search` (the layouts that fit,
+fastest first), :mod:`~parallax.plan.machine` (profiles, measured by
+:mod:`~parallax.plan.calibrate`), :mod:`~parallax.plan.auto` (``parallax.train --layout auto``)
+and the command line :mod:`~parallax.plan.cli` (``python -m parallax.plan``).
+"""
+
+# parallax.train first, whole: its run resolution (--layout auto) uses this package's modules,
+# which in turn read the training options; entering here must not find either half-imported
+import parallax.train  # noqa: E402, F401

@@ -1,0 +1,5 @@
+import sys
+
+from parallax.plan.cli import main
+
+sys.exit(main())

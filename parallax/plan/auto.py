@@ -1,0 +1,95 @@
+"""``parallax.train --layout auto``: the planner's fastest layout that fits, chosen where the run
+is resolved (:func:`parallax.train.run.resolve`), for the world torchrun started.
+
+Every rank plans alike from what it sees alone (the world and node size from torchrun's
+environment, the GPU's memory, this host's memory, or a ``--machine`` profile), so all choose
+the same layout before any process group exists. Options given beside ``--layout auto`` are kept
+and constrain the search (:data:`parallax.plan.layout.LAYOUT_OPTIONS`); a run that no layout
+fits fails with the planner's reasons.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from parallax.plan import report, search
+from parallax.plan.layout import LAYOUT_OPTIONS
+from parallax.plan.machine import GIB, Machine, target
+from parallax.plan.model import Model
+from parallax.train.config import TrainConfig
+
+log = logging.getLogger("parallax.train")
+
+
+def given(flags: TrainConfig) -> set[str]:
+    """The layout options given beside ``--layout auto``: as the command line recorded them,
+    else (a config made in code) those that differ from their defaults."""
+    if flags.layout_given is not None:
+        names = set(flags.layout_given.split(","))
+    else:
+        defaults = TrainConfig()
+        names = {k for k in LAYOUT_OPTIONS if getattr(flags, k, None) != getattr(defaults, k, None)}
+    return {k for k in LAYOUT_OPTIONS if k in names and hasattr(flags, k)}
+
+
+def _gpu_memory(flags: TrainConfig) -> tuple[float, bool]:
+    """GiB to plan each GPU for (``--gpu-memory``, else this GPU's), and whether
+    ``--gpu-memory-limit`` is what bounds it (a cap the CUDA context is not part of)."""
+    gib = flags.gpu_memory
+    if gib is None and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        gib = torch.cuda.get_device_properties(local).total_memory / GIB
+    limit = getattr(flags, "gpu_memory_limit", None)
+    if gib is None and limit is None:
+        raise ValueError("--layout auto on a machine without GPUs needs --gpu-memory GIB")
+    if limit is not None and (gib is None or limit < gib):
+        return limit, True
+    return gib, False
+
+
+def machine_of(flags: TrainConfig, world: int, per_node: int) -> Machine:
+    """The profile this run plans with (see the module docstring)."""
+    host = flags.host_memory
+    if host is None and flags.machine is None:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    gib, capped = _gpu_memory(flags)
+    machine = target(
+        gpus_per_node=per_node,
+        nodes=max(world // per_node, 1),
+        gpu_memory_gib=gib,
+        host_memory_gib=host,
+        interconnect=flags.interconnect,
+        machine_file=flags.machine,
+    )
+    return machine.with_(cuda_context_gib=0.0) if capped else machine
+
+
+def choose(run) -> TrainConfig:
+    """``run``'s options with the planner's first choice for this world filled in (``run``: the
+    resolved run as given); says what it chose, once."""
+    flags = run.flags
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    machine = machine_of(flags, world, per_node)
+    fixed = {k: getattr(flags, k) for k in given(flags)}
+    result = search.search(Model(run), machine, world, fixed, top=1)
+    if not result.ranked:
+        raise ValueError(f"--layout auto: {report.nothing_fits(result, world)}")
+    best = result.ranked[0]
+    if int(os.environ.get("RANK", 0)) == 0:
+        log.info(
+            "--layout auto: %s on %d GPU(s) of %.0f GiB (%s): predicted %.1f GiB a GPU, "
+            "%.3f s a step, %.1f samples/s; flags %s",
+            best.layout.describe(),
+            world,
+            machine.gpu_memory_gib,
+            machine.name,
+            best.gpu / GIB,
+            best.time.seconds,
+            best.samples_per_s,
+            " ".join(best.layout.argv()),
+        )
+    return flags.replace(**best.layout.options())

@@ -1,0 +1,183 @@
+"""What each pipeline block holds on one tp rank: its parameters by dtype, trainable or frozen,
+per optimizer group, and its ZeRO-3 units; counted once per tp on the meta device.
+
+Each block is built alone (``recipe.build`` of a one-block range, shapes only) with the run's
+adapters and freezing, so any pipeline split's chunk is a sum of blocks and no layout needs a
+model of its own: the planner combines these numbers arithmetically. Element counts are padded
+as ZeRO's flat buffers pad them (every parameter to a multiple of 16 elements,
+:mod:`parallax.optim.buckets`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallax.context import ParallelContext
+from parallax.dims import ParallelDims
+from parallax.train import groups, lora
+
+ALIGN = 16  # elements: ZeRO pads every parameter to a multiple of this
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def padded(numel: int) -> int:
+    return -(-numel // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """One block on one tp rank. ``trainable`` and ``frozen`` map an element size (2 or 4
+    bytes) to padded elements; ``units`` are the byte sizes of its ZeRO-3 units (a decoder
+    layer or ViT block whole, any other module's own parameters apart)."""
+
+    name: str
+    params: int  # elements on this tp rank, unpadded
+    trainable_params: int
+    adapters: int  # LoRA adapter elements
+    groups: tuple[int, ...]  # trainable elements per optimizer group (group_labels order)
+    trainable: tuple[tuple[int, int], ...]  # (element size, padded elements)
+    frozen: tuple[tuple[int, int], ...]
+    units: tuple[int, ...]  # bytes of each ZeRO-3 unit, padded
+    largest: int  # padded elements of its largest trainable parameter (a bucket holds it whole)
+    partial: int = 0  # padded trainable elements whose gradient is partial over tp (own buckets)
+    # (padded elements, element size, partial over tp) of each trainable parameter, in order
+    sizes: tuple[tuple[int, int, bool], ...] = ()
+
+    def trainable_elements(self) -> int:
+        return sum(n for _, n in self.trainable)
+
+    def trainable_bytes(self, size: int | None = None) -> int:
+        return sum(s * n for s, n in self.trainable if size is None or s == size)
+
+    def frozen_bytes(self) -> int:
+        return sum(s * n for s, n in self.frozen)
+
+
+_CACHE: dict[tuple, tuple[BlockParams, ...]] = {}
+
+
+def _key(run, tp: int) -> tuple:
+    """What the blocks' parameters depend on: the model and the options that adapt it."""
+    names = ("precision", "finetune", "lora_rank", "lora_targets", "train", "freeze")
+    options = tuple(str(getattr(run, n)) for n in names)
+    more = (str(run.freeze_vision), str(run.lr_groups), str(run.lr))
+    return (run.recipe.name, run.model_name, repr(run.model_config), options, more, tp)
+
+
+def block_params(run, tp: int) -> tuple[BlockParams, ...]:
+    """Every block of ``run``'s model at ``tp`` (rank 0 of tp: every tp rank holds as much, to
+    the vocabulary's padding); cached per model, adaptation and tp."""
+    key = _key(run, tp)
+    if key not in _CACHE:
+        _CACHE[key] = tuple(_count(run, tp))
+    return _CACHE[key]
+
+
+def _count(run, tp: int) -> list[BlockParams]:
+    recipe, config = run.recipe, run.model_config
+    dtype = torch.bfloat16 if run.precision == "bf16" else torch.float32
+    ctx = ParallelContext(dims=ParallelDims(tp=tp), rank=0, device=torch.device("meta"))
+    out = []
+    for i, block in enumerate(recipe.blocks(config)):
+        chunk = recipe.build(
+            config, range(i, i + 1), ctx, cfg=run, dtype=dtype, device="meta", checkpoint=None
+        )
+        report = lora.prepare(chunk, run, recipe)
+        groups.apply_freeze([chunk], run, recipe)
+        out.append(_block(block.name, chunk, run, report.adapters if report else 0))
+    return out
+
+
+def _block(name: str, chunk: nn.Module, run, adapters: int) -> BlockParams:
+    trainable: dict[int, int] = {}
+    frozen: dict[int, int] = {}
+    for p in chunk.parameters():
+        where = trainable if p.requires_grad else frozen
+        where[p.element_size()] = where.get(p.element_size(), 0) + padded(p.numel())
+    named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+    by_group = tuple(
+        sum(p.numel() for _, p in g["params"]) for g in groups.param_groups(named, run)
+    )
+    return BlockParams(
+        name=name,
+        params=sum(p.numel() for p in chunk.parameters()),
+        trainable_params=sum(p.numel() for _, p in named),
+        adapters=adapters,
+        groups=by_group,
+        trainable=tuple(sorted(trainable.items())),
+        frozen=tuple(sorted(frozen.items())),
+        units=tuple(unit_bytes(chunk)),
+        largest=max((padded(p.numel()) for _, p in named), default=0),
+        partial=sum(padded(p.numel()) for _, p in named if _partial(p)),
+        sizes=tuple((padded(p.numel()), p.element_size(), _partial(p)) for _, p in named),
+    )
+
+
+def _partial(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "sequence_parallel", False))
+
+
+def unit_bytes(chunk: nn.Module) -> list[int]:
+    """Bytes of each ZeRO-3 unit of ``chunk``, as :mod:`parallax.optim.units` finds them: a
+    module held in a ModuleList or ModuleDict with all its parameters, and any other module's
+    own parameters."""
+    sizes: list[int] = []
+
+    def size(params: Any) -> int:
+        return sum(padded(p.numel()) * p.element_size() for p in params)
+
+    def visit(module: nn.Module, held: bool) -> None:
+        if held and next(module.parameters(), None) is not None:
+            sizes.append(size(module.parameters()))
+            return
+        own = size(module.parameters(recurse=False))
+        if own:
+            sizes.append(own)
+        for child in module.children():
+            visit(child, isinstance(module, CONTAINERS))
+
+    visit(chunk, False)
+    return sizes
+
+
+def bucket_sizes(sizes: list[tuple[int, int, bool]], bucket_numel: int) -> list[tuple]:
+    """``((element size, partial over tp), elements)`` of each bucket of ZeRO's flat layout of
+    these parameters (in forward order), in the order they are reduced: packed from the end, a
+    bucket closes once it holds ``bucket_numel`` elements
+    (:func:`parallax.optim.buckets.build_layout`)."""
+    filled: dict[tuple[int, bool], int] = {}
+    out: list[tuple] = []
+    for numel, size, partial in reversed(sizes):
+        key = (size, partial)
+        filled[key] = filled.get(key, 0) + numel
+        if filled[key] >= bucket_numel:
+            out.append((key, filled.pop(key)))
+    return out + sorted(filled.items())
+
+
+def largest_buckets(
+    sizes: list[tuple[int, int, bool]], bucket_numel: int
+) -> dict[tuple[int, bool], int]:
+    """The largest bucket per (element size, partial over tp): see :func:`bucket_sizes`."""
+    most: dict[tuple[int, bool], int] = {}
+    for key, n in bucket_sizes(sizes, bucket_numel):
+        most[key] = max(most.get(key, 0), n)
+    return most
+
+
+def offloaded_share(buckets: list[tuple], fraction: float) -> float:
+    """The share of the elements ``--offload-fraction`` puts on the host: the first buckets
+    reduced up to ``fraction`` of them, at least one (:mod:`parallax.optim.offload`)."""
+    if fraction <= 0 or not buckets:
+        return 0.0
+    total = sum(n for _, n in buckets)
+    held = 0
+    for i, (_, n) in enumerate(buckets):
+        if i and held + n > fraction * total + 0.5:
+            break
+        held += n
+    return held / total

@@ -1,0 +1,240 @@
+"""The cost model: a step's predicted time on a machine profile, and where it goes.
+
+Per microbatch and block (from :meth:`Recipe.block_estimates`, per sample times the
+micro-batch): matmul FLOPs at the profile's GEMM rate (lower for few rows,
+``gemm_half_tokens``), attention FLOPs at its attention rate, element-wise traffic (about
+``ELEMENTWISE`` bytes per byte kept for the backward) at its memory bandwidth, and the tp
+all-reduces of the block over the tp link. The backward costs the forward's matmuls once for
+the input gradients (where anything before needs them) and once more for the share of weights
+that train, twice its attention and element-wise work, and a whole forward again where the
+block recomputes. The pipeline's time is :func:`parallax.pipeline.simulate` of the schedule with
+each stage's forward and backward and the activations' transfer between stages. Beside it:
+data parallelism's reductions and gathers (hidden behind the backward and the next forward as
+far as they fit), ZeRO-3's gathers of every unit per use, offload's copies, host accumulation
+and host AdamW (hidden behind the backward only when nothing clips), and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from parallax.models.estimate import Part
+from parallax.pipeline import simulate
+from parallax.plan.layout import Layout
+from parallax.plan.machine import Link, Machine
+from parallax.plan.model import Model
+from parallax.train.steps import make_schedule
+
+# element-wise bytes moved in an eager forward per byte kept for the backward, and the share
+# --compile leaves of them (fused kernels): fitted to OpenVLA-7B full fine-tuning, LoRA and
+# SigLIP-large steps on one H200 (benchmarks/RESULTS.md, profile_rows)
+ELEMENTWISE = 6.2
+COMPILED = 0.35
+ADAMW_BYTES = 36.0  # bytes a fused AdamW step moves per fp32 element (master, grad, moments)
+# what hidden collectives still cost, as a share of their time (OpenVLA-7B dp2 on two H200s)
+OVERLAP_TAX = 0.3
+HOOK_S = 30e-6  # ZeRO-3's Python hooks around one unit's use (gather, release, reduce)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's predicted seconds and their parts (``pipeline`` includes ``tp`` and
+    ``recompute``; ``bubble`` is the pipeline's idle share)."""
+
+    seconds: float
+    pipeline: float
+    compute: float  # forward and backward on the busiest rank, without idling
+    recompute: float
+    tp: float
+    bubble: float
+    dp: float
+    zero3: float
+    offload: float
+    optimizer: float
+
+    def parts(self) -> dict[str, float]:
+        """Seconds by cause, for saying why one layout is slower than another."""
+        idle = self.pipeline - self.compute
+        return {
+            "bubble": idle,
+            "recomputation": self.recompute,
+            "tp all-reduces": self.tp,
+            "compute": self.compute - self.recompute - self.tp,
+            "dp reduction": self.dp,
+            "zero-3 gathers": self.zero3,
+            "offload": self.offload,
+            "optimizer": self.optimizer,
+        }
+
+
+@dataclass(frozen=True)
+class _Stage:
+    forward: float
+    backward: float
+    recompute: float
+    tp: float
+
+
+def _link(machine: Machine, span: int) -> Link:
+    """The link of a group whose ranks span ``span`` consecutive ranks."""
+    return machine.intra if span <= machine.gpus_per_node else machine.inter
+
+
+def part_times(part: Part, layout: Layout, machine: Machine, compiled: bool):
+    """(forward seconds without tp, tp seconds, matmul seconds) of a part's ``count`` pieces on
+    one microbatch."""
+    tp, mb = layout.tp, layout.micro_batch_size
+    rows = part.tokens * mb
+    rate = machine.gemm_tflops * 1e12 * rows / (rows + machine.gemm_half_tokens)
+    gemm = part.gemm_flops * mb / tp / rate
+    seq = part.seq or part.tokens  # short sequences leave attention kernels underused
+    rate = machine.attention_tflops * 1e12 * seq / (seq + machine.attention_half_tokens)
+    attention = part.attention_flops * mb / tp / rate
+    moved = ELEMENTWISE * (COMPILED if compiled else 1.0) * part.saved.at(tp) * mb
+    elementwise = moved / (machine.hbm_gbs * 1e9)
+    comm = 0.0
+    if tp > 1 and part.tp_reduces:
+        each = part.tp_bytes * mb / part.tp_reduces
+        comm = part.tp_reduces * machine.intra.seconds("all_reduce", each, tp)
+    n = part.count
+    return n * (gemm + attention + elementwise), n * comm, n * gemm
+
+
+def _stage(model: Model, layout: Layout, machine: Machine, blocks: range, grads) -> _Stage:
+    """One virtual stage's forward and backward per microbatch."""
+    compiled = bool(model.run.compile)
+    forward = backward = recompute = tp = 0.0
+    # each pass's gradients: written by autograd, then added into ZeRO-1's buffer (read both,
+    # write one) or copied to fp32 pass buffers and added into the shard (ZeRO-2/3)
+    per_element = 4 * model.e if layout.zero == 1 else 2 * model.e + 12
+    params = model.params(layout.tp)
+    for i in blocks:
+        inputs, weights = grads[i]
+        backward += per_element * params[i].trainable_params / (machine.hbm_gbs * 1e9)
+        for part in model.estimates[i].parts:
+            f, comm, gemm = part_times(part, layout, machine, compiled)
+            again = part.recomputes(layout.checkpointing)
+            forward += f + comm
+            b = 2 * (f - gemm) + (inputs + weights) * gemm + comm
+            if again:
+                b += f + comm
+                recompute += f
+            backward += b
+            tp += comm * (3 if again else 2)
+    return _Stage(forward, backward, recompute, tp)
+
+
+def _grad_factors(model: Model, tp: int) -> list[tuple[float, float]]:
+    """Per block: (1 when input gradients are needed there, the share of weights that train)."""
+    out, seen = [], False
+    for b in model.params(tp):
+        seen = seen or b.trainable_params > 0
+        out.append((1.0 if seen else 0.0, b.trainable_params / max(b.params, 1)))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(schedule: str, pp: int, m: int, chunks: int, fwd: tuple, bwd: tuple, comm: float):
+    result = simulate(make_schedule(schedule, pp, m, chunks), list(fwd), list(bwd), comm)
+    return result.makespan, max(result.busy)
+
+
+def step_time(
+    model: Model, layout: Layout, machine: Machine, memory, exact: bool = True
+) -> StepTime:
+    """The predicted step at ``layout`` (``memory``: its :class:`RankMemory` per pp rank);
+    without ``exact``, a lower bound: the pipeline's idling not simulated."""
+    m = model.microbatches(layout)
+    ranges = model.ranges(layout.pp, layout.chunks)
+    grads = _grad_factors(model, layout.tp)
+    stages = [_stage(model, layout, machine, r, grads) for r in ranges]
+    per_rank = [[stages[s] for s in model.stages_of(layout, p)] for p in range(layout.pp)]
+    busiest = max(per_rank, key=lambda st: sum(s.forward + s.backward for s in st))
+    compute = m * sum(s.forward + s.backward for s in busiest)
+    if model.step_objective and m > 1:  # GradCache embeds every microbatch once more
+        compute += m * sum(s.forward for s in busiest)
+    if layout.pp == 1 or not exact:
+        pipeline = compute
+    else:
+        boundary = max(e.output_bytes for e in model.estimates) * layout.micro_batch_size
+        span = layout.tp * layout.dp + 1  # neighbouring stages' ranks are tp x dp apart
+        comm = _link(machine, span).seconds("send", boundary, 2)
+        pipeline, compute = _pipeline(
+            layout.schedule,
+            layout.pp,
+            m,
+            layout.chunks,
+            tuple(round(s.forward, 9) for s in stages),
+            tuple(round(s.backward, 9) for s in stages),
+            round(comm, 9),
+        )
+    last_backward = max(sum(s.backward for s in st) for st in per_rank)
+    first_forward = max(sum(s.forward for s in st) for st in per_rank)
+    dp, zero3 = _data_parallel(layout, machine, memory, m, first_forward, last_backward)
+    offload = _offload(model, layout, machine, memory, m, last_backward)
+    busy = max(memory, key=lambda r: r.trainable)
+    optimizer = (
+        (1 - layout.offload) * ADAMW_BYTES * _elements(busy, layout) / (machine.hbm_gbs * 1e9)
+    )
+    recompute = m * sum(s.recompute for s in busiest)
+    tp = m * sum(s.tp for s in busiest)
+    bubble = 1 - compute / pipeline if pipeline > 0 else 0.0
+    total = pipeline + dp + zero3 + offload + optimizer
+    return StepTime(total, pipeline, compute, recompute, tp, bubble, dp, zero3, offload, optimizer)
+
+
+def _elements(rank, layout: Layout) -> float:
+    """Trainable elements this rank steps (its 1/dp share)."""
+    return rank.trainable / layout.dp
+
+
+def _hidden(comm: float, window: float) -> float:
+    """Exposed seconds of ``comm`` issued under ``window`` seconds of compute: what does not
+    fit, and a tax on what does (the collectives' kernels take SMs and memory bandwidth from
+    the compute they hide under)."""
+    return max(0.0, comm - window) + OVERLAP_TAX * min(comm, window)
+
+
+def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
+    """(exposed dp reduction and parameter gathers, exposed ZeRO-3 gathers) per step."""
+    if layout.dp == 1:
+        return 0.0, 0.0
+    link = _link(machine, layout.tp * layout.dp)
+    rank = max(memory, key=lambda r: r.trainable)
+    reduce = link.seconds("reduce_scatter", 4.0 * rank.trainable, layout.dp)
+    weights = rank.weights * (layout.dp if layout.zero == 3 else 1)
+    trained = weights * rank.trainable / max(rank.params, 1)  # the weights the step changes
+    gather = link.seconds("all_gather", trained, layout.dp)
+    passes = 1 if layout.zero == 1 else m  # ZeRO-2/3 reduce every pass as its backward ends
+    exposed = passes * _hidden(reduce, last_backward)
+    zero3 = 0.0
+    if layout.zero < 3:
+        exposed += _hidden(gather, first_forward)  # under the next forward
+    else:
+        # each use gathers every unit (one collective each), prefetched under the compute
+        every = link.seconds("all_gather", weights, layout.dp)
+        every += (rank.units - 1) * link.latency_us * 1e-6
+        hooks = rank.units * HOOK_S
+        zero3 = m * (_hidden(every, first_forward) + hooks)
+        if layout.reshard_after_forward:  # gathered again for the backward
+            zero3 += m * (_hidden(every, last_backward) + hooks)
+        else:  # once a step, kept
+            zero3 = _hidden(every, first_forward) + m * 2 * hooks
+    return exposed, zero3
+
+
+def _offload(model: Model, layout, machine, memory, m, last_backward) -> float:
+    """Exposed seconds of offload's copies, host accumulation and host AdamW per step."""
+    if not layout.offload:
+        return 0.0
+    rank = max(memory, key=lambda r: r.trainable)
+    share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
+    node = min(machine.gpus_per_node, layout.world)  # ranks sharing one host
+    down = model.e * share / (machine.h2d_gbs * 1e9)
+    accumulate = node * 3 * model.e * share / (machine.host_gbs * 1e9)
+    per_pass = m * max(0.0, max(down, accumulate) - last_backward)
+    adam = machine.host_adam_s * node * share / 1e9
+    hidden = last_backward if not model.run.grad_clip else 0.0  # stepped during the backward
+    up = 4.0 * share / (machine.h2d_gbs * 1e9)  # the updated fp32 masters back to the GPU
+    return per_pass + max(0.0, adam - hidden) + up

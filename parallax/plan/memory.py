@@ -1,0 +1,270 @@
+"""The memory model: what one rank holds on its GPU and on its host, for a run at a layout.
+
+One code path for ``--dry-run`` and the planner. Per rank (the numbers of a pipeline rank; its
+tp and dp peers hold as much):
+
+- **weights**: every parameter of its blocks in its dtype (1/tp of the sharded ones); at ZeRO-3
+  its 1/dp shard (frozen weights too: a LoRA base is sharded);
+- **gradients**: ZeRO-1 keeps a gradient buffer in the parameters' dtype, plus (dp > 1, reduced
+  during the backward) an fp32 slice of 4/dp bytes per 16-bit parameter; ZeRO-2/3 keep only the
+  fp32 shard (4/dp bytes per trainable parameter; none when offloaded), each backward pass being
+  reduce-scattered into it as it ends (:mod:`parallax.optim.passes`);
+- **optimizer**: AdamW's fp32 masters (4/dp per 16-bit parameter; fp32 parameters are their own)
+  and moments (8/dp), on the host instead with ``--offload optimizer``;
+- **gathered**: ZeRO-3's whole units at once: the one running and the one prefetched (two of
+  the largest), or with ``--no-reshard-after-forward`` every unit of the stage until the step;
+- **activations**: what the blocks keep for the backward (:meth:`Recipe.block_estimates`:
+  checkpointed blocks keep their input), times the micro-batch, at the schedule's peak of
+  microbatches in flight per stage (:func:`parallax.pipeline.simulate.peak_activations`, per
+  stage for interleaved schedules), with the tensors a stage receives and sends;
+- **workspace**: the backward's transient: one piece's activations (twice for a piece that
+  recomputes: its saved tensors again and their gradients);
+- **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
+- **host**: with offload the fp32 masters, moments and the gradient accumulator in the model's
+  dtype (2/dp bytes per parameter) and the pinned staging buffers.
+
+What a card needs beyond the peak allocation: the caching allocator's reserve and the CUDA
+context (:meth:`RankMemory.needed`, from the machine profile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallax.plan.blocks import bucket_sizes, largest_buckets, offloaded_share
+from parallax.plan.layout import Layout
+from parallax.plan.machine import Machine
+from parallax.plan.model import DEFAULT_BUCKET_NUMEL, Model, peak_weighted
+
+GIB = 2**30
+PINNED_POOL = 4  # offload's pinned staging buffers per dtype (parallax.optim.offload.POOL)
+PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
+HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes of one pipeline rank (see the module docstring) and what it holds."""
+
+    pp_rank: int
+    blocks: tuple[str, ...]
+    params: int
+    trainable: int
+    adapters: int
+    groups: tuple[int, ...]
+    units: int  # ZeRO-3 units (each gathered on its own)
+    weights: float
+    gradients: float
+    optimizer: float
+    gathered: float
+    activations: float
+    workspace: float
+    buffers: float
+    host: float
+    pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
+
+    @property
+    def gpu(self) -> float:
+        """The peak of allocated GPU bytes (what ``torch.cuda.max_memory_allocated`` reads)."""
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.gathered
+            + self.activations
+            + self.workspace
+            + self.buffers
+        )
+
+    def needed(self, machine: Machine) -> float:
+        """GPU bytes the card must have: the peak, the allocator's reserve, the CUDA context."""
+        return self.gpu * (1 + machine.allocator_reserve) + machine.cuda_context_gib * GIB
+
+    def capped(self, machine: Machine) -> float:
+        """What ``--gpu-memory-limit`` must allow (the cap leaves out the CUDA context)."""
+        return self.gpu * (1 + machine.allocator_reserve)
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Padded elements of one rank's blocks: trainable and frozen by element size."""
+
+    t2: int
+    t4: int
+    f2: int
+    f4: int
+    largest: int  # largest trainable parameter
+    unit: int  # bytes of the largest ZeRO-3 unit
+    partial: int  # trainable elements whose gradient is partial over tp (buckets of their own)
+    buckets: dict  # (element size, partial over tp) -> its largest ZeRO-1/2 bucket's elements
+    order: list  # every bucket's (key, elements), in the order they are reduced
+
+    @property
+    def trainable(self) -> int:
+        return self.t2 + self.t4
+
+    @property
+    def full_bytes(self) -> int:
+        return 2 * (self.t2 + self.f2) + 4 * (self.t4 + self.f4)
+
+
+def rank_memory(model: Model, layout: Layout, pp_rank: int, overlap: bool = True) -> RankMemory:
+    """What pipeline rank ``pp_rank`` holds at ``layout`` (``overlap``: ZeRO-1 reduces during
+    the backward, ``--overlap-grad-reduce``)."""
+    held = _held(model, layout, pp_rank)
+    c = held.counts
+    weights, gradients, optimizer, gathered, buffers, host, pinned = _states(c, layout, overlap)
+    activations, workspace = _activations(model, layout, pp_rank)
+    return RankMemory(
+        pp_rank=pp_rank,
+        blocks=held.blocks,
+        params=held.params,
+        trainable=held.trainable,
+        adapters=held.adapters,
+        groups=held.groups,
+        units=held.units,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
+        gathered=gathered,
+        activations=activations,
+        workspace=workspace,
+        buffers=buffers,
+        host=host,
+        pinned=pinned,
+    )
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a pipeline rank's blocks hold at a tp, whatever the rest of the layout."""
+
+    blocks: tuple[str, ...]
+    params: int
+    trainable: int
+    adapters: int
+    groups: tuple[int, ...]
+    units: int
+    counts: _Counts
+
+
+def _held(model: Model, layout: Layout, pp_rank: int) -> _Held:
+    key = ("held", layout.tp, layout.pp, layout.chunks, pp_rank)
+    if key not in model.cache:
+        ranges = model.ranges(layout.pp, layout.chunks)
+        mine = [i for s in model.stages_of(layout, pp_rank) for i in ranges[s]]
+        params = [model.params(layout.tp)[i] for i in mine]
+        model.cache[key] = _Held(
+            blocks=tuple(model.blocks[i].name for i in mine),
+            params=sum(b.params for b in params),
+            trainable=sum(b.trainable_params for b in params),
+            adapters=sum(b.adapters for b in params),
+            groups=tuple(sum(vals) for vals in zip(*(b.groups for b in params))),
+            units=sum(len(b.units) for b in params),
+            counts=_counts(params),
+        )
+    return model.cache[key]  # type: ignore[return-value]
+
+
+def _counts(blocks) -> _Counts:
+    def total(attr: str, size: int) -> int:
+        return sum(n for b in blocks for s, n in getattr(b, attr) if s == size)
+
+    return _Counts(
+        t2=total("trainable", 2),
+        t4=total("trainable", 4),
+        f2=total("frozen", 2),
+        f4=total("frozen", 4),
+        largest=max((b.largest for b in blocks), default=0),
+        unit=max((u for b in blocks for u in b.units), default=0),
+        partial=sum(b.partial for b in blocks),
+        buckets=largest_buckets([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
+        order=bucket_sizes([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
+    )
+
+
+def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
+    """(weights, gradients, optimizer, gathered, buffers, host, pinned) of ZeRO at this
+    layout (pinned: the host's staging buffers, which only a run on GPUs makes)."""
+    dp, zero = layout.dp, layout.zero
+    share = offloaded_share(c.order, float(layout.offload))  # whole buckets go to the host
+    sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
+    partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
+    bucket = max(c.buckets.values(), default=0)
+    if zero == 3:  # a bucket never spans two units
+        bucket = min(bucket, c.unit // (2 if c.t2 else 4))
+    weights = float(c.full_bytes)
+    gathered = 0.0
+    if zero == 3 and dp > 1:
+        weights = c.full_bytes / dp
+        gathered = 2.0 * c.unit if layout.reshard_after_forward else float(c.full_bytes)
+    if zero == 1:
+        gradients = 2.0 * c.t2 + 4.0 * c.t4  # the gradient buffers
+        if dp > 1 and overlap:
+            gradients += 4.0 * c.t2 / dp  # reduced during the backward: a persistent fp32 slice
+        # fp32 staging: two buffers for the reduction of 16-bit buckets (dp > 1) and of those
+        # partial over tp; one for dp = 1's step of 16-bit buckets
+        reduced = max(sixteen if dp > 1 else 0, partial)
+        buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
+    else:
+        gradients = (1 - share) * 4.0 * c.trainable / dp  # the fp32 shard
+        # pass buffers: the bucket filling, the one in flight, its reduced part
+        buffers = 4.0 * min(PASS_BUFFERS * bucket, c.trainable) + 4.0 * bucket / dp
+    masters = 4.0 * c.t2 / dp  # fp32 parameters are their own masters
+    moments = 8.0 * c.trainable / dp
+    optimizer = (1 - share) * (masters + moments)
+    host = pinned = 0.0
+    if share:  # the masters on the host, the moments, the accumulator, the pinned staging
+        accumulator = (2.0 * c.t2 + 4.0 * c.t4) / dp
+        pinned = PINNED_POOL * (bucket / dp) * (2 if c.t2 else 4)
+        host = share * (4.0 * c.trainable / dp + moments + accumulator) + pinned
+    return weights, gradients, optimizer, gathered, buffers, host, pinned
+
+
+def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, float]:
+    """(activations at the schedule's peak, the backward's workspace) of a pipeline rank."""
+    kept, largest = _per_sample(model, layout, pp_rank)
+    mb = layout.micro_batch_size
+    if model.run.compile:  # the compiler keeps at most this share of the fused blocks' own
+        mb *= model.run.activation_memory_budget
+    states = model.in_flight_states(layout, pp_rank)
+    return peak_weighted(states, [mb * k for k in kept]), mb * largest
+
+
+def _per_sample(model: Model, layout: Layout, pp_rank: int) -> tuple[list[float], float]:
+    """Per local stage, the bytes one sample keeps (with what the stage receives and sends);
+    and the largest piece's backward transient."""
+    ckpt, compiled = layout.checkpointing, bool(model.run.compile)
+    key = ("acts", layout.tp, layout.pp, layout.chunks, pp_rank, ckpt, compiled)
+    if key in model.cache:
+        return model.cache[key]  # type: ignore[return-value]
+    tp, est = layout.tp, model.estimates
+    ranges = model.ranges(layout.pp, layout.chunks)
+    last = layout.pp * layout.chunks - 1
+    kept, largest = [], 0.0
+    for s in model.stages_of(layout, pp_rank):
+        r = ranges[s]
+        k = sum(est[i].keeps(ckpt, compiled).at(tp) for i in r)
+        if s > 0:  # what the stage received, held for the gradient it sends back
+            k += est[r.start - 1].output_bytes
+        if s < last:  # what it sent, held until its gradient comes
+            k += est[r[-1]].output_bytes
+        kept.append(k)
+        for i in r:
+            for part in est[i].parts:
+                again = 2.0 if part.recomputes(ckpt) else 1.0
+                largest = max(largest, again * part.saved.at(tp))
+    model.cache[key] = (kept, largest)
+    return kept, largest
+
+
+def plan_memory(model: Model, layout: Layout, overlap: bool = True) -> list[RankMemory]:
+    """Every pipeline rank's memory at ``layout``."""
+    return [rank_memory(model, layout, p, overlap) for p in range(layout.pp)]
+
+
+def node_host_bytes(ranks: list[RankMemory], layout: Layout, gpus_per_node: int) -> float:
+    """Host bytes of one node: its training processes (the most a rank needs, times the ranks
+    a node holds) and each process's own resident memory."""
+    per_node = min(gpus_per_node, layout.world)
+    return per_node * (max(r.host for r in ranks) + HOST_PER_PROCESS)

@@ -1,0 +1,260 @@
+"""The search: every layout that multiplies to the world, the ones that fit, the fastest first.
+
+Candidates: tp within a node (dividing the heads: the family's ``check_layout``), pp splitting
+the blocks, dp the rest, then the ZeRO stage, offload and (ZeRO-3) resharding, activation
+checkpointing and its scope, the micro-batch (dividing the per-rank batch), and for pp > 1 the
+schedule (1F1B, interleaved with two chunks, GPipe where 1F1B cannot fill the pipeline). Options
+in ``fixed`` (the flags a user gave) are not searched. A candidate fits when its busiest rank's
+GPU need (the allocator's reserve and the CUDA context included) and its node's host need are
+within the machine's memory less ``margin``; the options' own rules are checked as a run checks
+them (``TrainConfig.check``). Memory is arithmetic; the pipeline simulation runs only for the
+candidates whose time could still be among the best.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallax.dims import ParallelDims
+from parallax.plan.cost import StepTime, step_time
+from parallax.plan.layout import OPTION_NAMES, Layout
+from parallax.plan.machine import Machine
+from parallax.plan.memory import GIB, RankMemory, node_host_bytes, plan_memory
+from parallax.plan.model import Model
+from parallax.train.options import needs_problems, problems
+from parallax.train.rules import RULES
+
+MARGIN = 0.05  # of the GPU's and the host's memory, kept free
+TIE = 1.005  # step times this close are a tie: the simpler layout goes first
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout, its memory per pipeline rank and (once timed) its predicted step."""
+
+    layout: Layout
+    memory: tuple[RankMemory, ...]
+    gpu: float  # bytes the busiest rank's card needs
+    host: float  # bytes one node's host needs
+    global_batch: int
+    time: StepTime | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return 0.0 if self.time is None else self.global_batch / self.time.seconds
+
+
+@dataclass
+class Result:
+    """The fitting candidates, fastest first (at most ``top``), and what the search saw."""
+
+    ranked: list[Candidate]
+    searched: int
+    fitting: int
+    closest: list[Candidate] = field(default_factory=list)  # the smallest needs, none fitting
+    problems: dict[str, int] = field(default_factory=dict)  # why candidates were refused
+    machine: Machine | None = None
+    usable_gpu: float = 0.0
+    usable_host: float = 0.0
+
+
+def option_problems(cfg) -> list[str]:
+    """What the options' own rules say of ``cfg`` (:mod:`parallax.train.rules` without the
+    types, data and output checks, which no layout changes)."""
+    return problems(cfg) + needs_problems(cfg) + [p for rule in RULES if (p := rule(cfg))]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(fixed: dict[str, Any], name: str, value: Any) -> bool:
+    return name not in fixed or fixed[name] == value
+
+
+def _checkpointing(model: Model, fixed: dict[str, Any]) -> list[bool | str]:
+    scopes = {p.scope for e in model.estimates for p in e.parts if p.scope}
+    options: list[bool | str] = [False] + ([True] if scopes else [])
+    options += sorted(scopes) if len(scopes) > 1 else []  # a scope alone is "all" again
+    if "activation_checkpointing" in fixed and not fixed["activation_checkpointing"]:
+        return [False]
+    if "checkpoint_scope" in fixed:
+        scope = fixed["checkpoint_scope"]
+        return [True if scope == "all" else scope]
+    if fixed.get("activation_checkpointing"):
+        return [o for o in options if o]
+    return options
+
+
+def _memory_options(dp: int, fixed: dict[str, Any]) -> list[tuple[int, bool, bool]]:
+    """(zero, share offloaded, reshard after forward) worth trying at ``dp``."""
+    shares = [1.0, 0.5] if "offload_fraction" in OPTION_NAMES else [1.0]
+    out: list[tuple[int, float, bool]] = [(1, 0.0, True)]
+    out += [(2, 0.0, True)] if dp > 1 else []
+    out += [(2, share, True) for share in shares]
+    if dp > 1:
+        out += [(3, 0.0, True), (3, 0.0, False)]
+        out += [(3, share, reshard) for share in shares for reshard in (True, False)]
+    return [
+        (z, o, r)
+        for z, o, r in out
+        if _allowed(fixed, "zero", z)
+        and _allowed(fixed, "offload", "optimizer" if o else "none")
+        and (not o or _allowed(fixed, "offload_fraction", o))
+        and _allowed(fixed, "reshard_after_forward", r)
+    ]
+
+
+def _schedules(model: Model, pp: int, m: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [(fixed.get("schedule", "1f1b"), fixed.get("chunks", 1))]
+    out = [("1f1b", 1)] if m >= pp else [("gpipe", 1)]
+    chunks = fixed.get("chunks", 2)
+    if chunks > 1 and m % pp == 0:
+        try:
+            model.ranges(pp, chunks)
+            out.append(("interleaved", chunks))
+        except ValueError:
+            pass
+    if "schedule" in fixed:
+        want = fixed["schedule"]
+        out = [(want, chunks if want == "interleaved" else 1)]
+    return [(s, c) for s, c in out if _allowed(fixed, "chunks", c)]
+
+
+def layouts(model: Model, world: int, per_node: int, fixed: dict[str, Any]):
+    """Every candidate layout (before memory, rules and the family's checks)."""
+    batch = model.global_batch
+    for tp in divisors(min(world, per_node)):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if not all(_allowed(fixed, k, v) for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
+                continue
+            if batch % dp:
+                continue
+            for mb in divisors(batch // dp):
+                if not _allowed(fixed, "micro_batch_size", mb):
+                    continue
+                m = batch // (mb * dp)
+                for schedule, chunks in _schedules(model, pp, m, fixed):
+                    for zero, offload, reshard in _memory_options(dp, fixed):
+                        for ckpt in _checkpointing(model, fixed):
+                            yield Layout(
+                                tp, pp, dp, mb, schedule, chunks, zero, offload, reshard, ckpt
+                            )
+
+
+class Searcher:
+    """One search's caches: the family's and the options' verdicts per layout shape."""
+
+    def __init__(self, model: Model, machine: Machine, margin: float = MARGIN) -> None:
+        self.model, self.machine, self.margin = model, machine, margin
+        self.usable_gpu = machine.gpu_memory_gib * GIB * (1 - margin)
+        self.usable_host = machine.host_memory_gib * GIB * (1 - margin)
+        self._verdicts: dict[tuple, str | None] = {}
+
+    def problem(self, layout: Layout) -> str | None:
+        """Why a run would refuse ``layout`` (the family's layout checks, the pipeline split,
+        the options' rules), or ``None``."""
+        key = (layout.tp, layout.pp, layout.chunks, layout.schedule, layout.zero)
+        key += (layout.offload, layout.reshard_after_forward, layout.checkpointing)
+        if key not in self._verdicts:
+            self._verdicts[key] = self._check(layout)
+        return self._verdicts[key]
+
+    def _check(self, layout: Layout) -> str | None:
+        run = self.model.run
+        try:
+            dims = ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp)
+            run.recipe.check_layout(run.model_config, run, dims)
+            self.model.ranges(layout.pp, layout.chunks)
+            self.model.params(layout.tp)  # the blocks build at this tp (heads divide)
+            found = option_problems(run.flags.replace(**layout.options()))
+        except ValueError as err:
+            return str(err).split(";")[0]
+        return found[0] if found else None
+
+    def evaluate(self, layout: Layout) -> Candidate:
+        """Its memory (not its time)."""
+        memory = tuple(plan_memory(self.model, layout, self.model.run.overlap_grad_reduce))
+        gpu = max(r.needed(self.machine) for r in memory)
+        host = node_host_bytes(list(memory), layout, self.machine.gpus_per_node)
+        return Candidate(layout, memory, gpu, host, self.model.global_batch)
+
+    def fits(self, c: Candidate) -> bool:
+        return c.gpu <= self.usable_gpu and c.host <= self.usable_host
+
+    def timed(self, c: Candidate, exact: bool = True) -> Candidate:
+        t = step_time(self.model, c.layout, self.machine, list(c.memory), exact)
+        return Candidate(c.layout, c.memory, c.gpu, c.host, c.global_batch, t)
+
+
+def search(
+    model: Model,
+    machine: Machine,
+    world: int,
+    fixed: dict[str, Any] | None = None,
+    top: int = 5,
+    margin: float = MARGIN,
+) -> Result:
+    """The ``top`` fastest layouts of ``world`` GPUs (``machine.gpus_per_node`` a node) that
+    fit; see the module docstring."""
+    fixed = dict(fixed or {})
+    for name, value in (("zero", 1), ("offload", "none"), ("reshard_after_forward", True)):
+        if name not in OPTION_NAMES:  # a parallax.train without the option runs this value
+            fixed.setdefault(name, value)
+    s = Searcher(model, machine, margin)
+    fitting: list[Candidate] = []
+    closest: list[Candidate] = []
+    problems: dict[str, int] = {}
+    searched = 0
+    for layout in layouts(model, world, min(machine.gpus_per_node, world), fixed):
+        searched += 1
+        problem = s.problem(layout)
+        if problem:
+            problems[problem] = problems.get(problem, 0) + 1
+            continue
+        c = s.evaluate(layout)
+        if s.fits(c):
+            fitting.append(c)
+        else:
+            closest.append(c)
+    ranked = _fastest(s, fitting, top)
+    closest.sort(key=lambda c: (max(c.gpu / s.usable_gpu, c.host / s.usable_host), c.gpu))
+    return Result(
+        ranked=ranked,
+        searched=searched,
+        fitting=len(fitting),
+        closest=closest[:top],
+        problems=problems,
+        machine=machine,
+        usable_gpu=s.usable_gpu,
+        usable_host=s.usable_host,
+    )
+
+
+def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]:
+    """The ``top`` best by :func:`_preference`, simulating a pipeline only while its bound (the
+    time of a pipeline without idling) can still beat the slowest of those kept."""
+    bounds = [(s.timed(c, exact=False).time.seconds, i) for i, c in enumerate(fitting)]
+    heapq.heapify(bounds)
+    best: list[Candidate] = []
+    while bounds:
+        bound, i = heapq.heappop(bounds)
+        if len(best) >= top and bound > max(c.time.seconds for c in best) * TIE:
+            break
+        best.append(s.timed(fitting[i]))
+        best.sort(key=_preference)
+        best = best[:top]
+    return best
+
+
+def _preference(c: Candidate) -> tuple:
+    """Fastest first; within half a percent, the simpler layout (fewer ZeRO stages, no
+    offload, no recomputation, no pipeline), then the one that needs less memory."""
+    lay = c.layout
+    simpler = (lay.zero, lay.offload, bool(lay.checkpointing), lay.pp, lay.tp)
+    return (round(math.log(c.time.seconds) / math.log(TIE)), simpler, c.gpu)

@@ -1,0 +1,32 @@
+"""``--dry-run`` prints the planner's memory model: the ZeRO stage, gathered weights, host
+memory and what a card needs; under a cap it says whether the layout fits and what would."""
+
+import io
+
+from parallax.train import parse_args
+from parallax.train.config import TrainConfig
+from parallax.train.plan import print_plan
+from parallax.train.run import resolve
+
+
+def test_the_table_has_the_memory_columns(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = io.StringIO()
+    print_plan(parse_args(["--dry-run", "--dp", "2", "--activation-checkpointing"]), file=out)
+    text = " ".join(out.getvalue().split())
+    for word in ("zero 1", "activation checkpointing (all)", "gathered", "card needs", "host"):
+        assert word in text, text
+
+
+def test_a_layout_over_its_cap_is_told_what_would_fit(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = resolve(TrainConfig(model="tiny", global_batch_size=32, micro_batch_size=32))
+    out = io.StringIO()
+    # a card of 0.52 GiB (its 0.5 GiB CUDA context and 20 MiB), asked of the run as resolved
+    print_plan(run.replace(layout="auto", gpu_memory=0.52), file=out)
+    text = " ".join(out.getvalue().split())
+    assert "does not fit --gpu-memory 0.52 GiB" in text, text
+    assert "These would fit:" in text and "--micro-batch-size" in text, text
+    out = io.StringIO()
+    print_plan(run.replace(layout="auto", gpu_memory=2.0), file=out)
+    assert "fits --gpu-memory 2 GiB" in out.getvalue()

@@ -1,0 +1,90 @@
+"""The memory model against the run: on 4 gloo ranks, the predicted bytes of weights, gradients,
+optimizer state and ZeRO's staging buffers of each rank are within 10 % of what the Trainer's
+tensors hold (the optimizer's memory report, and the frozen weights outside it), for the tiny
+and small presets at several layouts, precisions and ZeRO stages, and with LoRA."""
+
+import pytest
+
+import parallax.models.vlm as vlm
+from parallax.data import BatchLoader, SyntheticTask
+from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
+from parallax.plan.layout import Layout
+from parallax.plan.memory import rank_memory
+from parallax.plan.model import Model
+from parallax.testing import context, run_ranks
+from parallax.train.config import TrainConfig
+from parallax.train.run import resolve
+from parallax.train.trainer import Trainer
+
+CASES = [
+    ("tiny", (1, 1, 4), dict(precision="fp32")),
+    ("tiny", (2, 1, 2), dict(precision="bf16")),
+    ("tiny", (1, 2, 2), dict(precision="bf16", finetune="lora")),
+    ("tiny", (2, 2, 1), dict(precision="fp32", freeze_vision=True)),
+    ("small", (2, 1, 2), dict(precision="bf16")),
+    ("small", (1, 2, 2), dict(precision="bf16")),
+    ("tiny", (1, 1, 4), dict(precision="bf16", zero=2)),
+    ("tiny", (2, 1, 2), dict(precision="bf16", zero=3)),
+    ("tiny", (1, 2, 2), dict(precision="bf16", zero=3, finetune="lora")),
+    ("small", (1, 1, 4), dict(precision="bf16", zero=3)),
+    ("small", (2, 1, 2), dict(precision="bf16", zero=2, offload="optimizer")),
+    ("tiny", (1, 1, 4), dict(precision="fp32", zero=3, offload="optimizer")),
+    (
+        "small",
+        (1, 1, 4),
+        dict(precision="bf16", zero=2, offload="optimizer", offload_fraction=0.5),
+    ),  # fmt: skip
+]
+
+
+def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float, ...]:
+    """(predicted, counted) bytes on this rank's GPU, then on its host, with the model built
+    but not initialised (only sizes matter: initialising the small preset would take most of
+    the test's time). On the CPU offload makes no pinned staging buffers."""
+    cfg = resolve(
+        TrainConfig(
+            model=model,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            global_batch_size=2 * dp,
+            micro_batch_size=1,
+            **options,
+        )
+    )
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    init, vlm.init_parameters = vlm.init_parameters, lambda *args, **kwargs: None
+    try:
+        trainer = Trainer(cfg, ctx)
+    finally:
+        vlm.init_parameters = init
+    trainer.train_step(_microbatches(trainer, ctx, cfg))  # AdamW makes its state in a step
+    report = trainer.optimizer.memory_report()
+    stage = options.get("zero", 1)
+    outside = [p for c in trainer.chunks for p in c.parameters() if not p.requires_grad]
+    frozen = 0 if stage == 3 else sum(p.numel() * p.element_size() for p in outside)
+    mem = rank_memory(Model(cfg), Layout.of(cfg, dp), ctx.pp_rank, cfg.overlap_grad_reduce)
+    staging = mem.buffers if stage == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
+    predicted = mem.weights + mem.gradients + mem.optimizer + staging
+    host = getattr(report, "host_bytes", 0)
+    return predicted, report.total_bytes + frozen, mem.host - mem.pinned, host
+
+
+def _microbatches(trainer, ctx, cfg) -> list:
+    data = SyntheticTask(num_episodes=8, episode_length=2, image_size=32, seed=0)
+    loader = BatchLoader(data, global_batch_size=cfg.global_batch_size, micro_batch_size=1,
+                         dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, seed=0)  # fmt: skip
+    config = trainer.model_config
+    builder = BatchBuilder(config, data.statistics, text_tokenizer(config))
+    return [builder(m) for m in loader.next_batch()]
+
+
+def _all_cases() -> list[tuple[float, ...]]:
+    return [_sizes(model, *layout, options) for model, layout, options in CASES]
+
+
+def test_predicted_bytes_per_rank_are_within_ten_percent_of_the_tensors():
+    for rank, sizes in enumerate(run_ranks(_all_cases, 4)):
+        for (model, layout, options), (gpu, counted, host, on_host) in zip(CASES, sizes):
+            assert gpu == pytest.approx(counted, rel=0.10), (rank, model, layout, options)
+            assert host == pytest.approx(on_host, rel=0.10), (rank, model, layout, options)

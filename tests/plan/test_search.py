@@ -1,0 +1,86 @@
+"""The search finds the best layout of small cases worked out by hand, on a hand-made profile
+(tests/plan/toy.py: blocks of 1 GFLOP a sample, matmuls at 1 TFLOP/s x rows / (rows + 100))."""
+
+import pytest
+
+from parallax.plan.layout import Layout
+from parallax.plan.machine import Link
+from parallax.plan.memory import GIB, plan_memory
+from parallax.plan.search import MARGIN, search
+from tests.plan.toy import FLOPS, machine, toy
+
+MS = 1e-3
+
+
+def efficiency(rows: int) -> float:
+    return rows / (rows + 100)
+
+
+def test_with_cheap_collectives_tp_keeps_the_matmuls_largest():
+    """4 GPUs, memory to spare, collectives of 10 us and no bandwidth cost: tp4 runs the whole
+    batch of 8 as one microbatch of 800 rows a matmul (dp4 would run 200: 2/3 of the rate)."""
+    model = toy([1e5] * 4, [None] * 4, tp=True)
+    result = search(model, machine(80.0, Link(busbw_gbs=1e9, latency_us=10.0)), 4)
+    best = result.ranked[0]
+    assert best.layout == Layout(tp=4, pp=1, dp=1, micro_batch_size=8)
+    compute = 8 * 4 * 3 * FLOPS / 4 / (1e12 * efficiency(800))
+    collectives = 4 * 4 * 10e-6  # two all-reduces a block forward, two backward
+    assert best.time.seconds == pytest.approx(compute + collectives, rel=1e-3)
+    dp4 = 2 * 4 * 3 * FLOPS / (1e12 * efficiency(200))  # 36 ms against 27
+    assert best.time.seconds < dp4
+
+
+def _need(model, layout, mach) -> float:
+    return max(r.needed(mach) for r in plan_memory(model, layout))
+
+
+def test_when_only_a_pipeline_fits_the_interleaved_schedule_wins():
+    """2 GPUs that cannot hold the 4 blocks' weights and Adam state each, not even sharded by
+    ZeRO over dp 2; no tp. At micro-batch 1 (8 microbatches) 1F1B over 2 stages of 2 blocks
+    takes (8 + 1) x (4 + 8) ms = 108 ms, interleaved with 2 chunks a rank (16 + 1) x 6 = 102."""
+    model = toy([1e5] * 4, [None] * 4)
+    probe = machine(80.0)
+    pipelines = [
+        Layout(pp=2, micro_batch_size=1, schedule="1f1b"),
+        Layout(pp=2, micro_batch_size=1, schedule="interleaved", chunks=2),
+    ]
+    fits = max(_need(model, lay, probe) for lay in pipelines)
+    for zero in (1, 2, 3):  # nothing at dp 2 fits in it
+        assert _need(model, Layout(dp=2, micro_batch_size=1, zero=zero), probe) > fits
+    mach = machine(fits * 1.001 / (1 - MARGIN) / GIB)
+    result = search(model, mach, 2, fixed={"micro_batch_size": 1, "offload": "none"})
+    best = result.ranked[0]
+    assert (best.layout.pp, best.layout.schedule, best.layout.chunks) == (2, "interleaved", 2)
+    step = FLOPS / (1e12 * efficiency(100))  # one block's forward on one sample: 2 ms
+    assert best.time.seconds == pytest.approx((2 * 8 + 1) * 3 * step, rel=1e-3)
+    assert result.ranked[1].layout.schedule == "1f1b"
+    assert result.ranked[1].time.seconds == pytest.approx((8 + 1) * 6 * step, rel=1e-3)
+    assert all(c.layout.dp == 1 for c in result.ranked)
+
+
+def test_checkpointing_recomputes_only_the_scope_that_is_needed():
+    """One GPU, micro-batch 8: the three "text" blocks keep 100 MB a sample, the "vision" one
+    1 MB. Recomputing the vision block saves too little; the text scope fits and costs one
+    more forward of 3 blocks (27 + 3 x 36 ms), less than recomputing all four (4 x 36)."""
+    model = toy([1e6, 1e8, 1e8, 1e8], ["vision", "text", "text", "text"])
+    probe = machine(80.0)
+    layouts = {c: Layout(micro_batch_size=8, checkpointing=c) for c in (False, "vision", "text")}
+    needs = {c: _need(model, lay, probe) for c, lay in layouts.items()}
+    assert needs["text"] < needs["vision"] < needs[False]
+    mach = machine((needs["text"] + needs["vision"]) / 2 / (1 - MARGIN) / GIB)
+    result = search(model, mach, 1, fixed={"micro_batch_size": 8, "offload": "none"})
+    best = result.ranked[0]
+    assert best.layout.checkpointing == "text"
+    forward = 8 * FLOPS / (1e12 * efficiency(800))
+    assert best.time.seconds == pytest.approx(3 * forward + 3 * 4 * forward, rel=1e-3)
+    assert [c.layout.checkpointing for c in result.ranked] == ["text", True]
+
+
+def test_nothing_fits_says_the_nearest_and_what_would_help():
+    from parallax.plan.report import nothing_fits
+
+    model = toy([1e5] * 4, [None] * 4)
+    result = search(model, machine(0.001), 2)
+    assert not result.ranked and result.closest
+    text = nothing_fits(result, 2)
+    assert "nothing fits" in text and "GiB a GPU" in text and "more GPUs" in text
