@@ -101,7 +101,8 @@ def plan_row(row: Row, args, device: torch.device):
     return run, (result.ranked[0] if result.ranked else None)
 
 
-def _batches(run, ctx):
+def batch_source(run, ctx):
+    """A callable giving one global batch of ``run``'s synthetic data (its microbatches)."""
     recipe = run.recipe
     if recipe.name == "llava":  # every image the largest canvas: the planner's case
         scale = max(1, run.model_config.tile_size // 56)
@@ -114,13 +115,14 @@ def _batches(run, ctx):
     return lambda: [builder(s) for s in loader.next_batch()]
 
 
-def measure(run, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
-    """(median step seconds, peak allocated GiB) of ``run`` on this device."""
+def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
+    """``run`` on this device: median step seconds, peak allocated GiB (``step_s``,
+    ``peak_gib``) and one step's model FLOPs and tokens (``flops``, ``tokens``)."""
     ctx = ParallelContext.local(device=device)
     trainer = Trainer(run, ctx)
-    next_batch = _batches(run, ctx)
+    next_batch = batch_source(run, ctx)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-    times = []
+    times, batch = [], []
     for i in range(warmup + steps):
         batch = next_batch()
         sync(device)
@@ -131,7 +133,8 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> tuple[float, 
         if i >= warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
-    return median(times), peak
+    flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
+    return dict(step_s=median(times), peak_gib=peak, flops=flops, tokens=tokens)
 
 
 def run_row(row: Row, args, device: torch.device) -> dict:
@@ -153,8 +156,9 @@ def run_row(row: Row, args, device: torch.device) -> dict:
             torch.cuda.set_per_process_memory_fraction(row.limit * GIB / total, device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        step, peak = measure(run.replace(**best.layout.options()), device, args.steps, args.warmup)
-        rec.update(measured_s=step, measured_gib=peak, samples_per_s=row.batch / step)
+        got = measure(run.replace(**best.layout.options()), device, args.steps, args.warmup)
+        step = got["step_s"]
+        rec.update(measured_s=step, measured_gib=got["peak_gib"], samples_per_s=row.batch / step)
         rec["status"] = "ok"
     except torch.cuda.OutOfMemoryError as err:
         rec["status"] = f"out of memory: {str(err).splitlines()[0][:100]}"

@@ -77,7 +77,8 @@ def choose(run) -> TrainConfig:
     fixed = {k: getattr(flags, k) for k in given(flags)}
     result = search.search(Model(run), machine, world, fixed, top=1)
     if not result.ranked:
-        raise ValueError(f"--layout auto: {report.nothing_fits(result, world)}")
+        why = report.nothing_fits(result, world, run.finetune == "lora")
+        raise ValueError(f"--layout auto: {why}")
     best = result.ranked[0]
     if int(os.environ.get("RANK", 0)) == 0:
         log.info(

@@ -96,7 +96,7 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
     result = search(model, machine, world, fixed, top=args.top, margin=args.margin)
     console.print(_header(run, model, machine, world, nodes, args.margin), highlight=False)
     if not result.ranked:
-        console.print(nothing_fits(result, world), highlight=False)
+        console.print(nothing_fits(result, world, run.finetune == "lora"), highlight=False)
         return result, None
     console.print(f"searched {result.searched} layouts, {result.fitting} fit", highlight=False)
     console.print(layouts_table(result))

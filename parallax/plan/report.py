@@ -89,8 +89,9 @@ def _pairs(argv: list[str]) -> list[tuple[str, ...]]:
     return out
 
 
-def nothing_fits(result: Result, world: int) -> str:
-    """Why no layout fits, with the nearest ones and what would help."""
+def nothing_fits(result: Result, world: int, lora: bool = False) -> str:
+    """Why no layout fits, with the nearest ones and what would help (``lora``: the run
+    trains adapters already)."""
     if not result.closest:
         reasons = "; ".join(f"{n} layouts: {p}" for p, n in result.problems.items())
         return f"no layout of {world} GPUs is valid for this run ({reasons or 'none searched'})"
@@ -107,7 +108,8 @@ def nothing_fits(result: Result, world: int) -> str:
     if gpu_short:
         helps.append("more GPUs (a larger world shards more)")
         helps.append("GPUs with more memory")
-        helps.append("--finetune lora")
+        if not lora:
+            helps.append("--finetune lora")
     if host_short:
         helps.append("more host memory per node (--host-memory), or nodes with fewer GPUs each")
     lines.append("What would help: " + "; ".join(helps) + ".")

@@ -1,0 +1,229 @@
+"""Does a 7B model train on a 24 or 32 GB card? Each row caps this GPU's memory (torch's
+per-process fraction, as ``--gpu-memory-limit`` does), asks ``parallax.plan`` for the fastest
+layout that fits the cap, trains it and reports GPU peak, host peak RSS, samples/s, MFU and the
+ratio to parallax's uncapped best on the same GPU and workload, beside the planner's prediction.
+
+    python -m benchmarks.zero.memory_fit [--rows openvla-32,openvla-24,...] [--steps 1]
+    python -m benchmarks.zero.memory_fit --smoke     # tiny presets on the CPU, writes nothing
+
+Rows (issue 26): OpenVLA-7B full fine-tuning at global batch 256 under 32 GiB (an RTX 5090) and
+24 GiB (an RTX 4090), with the peer (torch FSDP2 + ``CPUOffloadPolicy``, activation
+checkpointing, fused AdamW; :mod:`benchmarks.zero.fsdp2_offload`) under 32 GiB; LLaVA-NeXT-7B
+full fine-tuning under 24 GiB; OpenVLA-7B LoRA at batch 16 under 16 GiB. Every row runs in a
+process of its own, watched: its host RSS over ``--host-limit`` GiB (the H200 host has 125) ends
+it, reported as not fitting the host. The uncapped best comes from RESULTS.md (``UNCAPPED``).
+MFU: the family's model FLOPs (``Recipe.flops``: 6 x parameters x tokens for what trains, plus
+attention) per step over the step time and 989 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks.plan.plan_accuracy import Row, measure, plan_row
+from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
+from parallax.plan.machine import GIB
+
+ROWS = (
+    Row("openvla-32", "openvla-7b", 256, limit=32.0),
+    Row("openvla-24", "openvla-7b", 256, limit=24.0),
+    Row("fsdp2-offload-32", "openvla-7b", 256, limit=32.0),  # the peer
+    Row("llava-24", "llava-v1.6-vicuna-7b", 32, limit=24.0),
+    Row("lora-16", "openvla-7b", 16, finetune="lora", limit=16.0),
+    Row("openvla", "openvla-7b", 256),  # uncapped, planned: the same invocation's reference
+)
+SMOKE = (Row("tiny-capped", "tiny", 8, limit=0.05), Row("tiny-lora", "tiny", 8, finetune="lora"))
+PEER_MICRO_BATCH = 16
+# run where the planner finds nothing that fits its margin: is it right?
+FALLBACK = {"lora-16": dict(micro_batch_size=1, activation_checkpointing=True)}
+# parallax's uncapped best on one H200 (RESULTS.md): samples/s, which row
+UNCAPPED = {
+    "openvla": (36.4, "openvla_step 1gpu micro 8 opt+compile/cudagraphs (run 9ae9773d9a40)"),
+    "llava": (4.071, "llava_step micro 1 opt+compile (run 6a328dcff6d9)"),
+    "lora": (56.2, "lora_step batch 16 compile+cudagraphs (session lora5)"),
+}
+COLUMNS = [
+    "row",
+    "global batch",
+    "layout",
+    "GPU GiB",
+    "GiB predicted",
+    "host GiB",
+    "host predicted",
+    "step s",
+    "step s predicted",
+    "samples/s",
+    "tokens/s",
+    "MFU",
+    "x uncapped",
+    "status",
+]
+
+
+def _host_peak_gib() -> float:
+    """This process's peak resident set (VmHWM) in GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def _rss_gib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def child(row: Row, args) -> dict:
+    """One row, in this process: plan under the cap, run, measure."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    rec: dict = {}
+    if device.type == "cuda" and row.limit is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(row.limit * GIB / total, device)
+    if row.name.startswith("fsdp2"):
+        from benchmarks.zero.fsdp2_offload import measure as peer_measure
+        from parallax.families.openvla import OpenVLAConfig
+
+        rec["layout"] = f"fsdp2 cpu-offload, ckpt all, mb {PEER_MICRO_BATCH}"
+        got = peer_measure(
+            OpenVLAConfig.preset(row.model), row.batch, PEER_MICRO_BATCH, args.steps, args.warmup
+        )
+    else:
+        plan_args = SimpleNamespace(compile=False, out=args.out, machine=args.machine)
+        run, best = plan_row(row, plan_args, device)
+        if best is not None:
+            rec.update(
+                layout=best.layout.describe(),
+                flags=" ".join(best.layout.argv()),
+                predicted_gib=max(r.gpu for r in best.memory) / GIB,
+                predicted_host_gib=max(r.host for r in best.memory) / GIB,
+                predicted_s=best.time.seconds,
+            )
+            run = run.replace(**best.layout.options())
+        elif row.name in FALLBACK:
+            rec["layout"] = "planner: nothing fits; ran " + str(FALLBACK[row.name])
+            run = run.replace(**FALLBACK[row.name])
+        else:
+            return {"status": "the planner found nothing that fits"}
+        got = measure(run, device, args.steps, args.warmup)
+    step = got["step_s"]
+    rec.update(step_s=step, gpu_gib=got["peak_gib"], samples_per_s=row.batch / step)
+    if got.get("flops"):
+        rec.update(
+            tokens_per_s=got["tokens"] / step, mfu=got["flops"] / step / PEAK_BF16_TFLOPS / 1e12
+        )
+    rec["host_gib"] = _host_peak_gib()
+    return {**rec, "status": "ok"}
+
+
+def spawn(row: Row, args) -> dict:
+    """Run ``row`` in a child process; end it when its host RSS passes ``--host-limit``."""
+    cmd = [sys.executable, "-m", "benchmarks.zero.memory_fit", "--child", row.name]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", args.out]
+    cmd += ["--smoke"] * args.smoke + (["--machine", args.machine] if args.machine else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    start, most, status = time.monotonic(), 0.0, None
+    while proc.poll() is None:
+        most = max(most, _rss_gib(proc.pid))
+        if most > args.host_limit:
+            status = f"host RSS over {args.host_limit:g} GiB after {time.monotonic() - start:.0f} s"
+        elif time.monotonic() - start > args.row_timeout:
+            status = f"no step within {args.row_timeout:g} s"
+        if status:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"status": status, "host_gib": most}
+        time.sleep(0.2)
+    for line in proc.stdout.read().splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return {"status": f"exit code {proc.returncode} (see the log)", "host_gib": most}
+
+
+def table_row(rec: dict) -> list[object]:
+    nan = float("nan")
+    best = UNCAPPED.get(rec["name"].split("-")[0]) if not rec["name"].startswith("fsdp2") else None
+    best = UNCAPPED["openvla"] if rec["name"].startswith("fsdp2") else best
+    ratio = rec["samples_per_s"] / best[0] if best and rec.get("samples_per_s") else nan
+    cap = f" (cap {rec['limit']:g} GiB)" if rec.get("limit") else ""
+    return [
+        rec["name"] + cap,
+        rec["batch"],
+        rec.get("layout", "-"),
+        rec.get("gpu_gib", nan),
+        rec.get("predicted_gib", nan),
+        rec.get("host_gib", nan),
+        rec.get("predicted_host_gib", nan),
+        rec.get("step_s", nan),
+        rec.get("predicted_s", nan),
+        rec.get("samples_per_s", nan),
+        rec.get("tokens_per_s", nan),
+        f"{100 * rec['mfu']:.1f} %" if rec.get("mfu") else "-",
+        ratio,
+        rec["status"],
+    ]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", help="comma-separated row names (default: all)")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per row (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--host-limit", type=float, default=112.0, help="GiB of host RSS a row may use")
+    p.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take")
+    p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
+    p.add_argument("--out", default="runs/memory_fit", help="the runs' --out")
+    p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    rows = SMOKE if args.smoke else ROWS
+    if args.child:
+        row = next(r for r in rows if r.name == args.child)
+        print("RESULT " + json.dumps(child(row, args)), flush=True)
+        return []
+    if args.rows:
+        rows = tuple(r for r in rows if r.name in args.rows.split(","))
+    info = env_info()
+    records = []
+    for row in rows:
+        rec = {"benchmark": "memory_fit", **dataclasses.asdict(row), **spawn(row, args)}
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    title = "memory_fit: 7B training under a GPU memory cap on one GPU"
+    print_table(title, COLUMNS, [table_row(r) for r in records])
+    if not (args.smoke or args.no_write):
+        notes = (
+            "GPU GiB = torch.cuda.max_memory_allocated; host GiB = the row process's peak RSS "
+            f"(VmHWM; killed past --host-limit {args.host_limit:g}); step = median of "
+            f"{args.steps} timed step(s) after {args.warmup} warm-up; MFU against "
+            f"{PEAK_BF16_TFLOPS:g} TFLOP/s; x uncapped = samples/s over parallax's uncapped best: "
+            + "; ".join(f"{k}: {v[0]} samples/s, {v[1]}" for k, v in UNCAPPED.items())
+        )
+        append_results(title, COLUMNS, [table_row(r) for r in records], notes, records, info)
+    return records
+
+
+if __name__ == "__main__":
+    main()
