@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.rows:
         wanted = args.rows.split(",")
         rows = tuple(r for r in rows if r.name in wanted)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    gpu = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     records = [run_row(row, args, device) for row in rows]
     title = "plan_accuracy: the planner's first choice on one GPU, predicted against measured"
     print_table(title, COLUMNS, [table_row(r) for r in records])

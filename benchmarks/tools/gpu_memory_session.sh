@@ -29,4 +29,4 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 free -g | head -2
 step 330 memory_fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla-32,openvla-24,llava-24,lora-16,fsdp2-offload-32}" --row-timeout 120
 step 150 plan_accuracy python3 -m benchmarks.plan.plan_accuracy --rows "${PLAN_ROWS:-lora-16,siglip,openvla,llava}" --steps 2 --warmup 1
-step 300 oft_step python3 -m benchmarks.openvla.oft_step --steps 4 --warmup 2 --write
+[ -n "${OFT:-}" ] && step 300 oft_step python3 -m benchmarks.openvla.oft_step --steps 4 --warmup 2 --write

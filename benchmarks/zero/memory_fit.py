@@ -92,7 +92,8 @@ def _rss_gib(pid: int) -> float:
 
 def child(row: Row, args) -> dict:
     """One row, in this process: plan under the cap, run, measure."""
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    gpu = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     rec: dict = {}
     if device.type == "cuda" and row.limit is not None:
         total = torch.cuda.get_device_properties(device).total_memory

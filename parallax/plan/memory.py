@@ -62,10 +62,17 @@ class RankMemory:
     buffers: float
     host: float
     pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
+    building: float = 0.0  # while the optimizer is made: the model as built and its flat copy
 
     @property
     def gpu(self) -> float:
-        """The peak of allocated GPU bytes (what ``torch.cuda.max_memory_allocated`` reads)."""
+        """The peak of allocated GPU bytes (what ``torch.cuda.max_memory_allocated`` reads):
+        training's, or the optimizer's construction where that is higher."""
+        return max(self.building, self.training)
+
+    @property
+    def training(self) -> float:
+        """Allocated GPU bytes at training's peak."""
         return (
             self.weights
             + self.gradients
@@ -132,6 +139,7 @@ def rank_memory(model: Model, layout: Layout, pp_rank: int, overlap: bool = True
         buffers=buffers,
         host=host,
         pinned=pinned,
+        building=_building(c, layout),
     )
 
 
@@ -219,6 +227,15 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
         pinned = PINNED_POOL * (bucket / dp) * (2 if c.t2 else 4)
         host = share * (4.0 * c.trainable / dp + moments + accumulator) + pinned
     return weights, gradients, optimizer, gathered, buffers, host, pinned
+
+
+def _building(c: _Counts, layout: Layout) -> float:
+    """GPU bytes while the optimizer is made: ZeRO-1/2 allocate the flat buffers of the
+    trainable weights whole while the model's own copies still exist; ZeRO-3 moves the weights
+    into their buckets one bucket at a time (:class:`parallax.optim.sharded.ShardedStore`)."""
+    if layout.zero == 3:
+        return float(c.full_bytes) + float(min(c.unit, c.full_bytes))
+    return float(c.full_bytes) + 2.0 * c.t2 + 4.0 * c.t4
 
 
 def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, float]:

@@ -98,6 +98,8 @@ def _memory_options(dp: int, fixed: dict[str, Any]) -> list[tuple[int, bool, boo
     if dp > 1:
         out += [(3, 0.0, True), (3, 0.0, False)]
         out += [(3, share, reshard) for share in shares for reshard in (True, False)]
+    else:  # nothing to shard, but ZeRO-3 builds its buckets one at a time (a lower peak)
+        out += [(3, share, True) for share in shares]
     return [
         (z, o, r)
         for z, o, r in out
