@@ -2,7 +2,7 @@
 # One device session for the memory, planner and OFT issues, in order of what matters most;
 # every step bounded by `timeout`, RESULTS.md and results.jsonl copied out after each.
 #
-#   bash benchmarks/tools/gpu_memory_session.sh OUT_DIR [SECONDS]
+#   PARALLAX_COMMIT=<sha> bash benchmarks/tools/gpu_memory_session.sh OUT_DIR [SECONDS]
 #
 # 1. benchmarks.zero.memory_fit: 7B under 32/24/16 GiB caps, the FSDP2 + CPU offload peer;
 # 2. benchmarks.plan.plan_accuracy: the planner's uncapped first choices, predicted vs measured;
@@ -12,6 +12,7 @@ out=${1:?usage: gpu_memory_session.sh OUT_DIR [SECONDS]}
 budget=${2:-580}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+: "${PARALLAX_COMMIT:?set PARALLAX_COMMIT to the commit that runs: a device copy of the tree may hold another git state}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped card fragments less
 start=$SECONDS
 step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the budget

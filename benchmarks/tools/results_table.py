@@ -138,6 +138,17 @@ SPECS: dict[str, Spec] = {
             ("step s measured", "measured_s", "g"),
         ),
     ),
+    "memory_fit": Spec(
+        "zero.memory_fit",
+        ("name", "batch", "limit", "layout"),
+        (
+            ("GPU GiB", "gpu_gib", "g"),
+            ("host GiB", "host_gib", "g"),
+            ("step s", "step_s", "g"),
+            ("samples/s", "samples_per_s", "g"),
+            MFU,
+        ),
+    ),
     "data_throughput": Spec(
         "data.data_throughput",
         ("format", "workers", "batch", "image_size"),

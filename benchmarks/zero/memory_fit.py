@@ -202,7 +202,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = SMOKE if args.smoke else ROWS
     if args.child:
         row = next(r for r in rows if r.name == args.child)
-        print("RESULT " + json.dumps(child(row, args)), flush=True)
+        try:
+            rec = child(row, args)
+        except torch.cuda.OutOfMemoryError as err:
+            rec = {"status": f"out of memory: {str(err).splitlines()[0][:120]}"}
+        except (ValueError, RuntimeError) as err:
+            rec = {"status": f"error: {str(err).splitlines()[0][:120]}"}
+        print("RESULT " + json.dumps(rec), flush=True)
         return []
     if args.rows:
         rows = tuple(r for r in rows if r.name in args.rows.split(","))

@@ -1,0 +1,27 @@
+"""The memory-fit benchmark's smoke form: a tiny row planned, run in a watched child process
+and reported (host peak, samples/s), and nothing written."""
+
+import math
+
+from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
+from benchmarks.zero.memory_fit import main
+
+
+def _sizes() -> list[int]:
+    return [f.stat().st_size if f.exists() else 0 for f in (RESULTS_MD, RESULTS_JSONL)]
+
+
+def test_smoke_row_runs_in_a_watched_child_and_writes_nothing(tmp_path):
+    before = _sizes()
+    (rec,) = main(["--smoke", "--rows", "tiny-lora", "--steps", "1", "--warmup", "0",
+                   "--out", str(tmp_path)])  # fmt: skip
+    assert rec["status"] == "ok", rec
+    assert rec["host_gib"] > 0.05 and math.isfinite(rec["step_s"]) and rec["samples_per_s"] > 0
+    assert rec["predicted_gib"] > 0 and rec["layout"].startswith("tp1 pp1 dp1")
+    assert _sizes() == before
+
+
+def test_a_row_over_the_host_limit_is_ended_and_reported(tmp_path):
+    (rec,) = main(["--smoke", "--rows", "tiny-lora", "--host-limit", "0.01",
+                   "--out", str(tmp_path), "--no-write"])  # fmt: skip
+    assert rec["status"].startswith("host RSS over 0.01 GiB"), rec
