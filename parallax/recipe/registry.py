@@ -51,9 +51,16 @@ _LOADED: dict[str, Recipe] = {}
 
 def register(name: str, recipe: Recipe | str, presets: tuple[str, ...] | None = None) -> None:
     """Add (or replace) family ``name``: a recipe object, or its ``"module:Class"`` path with
-    the presets it takes (imported when first asked for)."""
+    the presets it takes (imported when first asked for).
+
+    A preset names one family: one that another family takes already is refused. Otherwise a
+    subclass of a built-in recipe, which inherits its presets, would silently become what
+    ``--model tiny`` means for the rest of the process. Register such a family with presets of
+    its own (``presets=()`` for none) and run it as ``--model NAME:PRESET``."""
     if isinstance(recipe, str):
-        FAMILIES[name] = Family(recipe, tuple(presets or ()))
+        listed = tuple(presets or ())
+        _check_presets(name, listed)
+        FAMILIES[name] = Family(recipe, listed)
         _LOADED.pop(name, None)
     else:
         missing = missing_methods(recipe)
@@ -63,8 +70,23 @@ def register(name: str, recipe: Recipe | str, presets: tuple[str, ...] | None = 
                 f"{', '.join(missing)} (what a {recipe.objective!r} recipe must say)"
             )
         listed = tuple(presets if presets is not None else recipe.presets())
+        _check_presets(name, listed)
         FAMILIES[name] = Family(f"<object {type(recipe).__name__}>", listed)
         _LOADED[name] = recipe
+
+
+def _check_presets(name: str, listed: tuple[str, ...]) -> None:
+    """Refuse presets of ``name`` that another family takes (see :func:`register`)."""
+    taken = {p: f for f, fam in FAMILIES.items() if f != name for p in fam.presets}
+    clashes = [p for p in listed if p in taken]
+    if clashes:
+        first = clashes[0]
+        raise ValueError(
+            f"family {name!r}: preset {first!r} is family {taken[first]!r}'s already "
+            f"({len(clashes)} of its {len(listed)} presets are taken: {', '.join(clashes)}); "
+            f"register {name!r} with presets of its own (presets=() for none) and run it as "
+            f"--model {name}:{first}"
+        )
 
 
 def recipe(name: str) -> Recipe:

@@ -132,6 +132,35 @@ def test_registry_finds_families_by_preset_checkpoint_and_prefix(tmp_path):
         registry._LOADED.pop("toy")
 
 
+def test_a_family_cannot_take_another_familys_presets():
+    """A subclass of a built-in recipe inherits its presets: registered as they are, it would
+    silently become what ``--model tiny`` means in this process (and in a test pool's worker
+    processes, for every later test). It is refused, the registry left as it was; with
+    presets of its own it runs as ``FAMILY:PRESET``."""
+    from parallax.families.openvla.recipe import OpenVLARecipe
+
+    class Shadow(OpenVLARecipe):
+        name = "shadow"
+
+    before = dict(registry.FAMILIES)
+    for given in ({}, {"presets": ("mine", "small")}):
+        with pytest.raises(ValueError, match="is family 'openvla''s already"):
+            registry.register("shadow", Shadow(), **given)
+        assert before == registry.FAMILIES and registry.find("tiny").name == "openvla"
+    with pytest.raises(ValueError, match="register 'shadow' with presets of its own"):
+        registry.register("shadow", "parallax.families.openvla.recipe:OpenVLARecipe", ("tiny",))
+    registry.register("shadow", Shadow(), presets=())
+    try:
+        assert registry.find("tiny").name == "openvla"
+        assert registry.find("shadow:tiny").name == "shadow"
+        registry.register("shadow", Shadow(), presets=("shadow-tiny",))  # replacing itself
+        assert registry.find("shadow-tiny").name == "shadow"
+    finally:
+        registry.FAMILIES.pop("shadow")
+        registry._LOADED.pop("shadow")
+    assert before == registry.FAMILIES
+
+
 # -- freezing and learning-rate groups --------------------------------------------------------
 
 

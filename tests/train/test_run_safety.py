@@ -69,12 +69,23 @@ def _train(out: str, *args: str, poison_step: int | None = None):
 
     recipe = _Poisoned()
     recipe.poison_step = poison_step
-    registry.register("poisoned", recipe)
+    # no presets of its own (OpenVLA's are openvla's), and gone afterwards: the worker
+    # processes serve later tests, whose --model tiny must stay OpenVLA's
+    registry.register("poisoned", recipe, presets=())
     try:
         cli.run(parse_args(["--out", out, "--model", "poisoned:tiny", *RUN, *args]), context(dp=2))
     except cli.UserError as err:
         return str(err)
+    finally:
+        registry.FAMILIES.pop("poisoned")
+        registry._LOADED.pop("poisoned")
     return None
+
+
+def _family_of(spec: str) -> str:
+    from parallax.recipe import registry
+
+    return registry.find(spec).name
 
 
 def _agreed(results: list) -> str:
@@ -143,3 +154,5 @@ def test_a_non_finite_step_stops_the_run_before_any_later_save(tmp_path):
     message = _agreed(run_ranks(_train, 2, str(tmp_path / "nan2"), poison_step=2))
     assert message.startswith("step 2: the loss is nan") and "no checkpoint was written" in message
     assert not list((tmp_path / "nan2" / "checkpoints").glob("step_*"))
+    # the poisoned family is gone from the workers: later tests' --model tiny is OpenVLA's
+    assert run_ranks(_family_of, 2, "tiny") == ["openvla", "openvla"]
