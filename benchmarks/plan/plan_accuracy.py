@@ -117,14 +117,19 @@ def batch_source(run, ctx):
 
 def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     """``run`` on this device: median step seconds, peak allocated GiB (``step_s``,
-    ``peak_gib``) and one step's model FLOPs and tokens (``flops``, ``tokens``)."""
+    ``peak_gib``), one step's model FLOPs and tokens (``flops``, ``tokens``) and, offloaded,
+    the seconds per step of each host phase (``host_phases``)."""
     ctx = ParallelContext.local(device=device)
     trainer = Trainer(run, ctx)
     next_batch = batch_source(run, ctx)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     times, batch = [], []
+    host = getattr(trainer.optimizer, "host", None)  # --offload optimizer: its phase timers
+    before: dict[str, float] = {}
     for i in range(warmup + steps):
         batch = next_batch()
+        if i == warmup and host is not None:
+            before = dict(host.seconds)
         sync(device)
         start = time.perf_counter()
         out = trainer.train_step(batch)
@@ -134,7 +139,10 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
-    return dict(step_s=median(times), peak_gib=peak, flops=flops, tokens=tokens)
+    out = dict(step_s=median(times), peak_gib=peak, flops=flops, tokens=tokens)
+    if host is not None:  # seconds per step in each host phase of the offloaded optimizer
+        out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
+    return out
 
 
 def run_row(row: Row, args, device: torch.device) -> dict:

@@ -42,7 +42,7 @@ ROWS = (
     Row("lora-16", "openvla-7b", 16, finetune="lora", limit=16.0),
     Row("openvla", "openvla-7b", 256),  # uncapped, planned: the same invocation's reference
 )
-SMOKE = (Row("tiny-capped", "tiny", 8, limit=0.05), Row("tiny-lora", "tiny", 8, finetune="lora"))
+SMOKE = (Row("tiny-capped", "tiny", 8, limit=0.012), Row("tiny-lora", "tiny", 8, finetune="lora"))
 PEER_MICRO_BATCH = 16
 # run where the planner finds nothing that fits its margin: is it right?
 FALLBACK = {"lora-16": dict(micro_batch_size=1, activation_checkpointing=True)}
@@ -130,6 +130,8 @@ def child(row: Row, args) -> dict:
         rec.update(
             tokens_per_s=got["tokens"] / step, mfu=got["flops"] / step / PEAK_BF16_TFLOPS / 1e12
         )
+    if "host_phases" in got:
+        rec["host_phases"] = got["host_phases"]
     rec["host_gib"] = _host_peak_gib()
     return {**rec, "status": "ok"}
 

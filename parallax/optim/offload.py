@@ -36,6 +36,8 @@ from __future__ import annotations
 import functools
 import math
 import queue
+import time
+from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -122,6 +124,9 @@ class HostSteps:
                 for _ in range(POOL):
                     self.pool[dt].put(torch.empty(most, dtype=dt, pin_memory=True))
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
+        # seconds spent since construction, by phase (worker: accumulate, finish, step; main
+        # thread: blocked on a staging buffer or on the worker): where a step's time goes
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self.reset()
 
     def reset(self) -> None:
@@ -141,7 +146,9 @@ class HostSteps:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done)."""
         dtype = self.acc[b].dtype
         if self.on_device:  # on the current (side) stream: after the reduce-scatter
+            start = time.perf_counter()
             staging = self.pool[dtype].get()  # waits for the worker when all are in use
+            self.seconds["pool_wait"] += time.perf_counter() - start
             part = staging[: grad.numel()]
             part.copy_(grad.to(dtype), non_blocking=True)
             event = torch.cuda.Event()
@@ -166,7 +173,14 @@ class HostSteps:
         self._submit(self._finish, b, summed, flags)
 
     def _submit(self, fn, *args) -> None:
-        self.jobs.append(self.worker.submit(fn, *args))
+        self.jobs.append(self.worker.submit(self._timed, fn, *args))
+
+    def _timed(self, fn, *args) -> None:
+        start = time.perf_counter()
+        try:
+            fn(*args)
+        finally:
+            self.seconds[fn.__name__.strip("_")] += time.perf_counter() - start
 
     # -- the worker thread ------------------------------------------------------------------------
     @torch.no_grad()
@@ -238,8 +252,10 @@ class HostSteps:
     # -- the main thread: the step ---------------------------------------------------------------
     def wait(self) -> None:
         jobs, self.jobs = self.jobs, []
+        start = time.perf_counter()
         for job in jobs:
             job.result()  # a worker's error is raised here
+        self.seconds["wait"] += time.perf_counter() - start
 
     def local_part(self, norm_type: float) -> float:
         """What this rank's offloaded gradients add to the global norm: the sum of their

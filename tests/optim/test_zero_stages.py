@@ -105,6 +105,7 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0) -> dict:
         gathered_now=report.gathered_bytes,
         late=opt.reducer.late,
         host_bytes=report.host_bytes,
+        host_phases=sorted(k for k, v in opt.host.seconds.items() if v > 0) if opt.host else [],
     )
 
 
@@ -138,6 +139,9 @@ def test_stages_2_and_3_match_torch(layout):
             bound = (IN_FLIGHT + 1) * per_bucket + 4 * got["held"] * (1 + 1 / dp)
             assert got["pass_peak"] <= bound, case
             assert (got["host_bytes"] > 0) == (offload > 0), case
+            if offload:  # where the host's time went, by phase
+                later = ["finish"] if clip is None else ["finish", "step_later", "wait"]
+                assert set(got["host_phases"]) >= {"accumulate", *later}, case
             if stage == 3:
                 assert got["gathered_now"] == 0, case
                 # this rank's shard of every weight (frozen ones too), padding aside
