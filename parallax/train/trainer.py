@@ -33,7 +33,7 @@ from parallax.pipeline.forward import run_forward
 from parallax.recipe.protocol import Microbatch, Recipe
 from parallax.tensor.sharding import unshard_tensor
 from parallax.train import inputs, lora
-from parallax.train.build import build_stages, checked_whole_model
+from parallax.train.build import build_stages, checked_whole_model, compile_options
 from parallax.train.config import TrainConfig
 from parallax.train.inputs import InputError
 from parallax.train.memory_limit import apply_gpu_memory_limit
@@ -129,6 +129,10 @@ class Trainer:
             local = self.optimizer.weight(p)  # (this tp rank's shape)
             info = getattr(p, "tp_shard", None)
             yield name, local if info is None else unshard_tensor(local, info, self.ctx.tp_group)
+
+    def _compile_options(self, given: dict | None) -> dict:
+        """``torch.compile`` options: those given, and with ``cuda_graphs`` reduce-overhead."""
+        return compile_options(self.cfg, given)
 
     def _build_optimizer(self) -> ZeroOptimizer:
         return build_optimizer(self)
