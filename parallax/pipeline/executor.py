@@ -284,18 +284,9 @@ def run_schedule(
     list that ``stage`` receives for ``microbatch`` (what the previous stage sends); it must be
     exact, on every rank that receives.
     """
-    program = schedule if isinstance(schedule, Program) else None
-    if program is not None:
-        schedule = program.schedule
     stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
-    problem = _check_local(schedule, stages, ctx, inputs, targets, loss_fn)
-    if problem is None and program is None:
-        program = lower(schedule)
-    if agree:
-        _agree(problem, program.fingerprint if program else "0" * 16, ctx)
-    elif problem is not None:  # the caller vouched for every rank: fail here, without peers
-        raise ValueError(f"run_schedule: {problem}")
-
+    program = _checked_program(schedule, stages, ctx, inputs, targets, loss_fn, agree)
+    schedule = program.schedule
     scale = 1.0 / schedule.num_microbatches if loss_scale is None else float(loss_scale)
     by_index = {stage.stage_index: stage for stage in stages}
     runner = _Runner(schedule, by_index, ctx, inputs, targets, loss_fn, scale, timeline, recv_metas)
@@ -318,3 +309,27 @@ def run_schedule(
         last = ctx.pp_peer(schedule.rank_of(schedule.num_stages - 1))
         comm.broadcast(loss, src=last, group=ctx.pp_group)
     return loss
+
+
+def _checked_program(
+    schedule: Schedule | Program,
+    stages: list[PipelineStage],
+    ctx: ParallelContext,
+    inputs: Sequence | None,
+    targets: Sequence | None,
+    loss_fn: LossFn | None,
+    agree: bool,
+) -> Program:
+    """The lowered program, once this rank's arguments are checked and (with ``agree``) every
+    rank agreed that theirs are too and that they run the same program."""
+    program = schedule if isinstance(schedule, Program) else None
+    if program is not None:
+        schedule = program.schedule
+    problem = _check_local(schedule, stages, ctx, inputs, targets, loss_fn)
+    if problem is None and program is None:
+        program = lower(schedule)
+    if agree:
+        _agree(problem, program.fingerprint if program else "0" * 16, ctx)
+    elif problem is not None:  # the caller vouched for every rank: fail here, without peers
+        raise ValueError(f"run_schedule: {problem}")
+    return program
