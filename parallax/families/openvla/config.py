@@ -250,7 +250,9 @@ class OpenVLAConfig:
         return {} if self.oft is None else {"parallax_oft": self.oft.to_dict()}
 
 
-def _presets() -> dict[str, OpenVLAConfig]:
+def _small_towers() -> tuple[tuple[ViTConfig, ViTConfig], tuple[ViTConfig, ViTConfig]]:
+    """The (DINOv2, SigLIP) towers of the tiny and the small presets: the 7B's kinds of tower
+    (registers and LayerScale; a MAP head), scaled down."""
     tiny_dino = ViTConfig(
         image_size=56,
         width=32,
@@ -279,6 +281,11 @@ def _presets() -> dict[str, OpenVLAConfig]:
     small_siglip = replace(
         tiny_siglip, image_size=112, width=288, depth=6, num_heads=8, mlp_hidden=1072
     )
+    return (tiny_dino, tiny_siglip), (small_dino, small_siglip)
+
+
+def _presets() -> dict[str, OpenVLAConfig]:
+    tiny_towers, small_towers = _small_towers()
     llama_7b = replace(LLAMA_DEFAULTS, vocab_size=32064)
     return {
         "openvla-7b": OpenVLAConfig(
@@ -290,7 +297,7 @@ def _presets() -> dict[str, OpenVLAConfig]:
             ),
         ),
         "small": OpenVLAConfig(
-            vision=(small_dino, small_siglip),
+            vision=small_towers,
             text=replace(
                 llama_7b,
                 hidden_size=512,
@@ -301,7 +308,7 @@ def _presets() -> dict[str, OpenVLAConfig]:
             timm_model_ids=("parallax-small-dinov2-reg4", "parallax-small-siglip"),
         ),
         "tiny": OpenVLAConfig(
-            vision=(tiny_dino, tiny_siglip),
+            vision=tiny_towers,
             text=LlamaConfig(
                 vocab_size=576,
                 hidden_size=64,
