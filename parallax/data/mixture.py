@@ -21,6 +21,7 @@ Each dataset keeps its own action statistics, keyed by its name (unique across t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from parallax.data.keys import BUILTIN, FORMATS, KeyConfig, config_from_mapping
 from parallax.data.lerobot import LeRobotSource
 from parallax.data.libero import LiberoSource
 from parallax.data.rlds import RLDSSource, find_rlds_dir
-from parallax.data.source import Source
+from parallax.data.source import Source, chunk_lengths
 from parallax.data.stats import DatasetError, merge_statistics
 from parallax.data.synthetic import SyntheticTask
 
@@ -218,3 +219,41 @@ def load_mixture(
     if weights.sum() <= 0:
         raise DatasetError(f"mixture weights {raw} sum to zero")
     return Mixture(sources, (weights / weights.sum()).tolist())
+
+
+def sources_and_weights(
+    data: Mixture | Source | Sequence[Source], weights: Sequence[float] | None, chunk: int
+) -> tuple[list[Source], Sequence[float]]:
+    """The datasets a loader reads and their weights (a mixture's, else by default their
+    transitions), each checked to give at least one action chunk of ``chunk`` steps."""
+    if isinstance(data, Mixture):
+        sources, weights = data.sources, weights or data.weights
+    else:
+        sources = [data] if isinstance(data, Source) else list(data)
+    if not sources:
+        raise DatasetError("no dataset to load")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    chunk = int(chunk)
+    for s in sources:
+        if not chunk_lengths(s.lengths, chunk).any():
+            raise DatasetError(
+                f"dataset {s.name!r}: no episode has {chunk} steps, so none gives an "
+                f"action chunk of {chunk} (its longest has {int(s.lengths.max())})"
+            )
+    weights = weights or [s.num_transitions for s in sources]
+    if len(weights) != len(sources):
+        raise ValueError(f"{len(weights)} weights for {len(sources)} datasets")
+    return sources, weights
+
+
+def common_image_size(
+    image_size: int | tuple[int, int] | None, sources: Sequence[Source]
+) -> tuple[int, int] | None:
+    """The frames' (height, width); ``None`` (each dataset's own) only where they all agree."""
+    size = (image_size, image_size) if isinstance(image_size, int) else image_size
+    if size is None:
+        shapes = {s.name: s.image_shape for s in sources}
+        if len({tuple(v[:2]) for v in shapes.values() if v}) > 1:
+            raise DatasetError(f"the datasets' images differ {shapes}: pass an image_size")
+    return None if size is None else tuple(size)

@@ -30,7 +30,7 @@ import torch
 
 from parallax.data.augment import AugmentConfig
 from parallax.data.loader import check_batch_sizes
-from parallax.data.mixture import Mixture
+from parallax.data.mixture import Mixture, common_image_size, sources_and_weights
 from parallax.data.order import MixtureOrder, SourceOrder
 from parallax.data.source import Source, chunk_lengths
 from parallax.data.stats import DatasetError, merge_statistics
@@ -70,31 +70,10 @@ class StreamLoader:
         check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp rank {dp_rank} is outside [0, dp size {dp_size})")
-        if isinstance(data, Mixture):
-            sources, weights = data.sources, weights or data.weights
-        else:
-            sources = [data] if isinstance(data, Source) else list(data)
-        if not sources:
-            raise DatasetError("no dataset to load")
-        self.sources = sources
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
-        self.chunk = int(chunk)
-        for s in sources:
-            if not chunk_lengths(s.lengths, self.chunk).any():
-                raise DatasetError(
-                    f"dataset {s.name!r}: no episode has {self.chunk} steps, so none gives an "
-                    f"action chunk of {self.chunk} (its longest has {int(s.lengths.max())})"
-                )
-        weights = weights or [s.num_transitions for s in sources]
-        if len(weights) != len(sources):
-            raise ValueError(f"{len(weights)} weights for {len(sources)} datasets")
+        sources, weights = sources_and_weights(data, weights, chunk)
+        self.sources, self.chunk = sources, int(chunk)
         self.statistics = merge_statistics(*(s.statistics for s in sources))
-        size = (image_size, image_size) if isinstance(image_size, int) else image_size
-        if size is None:
-            shapes = {s.name: s.image_shape for s in sources}
-            if len({tuple(v[:2]) for v in shapes.values() if v}) > 1:
-                raise DatasetError(f"the datasets' images differ {shapes}: pass an image_size")
+        size = common_image_size(image_size, sources)
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
@@ -102,7 +81,7 @@ class StreamLoader:
             seed=seed,
             mode=images,
             augment=augment or AugmentConfig(),
-            image_size=None if size is None else tuple(size),
+            image_size=size,
             cameras=tuple(cameras),
             state=state,
             chunk=int(chunk),

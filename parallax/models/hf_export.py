@@ -117,13 +117,7 @@ def save_pretrained(
     comm.barrier(world)
 
     layout = _layout(model)
-    params = dict(base_parameters(model))  # LoRA adapters are merged in, not written
-    groups = [layout.tensors(n, logical_shape(p)) for n, p in params.items()]
-    # a parameter the layout stores nowhere (a module the family writes apart) is left out
-    params = {n: p for (n, p), g in zip(params.items(), groups) if g}
-    groups = [g for g in groups if g]
-    unused = layout.unused() if model.has_vision else {}
-    groups += [[(n, s)] for n, s in unused.items()]
+    params, groups = _rank_groups(model, layout)
     gathered = comm.all_gather_object((pp_rank, dp_rank, tp_rank, groups), world)
     by_stage = {pp: g for pp, dp, tp, g in gathered if dp == 0 and tp == 0}
     _check_complete(by_stage, layout)  # same verdict on every rank, before anything is written
@@ -150,6 +144,19 @@ def save_pretrained(
     if rank == 0:
         _write_metadata(model, path, files, names, itemsize)
     comm.barrier(world)
+
+
+def _rank_groups(model, layout) -> tuple[dict[str, torch.nn.Parameter], list[Group]]:
+    """This rank's parameters that the layout stores, and the tensor groups of the checkpoint
+    they become (then, with the vision towers, the checkpoint's unused tensors, one each)."""
+    params = dict(base_parameters(model))  # LoRA adapters are merged in, not written
+    groups = [layout.tensors(n, logical_shape(p)) for n, p in params.items()]
+    # a parameter the layout stores nowhere (a module the family writes apart) is left out
+    params = {n: p for (n, p), g in zip(params.items(), groups) if g}
+    groups = [g for g in groups if g]
+    unused = layout.unused() if model.has_vision else {}
+    groups += [[(n, s)] for n, s in unused.items()]
+    return params, groups
 
 
 def _check_complete(by_stage: dict, layout) -> None:

@@ -33,7 +33,7 @@ from parallax.pipeline.lower import Batch, Program, lower
 from parallax.pipeline.schedule import Action, Schedule
 from parallax.pipeline.stage import LossFn, PipelineStage
 from parallax.pipeline.timeline import COMPUTE, Timeline
-from parallax.pipeline.validate import validate
+from parallax.pipeline.validate import rank_problem
 
 RecvMetas = Callable[[int, int], Sequence[p2p.TensorMeta]]  # (stage, microbatch) -> metas
 
@@ -46,51 +46,6 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
-
-
-def _check_local(
-    schedule: Schedule,
-    stages: Sequence[PipelineStage],
-    ctx: ParallelContext,
-    inputs: Sequence | None,
-    targets: Sequence | None,
-    loss_fn: Callable | None,
-) -> str | None:
-    """What is wrong on this rank, as one sentence with the numbers, or ``None``."""
-    pp, rank = ctx.pp_size, ctx.pp_rank
-    if schedule.num_ranks != pp:
-        return (
-            f"the schedule {schedule.describe()} is for {schedule.num_ranks} pipeline ranks but "
-            f"this run has pp={pp}; build it with {pp} ranks"
-        )
-    for stage in stages:
-        if stage.num_stages != schedule.num_stages:
-            return (
-                f"stage {stage.stage_index} was built for {stage.num_stages} stages but the "
-                f"schedule has {schedule.num_stages} (pp={pp} x {schedule.chunks_per_rank} chunks "
-                "per rank)"
-            )
-    have = sorted(stage.stage_index for stage in stages)
-    want = list(schedule.stages_of(rank))
-    if have != want:
-        return f"pp rank {rank} holds stages {have} but the schedule places stages {want} on it"
-    m = schedule.num_microbatches
-    if 0 in want and (inputs is None or len(inputs) != m):
-        got = "no" if inputs is None else len(inputs)
-        return f"the first stage got {got} input microbatches for a schedule of {m} microbatches"
-    if schedule.num_stages - 1 in want:
-        if targets is None or len(targets) != m:
-            got = "no" if targets is None else len(targets)
-            return f"the last stage got {got} targets for a schedule of {m} microbatches"
-        if not callable(loss_fn):
-            return "the last stage needs a loss_fn(output, target) -> scalar"
-    try:
-        if not schedule.__dict__.get("_validated"):
-            validate(schedule)
-            schedule.__dict__["_validated"] = True
-    except ValueError as err:
-        return f"invalid schedule: {err}"
-    return None
 
 
 def _agree(problem: str | None, program_id: str, ctx: ParallelContext) -> None:
@@ -284,18 +239,9 @@ def run_schedule(
     list that ``stage`` receives for ``microbatch`` (what the previous stage sends); it must be
     exact, on every rank that receives.
     """
-    program = schedule if isinstance(schedule, Program) else None
-    if program is not None:
-        schedule = program.schedule
     stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
-    problem = _check_local(schedule, stages, ctx, inputs, targets, loss_fn)
-    if problem is None and program is None:
-        program = lower(schedule)
-    if agree:
-        _agree(problem, program.fingerprint if program else "0" * 16, ctx)
-    elif problem is not None:  # the caller vouched for every rank: fail here, without peers
-        raise ValueError(f"run_schedule: {problem}")
-
+    program = _checked_program(schedule, stages, ctx, inputs, targets, loss_fn, agree)
+    schedule = program.schedule
     scale = 1.0 / schedule.num_microbatches if loss_scale is None else float(loss_scale)
     by_index = {stage.stage_index: stage for stage in stages}
     runner = _Runner(schedule, by_index, ctx, inputs, targets, loss_fn, scale, timeline, recv_metas)
@@ -318,3 +264,27 @@ def run_schedule(
         last = ctx.pp_peer(schedule.rank_of(schedule.num_stages - 1))
         comm.broadcast(loss, src=last, group=ctx.pp_group)
     return loss
+
+
+def _checked_program(
+    schedule: Schedule | Program,
+    stages: list[PipelineStage],
+    ctx: ParallelContext,
+    inputs: Sequence | None,
+    targets: Sequence | None,
+    loss_fn: LossFn | None,
+    agree: bool,
+) -> Program:
+    """The lowered program, once this rank's arguments are checked and (with ``agree``) every
+    rank agreed that theirs are too and that they run the same program."""
+    program = schedule if isinstance(schedule, Program) else None
+    if program is not None:
+        schedule = program.schedule
+    problem = rank_problem(schedule, stages, ctx, inputs, targets, loss_fn)
+    if problem is None and program is None:
+        program = lower(schedule)
+    if agree:
+        _agree(problem, program.fingerprint if program else "0" * 16, ctx)
+    elif problem is not None:  # the caller vouched for every rank: fail here, without peers
+        raise ValueError(f"run_schedule: {problem}")
+    return program

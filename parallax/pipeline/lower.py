@@ -22,15 +22,37 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from parallax.pipeline.messages import (
+    Channel,
+    Message,
+    channel_orders,
+    comm_messages,
+    needed_message,
+    pairing_keys,
+    send_phases,
+    sends_after,
+)
 from parallax.pipeline.schedule import Action, Schedule
 
+__all__ = [
+    "Batch",
+    "Channel",
+    "Item",
+    "Message",
+    "Program",
+    "Times",
+    "channel_orders",
+    "comm_messages",
+    "lower",
+    "needed_message",
+    "pairing_keys",
+    "per_stage",
+    "sends_after",
+]
+
 Times = float | Sequence[float]
-Channel = tuple[int, int]  # (src rank, dst rank)
-# ("M" metadata | "F" activations | "B" gradients, receiving stage, microbatch)
-Message = tuple[str, int, int]
 
 _RECV_KIND = {"M": "RECV_F_META", "F": "RECV_F", "B": "RECV_B"}
-_MSG_KIND = {"RECV_F_META": "M", "RECV_F": "F"}
 
 
 @dataclass(frozen=True)
@@ -64,76 +86,6 @@ class Program:
         for rank, items in enumerate(self.ranks):
             rows.append(f"rank {rank} | " + " ".join(map(str, items)))
         return "\n".join(rows)
-
-
-def sends_after(action: Action, schedule: Schedule) -> list[Action]:
-    """The send actions that ``action``'s results need (none when the peer stage is local)."""
-    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
-    here = schedule.rank_of(s)
-    if action.kind == "F" and s < last and schedule.rank_of(s + 1) != here:
-        return [Action("SEND_F", s, m)]
-    if action.kind == "B" and s > 0 and schedule.rank_of(s - 1) != here:
-        return [Action("SEND_B", s, m)]
-    return []
-
-
-def needed_message(action: Action, schedule: Schedule) -> tuple[Channel, Message] | None:
-    """The remote message a compute action consumes, with its channel, or ``None``."""
-    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
-    here = schedule.rank_of(s)
-    if action.kind == "F" and s > 0 and schedule.rank_of(s - 1) != here:
-        return (schedule.rank_of(s - 1), here), ("F", s, m)
-    if action.kind == "B" and s < last and schedule.rank_of(s + 1) != here:
-        return (schedule.rank_of(s + 1), here), ("B", s, m)
-    return None
-
-
-def comm_messages(op: Action, schedule: Schedule) -> tuple[Channel, list[Message]]:
-    """The channel and elementary message of one communication action."""
-    s, m = op.stage, op.microbatch
-    if op.kind == "SEND_F_META":
-        return (schedule.rank_of(s), schedule.rank_of(s + 1)), [("M", s + 1, m)]
-    if op.kind == "SEND_F":
-        return (schedule.rank_of(s), schedule.rank_of(s + 1)), [("F", s + 1, m)]
-    if op.kind == "SEND_B":
-        return (schedule.rank_of(s), schedule.rank_of(s - 1)), [("B", s - 1, m)]
-    if op.kind == "RECV_B":
-        return (schedule.rank_of(s + 1), schedule.rank_of(s)), [("B", s, m)]
-    if op.kind in ("RECV_F_META", "RECV_F"):
-        return (schedule.rank_of(s - 1), schedule.rank_of(s)), [(_MSG_KIND[op.kind], s, m)]
-    raise ValueError(f"{op} is not a communication action")
-
-
-def _phases(send: Action) -> tuple[list[Action], list[Action]]:
-    """A forward send is its metadata, then the activations."""
-    if send.kind == "SEND_F":
-        return [Action("SEND_F_META", send.stage, send.microbatch)], [send]
-    return [], [send]
-
-
-def channel_orders(schedule: Schedule) -> dict[Channel, list[Message]]:
-    """Per channel, the sender's order of elementary messages."""
-    orders: dict[Channel, list[Message]] = defaultdict(list)
-    for acts in schedule.actions:
-        for action in acts:
-            for send in sends_after(action, schedule):
-                first, second = _phases(send)
-                for op in first + second:
-                    channel, msgs = comm_messages(op, schedule)
-                    orders[channel].extend(msgs)
-    return dict(orders)
-
-
-def pairing_keys(op: Action, schedule: Schedule) -> tuple[bool, tuple[tuple[str, int], ...]]:
-    """Whether ``op`` is a send, and the keys under which NCCL may pair it with operations of
-    the other direction in one batch: the peer, and the ring distance. NCCL schedules a batch's
-    point-to-point operations in rounds, each sending ``d`` ranks ahead and receiving from ``d``
-    ranks behind; with two ranks both are the same peer."""
-    (src, dst), _msgs = comm_messages(op, schedule)
-    n = schedule.num_ranks
-    if op.kind.startswith("SEND"):
-        return True, (("peer", dst), ("distance", (dst - src) % n))
-    return False, (("peer", src), ("distance", (dst - src) % n))
 
 
 def _batches(events: list[tuple[tuple, Action]], schedule: Schedule) -> list[Batch]:
@@ -240,7 +192,7 @@ class _Placement:
             action = self.running[r]
             self.done.add((action.kind, action.stage, action.microbatch))
             for send in sends_after(action, self.schedule):
-                first, second = _phases(send)
+                first, second = send_phases(send)
                 parts = []
                 for op in first + second:
                     channel, (msg,) = comm_messages(op, self.schedule)

@@ -1,8 +1,11 @@
-"""``validate(schedule)``: everything that can be checked about a schedule without processes."""
+"""``validate(schedule)``: everything that can be checked about a schedule without processes;
+``rank_problem``: what can be checked about one rank's arguments to ``run_schedule``."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from parallax.pipeline.lower import (
     Batch,
@@ -16,6 +19,10 @@ from parallax.pipeline.lower import (
 )
 from parallax.pipeline.schedule import Action, Schedule
 from parallax.pipeline.simulate import simulate
+
+if TYPE_CHECKING:
+    from parallax.context import ParallelContext
+    from parallax.pipeline.stage import PipelineStage
 
 
 def _fail(schedule: Schedule, message: str) -> None:
@@ -182,3 +189,49 @@ def validate(schedule: Schedule) -> Program:
     _check_rounds(program)
     simulate(program)  # raises DeadlockError (a ValueError) naming every stuck rank
     return program
+
+
+def rank_problem(
+    schedule: Schedule,
+    stages: Sequence[PipelineStage],
+    ctx: ParallelContext,
+    inputs: Sequence | None,
+    targets: Sequence | None,
+    loss_fn: Callable | None,
+) -> str | None:
+    """What is wrong with this rank's arguments to ``run_schedule`` (its stages, inputs, targets,
+    loss, and the schedule itself), as one sentence with the numbers, or ``None``."""
+    pp, rank = ctx.pp_size, ctx.pp_rank
+    if schedule.num_ranks != pp:
+        return (
+            f"the schedule {schedule.describe()} is for {schedule.num_ranks} pipeline ranks but "
+            f"this run has pp={pp}; build it with {pp} ranks"
+        )
+    for stage in stages:
+        if stage.num_stages != schedule.num_stages:
+            return (
+                f"stage {stage.stage_index} was built for {stage.num_stages} stages but the "
+                f"schedule has {schedule.num_stages} (pp={pp} x {schedule.chunks_per_rank} chunks "
+                "per rank)"
+            )
+    have = sorted(stage.stage_index for stage in stages)
+    want = list(schedule.stages_of(rank))
+    if have != want:
+        return f"pp rank {rank} holds stages {have} but the schedule places stages {want} on it"
+    m = schedule.num_microbatches
+    if 0 in want and (inputs is None or len(inputs) != m):
+        got = "no" if inputs is None else len(inputs)
+        return f"the first stage got {got} input microbatches for a schedule of {m} microbatches"
+    if schedule.num_stages - 1 in want:
+        if targets is None or len(targets) != m:
+            got = "no" if targets is None else len(targets)
+            return f"the last stage got {got} targets for a schedule of {m} microbatches"
+        if not callable(loss_fn):
+            return "the last stage needs a loss_fn(output, target) -> scalar"
+    try:
+        if not schedule.__dict__.get("_validated"):
+            validate(schedule)
+            schedule.__dict__["_validated"] = True
+    except ValueError as err:
+        return f"invalid schedule: {err}"
+    return None

@@ -81,6 +81,9 @@ def at_least(low: float, meaning: str = "") -> Check:
     return check
 
 
+ONE = at_least(1)  # the most common check: a count of at least one
+
+
 def positive(v: Any) -> str | None:
     return None if v > 0 else f"must be positive, got {v:g}"
 

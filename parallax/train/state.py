@@ -20,8 +20,7 @@ each tensor for the writer (one tensor at a time, never a whole block), and a re
 block's weights into the rank's shards (:meth:`parallax.optim.ZeroOptimizer.materialized`).
 So a checkpoint is the same whatever the stage, and any stage resumes any other.
 
-One ``--out`` holds one run: a fresh run refuses a folder that holds another run's checkpoints
-or metrics, unless told to ``--resume`` it or to ``--overwrite`` it (:func:`check_out`).
+One ``--out`` holds one run (:mod:`parallax.train.outdir`, whose functions are re-exported here).
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ from parallax.checkpoint import (
     Checkpoint,
     CheckpointError,
     TensorSource,
-    latest_checkpoint,
     load_module,
     module_sources,
     read_agreed,
-    remove_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -53,15 +50,34 @@ from parallax.tensor import logical_shape
 from parallax.tensor.sharding import unshard_tensor
 from parallax.train import lora
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
+from parallax.train.outdir import (
+    check_out,
+    check_steps_left,
+    checkpoint_root,
+    clear_run,
+    find_resume,
+    metrics_path,
+)
 from parallax.train.steps import schedule_changes
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "OPTIM_PREFIX",
+    "check_out",
+    "check_resumable",
+    "check_same_model",
+    "check_steps_left",
+    "checkpoint_root",
+    "clear_run",
+    "find_resume",
+    "follow_schedule",
+    "load",
+    "metrics_path",
+    "save",
+]
+
 OPTIM_PREFIX = "optim."
-
-
-def checkpoint_root(out: str | Path) -> Path:
-    return Path(out) / "checkpoints"
 
 
 def _optimizer_sources(trainer, write: bool) -> list[TensorSource]:
@@ -193,60 +209,6 @@ def _trained_only(trainer):
         n for chunk in trainer.chunks for n, p in chunk.named_parameters() if p.requires_grad
     }
     return trained.__contains__
-
-
-def metrics_path(out: str | Path) -> Path:
-    return Path(out) / "metrics.jsonl"
-
-
-def check_out(out: str | Path, resume: bool, overwrite: bool) -> None:
-    """Refuse (``ValueError``) a fresh run into a folder that holds another run: its
-    checkpoints would be mixed with this run's (and pruned by step, or resumed later as if
-    they were this run's) and its metrics overwritten. Cheap: run it before anything else."""
-    out = Path(out)
-    if resume and overwrite:
-        raise ValueError(
-            "--resume continues the run in --out and --overwrite deletes it: pass one of them"
-        )
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file, not a directory")
-    if resume or overwrite:
-        return
-    found = []
-    latest = latest_checkpoint(checkpoint_root(out))
-    if latest is not None:
-        found.append(f"checkpoints up to {latest.name}")
-    if metrics_path(out).exists():
-        found.append(metrics_path(out).name)
-    if found:
-        raise ValueError(
-            f"{out} holds another run ({' and '.join(found)}): pass --resume to continue it, "
-            "--overwrite to delete it and start afresh, or choose another --out"
-        )
-
-
-def clear_run(out: str | Path) -> None:
-    """What ``--overwrite`` removes: the old run's checkpoints and metrics (one rank)."""
-    remove_checkpoints(checkpoint_root(out))
-    metrics_path(out).unlink(missing_ok=True)
-
-
-def find_resume(out: str | Path) -> Checkpoint | None:
-    """The latest complete checkpoint under ``out``, validated (or ``None`` when there is none).
-
-    Raises :class:`CheckpointError` naming what is wrong with a corrupt or partial one.
-    """
-    path = latest_checkpoint(checkpoint_root(out))
-    return None if path is None else Checkpoint(path)
-
-
-def check_steps_left(ckpt: Checkpoint, steps: int) -> None:
-    """A resumed run must have steps left to train (else it would exit having done nothing)."""
-    if steps <= ckpt.step:
-        raise ValueError(
-            f"the checkpoint {ckpt.path} is at step {ckpt.step} and --steps is {steps}: "
-            f"nothing left to train; raise --steps above {ckpt.step} to continue"
-        )
 
 
 def check_resumable(ckpt: Checkpoint, trainer) -> None:

@@ -28,11 +28,12 @@ from parallax import comm
 from parallax.context import ParallelContext
 from parallax.models.compile import memory_budget
 from parallax.optim import ZeroOptimizer
-from parallax.pipeline import PipelineStage, TensorMeta, Timeline, lower, run_schedule, split
+from parallax.pipeline import TensorMeta, Timeline, lower, run_schedule, split
 from parallax.pipeline.forward import run_forward
-from parallax.recipe.protocol import Microbatch, Recipe, whole_model
+from parallax.recipe.protocol import Microbatch, Recipe
 from parallax.tensor.sharding import unshard_tensor
-from parallax.train import groups, inputs, lora
+from parallax.train import inputs, lora
+from parallax.train.build import build_stages, checked_whole_model, compile_options
 from parallax.train.config import TrainConfig
 from parallax.train.inputs import InputError
 from parallax.train.memory_limit import apply_gpu_memory_limit
@@ -74,7 +75,7 @@ class Trainer:
         self.run = self.cfg = run  # the run reads like its options: self.cfg.lr
         self.ctx, self.recipe = ctx, run.recipe
         self.model_config, self.checkpoint_dir = run.model_config, run.checkpoint
-        recipe, cfg, checkpoint_dir = run.recipe, run, run.checkpoint
+        recipe, cfg = run.recipe, run
         apply_gpu_memory_limit(cfg, ctx)
         recipe.check_layout(self.model_config, cfg, ctx.dims)
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -87,35 +88,11 @@ class Trainer:
         self.ranges = split(
             [b.cost for b in blocks], ctx.pp_size, cfg.chunks, pin_first=recipe.pin_first
         )
-        whole = self._whole_model()
-        groups.check_freeze_globs(cfg, recipe, [n for n, _ in whole.named_parameters()])
-        # the whole model's LoRA report (its globs checked; None for full fine-tuning)
-        self.lora_report = lora.check_globs(whole, cfg, recipe)
-        groups.apply_freeze([whole], cfg, recipe)
         # the whole model (meta: shapes only) as this run adapts it: adapters, frozen parameters
-        self.whole = whole
-        if cfg.lr_groups:  # against every name that can train, adapters included
-            groups.check_lr_group_globs(cfg, [n for n, _ in whole.named_parameters()])
-        self.chunks: list[torch.nn.Module] = []
-        self.stages: list[PipelineStage] = []
-        for s, rng in enumerate(self.ranges):
-            if self.schedule.rank_of(s) != ctx.pp_rank:
-                continue
-            chunk = recipe.build(
-                self.model_config,
-                rng,
-                ctx,
-                cfg=cfg,
-                dtype=self.dtype,
-                device=ctx.device,
-                checkpoint=checkpoint_dir,
-            )
-            lora.prepare(chunk, cfg, recipe)  # adapters, frozen base: before the optimizer
-            groups.apply_freeze([chunk], cfg, recipe)
-            if cfg.compile:
-                chunk.compile_blocks(**self._compile_options(compile_options))
-            self.chunks.append(chunk)
-            self.stages.append(PipelineStage(chunk, s, len(self.ranges), ctx))
+        self.whole, self.lora_report = checked_whole_model(
+            recipe, self.model_config, cfg, self.dtype
+        )
+        self.chunks, self.stages = build_stages(self, compile_options)
         self.base_identity = None  # the frozen base's fingerprint, for LoRA checkpoints
         if lora.enabled(cfg):
             lora.load_init(self.chunks, cfg, ctx)
@@ -134,10 +111,6 @@ class Trainer:
         """Every global parameter name of the whole model (built on the meta device: the same
         on every rank, no collective), adapters included."""
         return [n for n, _ in self.whole.named_parameters()]
-
-    def _whole_model(self) -> torch.nn.Module:
-        """The whole model on the meta device at tp = 1 (shapes and names only)."""
-        return whole_model(self.recipe, self.model_config, self.cfg, self.dtype)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under their global (layout-free) names, with their current
@@ -158,12 +131,8 @@ class Trainer:
             yield name, local if info is None else unshard_tensor(local, info, self.ctx.tp_group)
 
     def _compile_options(self, given: dict | None) -> dict:
-        """``torch.compile`` options: those given, and with ``cuda_graphs`` the inductor's
-        reduce-overhead mode (other backends take no mode; on the CPU inductor ignores it)."""
-        options = dict(given or {})
-        if self.cfg.cuda_graphs and options.get("backend", "inductor") == "inductor":
-            options.setdefault("mode", "reduce-overhead")
-        return options
+        """``torch.compile`` options: those given, and with ``cuda_graphs`` reduce-overhead."""
+        return compile_options(self.cfg, given)
 
     def _build_optimizer(self) -> ZeroOptimizer:
         return build_optimizer(self)

@@ -280,13 +280,19 @@ def load_llava(
                 raw = added.fill(raw.float(), head=name == HEAD)
             param.copy_(raw.reshape(param.shape))
     if model.has_vision and (ctx is None or ctx.rank == 0):
-        before = reader.stats.bytes_read
-        canonical = CheckpointLayout(config, LLAVA_HF).unused()
-        for (n, _), key in zip(layout.unused().items(), canonical):
-            if n in present:
-                model.hf_unused[key] = reader.read(n)
-        reader.stats.unused_bytes = reader.stats.bytes_read - before
-        reader.stats.bytes_read = before
+        _keep_unused(model, reader, layout, present)
     reader.stats.seconds = time.perf_counter() - t0
     model.load_stats = reader.stats
     return model
+
+
+def _keep_unused(model, reader: CheckpointReader, layout: CheckpointLayout, present) -> None:
+    """Keep the checkpoint's tensors the model does not use (for the export), under their
+    llava-hf names; their bytes count as ``unused_bytes``, not as read."""
+    before = reader.stats.bytes_read
+    canonical = CheckpointLayout(layout.config, LLAVA_HF).unused()
+    for (n, _), key in zip(layout.unused().items(), canonical):
+        if n in present:
+            model.hf_unused[key] = reader.read(n)
+    reader.stats.unused_bytes = reader.stats.bytes_read - before
+    reader.stats.bytes_read = before

@@ -14,38 +14,32 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from parallax.families.openvla.oft_config import OFTConfig
+from parallax.families.openvla.towers import (
+    DINOV2_L_REG4,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SIGLIP_MEAN,
+    SIGLIP_SO400M,
+    SIGLIP_STD,
+    TIMM_TOWERS,
+    small_towers,
+)
 from parallax.models.llama import LlamaConfig
 from parallax.models.llama_hf import LLAMA_DEFAULTS, TEXT_KEYS, text_config_from_hf
 from parallax.models.vit import ViTConfig
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+__all__ = [
+    "DINOV2_L_REG4",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "PRESETS",
+    "SIGLIP_MEAN",
+    "SIGLIP_SO400M",
+    "SIGLIP_STD",
+    "TIMM_TOWERS",
+    "OpenVLAConfig",
+]
 
-DINOV2_L_REG4 = ViTConfig(
-    width=1024,
-    depth=24,
-    num_heads=16,
-    mlp_hidden=4096,
-    class_token=True,
-    reg_tokens=4,
-    no_embed_class=True,
-    layer_scale=1e-5,
-    feature_layer=-2,
-)
-SIGLIP_SO400M = ViTConfig(
-    width=1152,
-    depth=27,
-    num_heads=16,
-    mlp_hidden=4304,
-    class_token=False,
-    feature_layer=-2,
-    pool="map",
-)
-# timm id (without the pretrained tag) -> (architecture, normalisation mean, std)
-TIMM_TOWERS = {
-    "vit_large_patch14_reg4_dinov2": (DINOV2_L_REG4, IMAGENET_MEAN, IMAGENET_STD),
-    "vit_so400m_patch14_siglip_224": (SIGLIP_SO400M, SIGLIP_MEAN, SIGLIP_STD),
-}
 _AUTO_MAP = {
     "AutoConfig": "configuration_prismatic.OpenVLAConfig",
     "AutoModelForVision2Seq": "modeling_prismatic.OpenVLAForActionPrediction",
@@ -251,34 +245,7 @@ class OpenVLAConfig:
 
 
 def _presets() -> dict[str, OpenVLAConfig]:
-    tiny_dino = ViTConfig(
-        image_size=56,
-        width=32,
-        depth=3,
-        num_heads=4,
-        mlp_hidden=128,
-        class_token=True,
-        reg_tokens=4,
-        no_embed_class=True,
-        layer_scale=0.1,
-        feature_layer=-2,
-    )
-    tiny_siglip = ViTConfig(
-        image_size=56,
-        width=48,
-        depth=3,
-        num_heads=4,
-        mlp_hidden=184,
-        class_token=False,
-        feature_layer=-2,
-        pool="map",
-    )
-    small_dino = replace(
-        tiny_dino, image_size=112, width=256, depth=6, num_heads=8, mlp_hidden=1024
-    )
-    small_siglip = replace(
-        tiny_siglip, image_size=112, width=288, depth=6, num_heads=8, mlp_hidden=1072
-    )
+    tiny_pair, small_pair = small_towers()
     llama_7b = replace(LLAMA_DEFAULTS, vocab_size=32064)
     return {
         "openvla-7b": OpenVLAConfig(
@@ -290,7 +257,7 @@ def _presets() -> dict[str, OpenVLAConfig]:
             ),
         ),
         "small": OpenVLAConfig(
-            vision=(small_dino, small_siglip),
+            vision=small_pair,
             text=replace(
                 llama_7b,
                 hidden_size=512,
@@ -301,7 +268,7 @@ def _presets() -> dict[str, OpenVLAConfig]:
             timm_model_ids=("parallax-small-dinov2-reg4", "parallax-small-siglip"),
         ),
         "tiny": OpenVLAConfig(
-            vision=(tiny_dino, tiny_siglip),
+            vision=tiny_pair,
             text=LlamaConfig(
                 vocab_size=576,
                 hidden_size=64,

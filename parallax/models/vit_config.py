@@ -1,0 +1,91 @@
+"""ViTConfig: the architecture of one vision tower (:mod:`parallax.models.vit` builds it).
+
+Plain data with the checks and derived sizes every user of a tower needs (the planner, the
+FLOP counts, the checkpoint readers) without building one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """Architecture of one vision tower.
+
+    ``feature_layer`` picks the block whose output is the feature (negative counts from the
+    end: -2 is the penultimate block, as OpenVLA and LLaVA use). ``no_embed_class``: the position
+    embedding covers the patches only and the prefix tokens (class, registers) are prepended
+    after it (timm's DINOv2); otherwise it covers prefix and patches. ``pool`` only describes
+    the head that the checkpoint carries ("token", "map" for SigLIP's attention pool, "none");
+    the feature extractor never runs it. ``patch_bias`` and ``causal`` serve the dual encoders
+    (:mod:`parallax.families.siglip.model`): CLIP's bias-free patch conv and its causal text blocks.
+    """
+
+    image_size: int = 224
+    patch_size: int = 14
+    width: int = 1024
+    depth: int = 24
+    num_heads: int = 16
+    mlp_hidden: int = 4096
+    class_token: bool = True
+    reg_tokens: int = 0
+    no_embed_class: bool = False
+    layer_scale: float | None = None
+    qkv_bias: bool = True
+    ln_eps: float = 1e-6
+    act: str = "gelu"
+    pre_norm: bool = False
+    final_norm: bool = False
+    keep_prefix: bool = False
+    feature_layer: int = -1
+    pool: str = "token"
+    patch_bias: bool = True  # CLIP's patch conv has none
+    causal: bool = False  # causal self-attention (CLIP's text tower reuses these blocks)
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"ViTConfig: image_size {self.image_size} is not a multiple of "
+                f"patch_size {self.patch_size}"
+            )
+        if self.width % self.num_heads:
+            raise ValueError(
+                f"ViTConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
+            )
+        if not -self.depth <= self.feature_layer < self.depth:
+            raise ValueError(
+                f"ViTConfig: feature_layer {self.feature_layer} is outside a "
+                f"{self.depth}-block model"
+            )
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"ViTConfig: act must be one of {ACTIVATIONS}, got {self.act!r}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.reg_tokens
+
+    @property
+    def feature_index(self) -> int:
+        """0-based index of the last block that runs."""
+        return self.feature_layer % self.depth
+
+    @property
+    def out_tokens(self) -> int:
+        return self.num_patches + (self.num_prefix_tokens if self.keep_prefix else 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def flops(self) -> float:
+        """Forward FLOPs per image (matmuls and attention; 2 per multiply-add)."""
+        n, w = self.num_patches + self.num_prefix_tokens, self.width
+        block = 2 * n * (4 * w * w + 2 * w * self.mlp_hidden) + 4 * n * n * w
+        patch = 2 * self.num_patches * 3 * self.patch_size**2 * w
+        return patch + (self.feature_index + 1) * block
