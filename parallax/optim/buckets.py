@@ -97,6 +97,58 @@ class FlatLayout:
         return out
 
 
+class _Packer:
+    """Buckets being filled, one open bucket per (buffer, sequence-parallel) key."""
+
+    def __init__(self, shapes, dtypes, sequence_parallel, dp: int, bucket_numel: int) -> None:
+        self.shapes, self.dtypes, self.sp = shapes, dtypes, sequence_parallel
+        self.dp, self.bucket_numel = dp, bucket_numel
+        self.buffer_dtypes = tuple(dict.fromkeys(dtypes))  # first-seen order
+        self.sizes = [0] * len(self.buffer_dtypes)
+        self.slots: dict[int, Slot] = {}
+        self.buckets: list[Bucket] = []
+        self.open: dict[tuple[int, bool], list[int]] = {}  # key -> params of the open bucket
+        self.filled: dict[tuple[int, bool], int] = {}  # key -> elements in the open bucket
+        self.unit = 0
+
+    def close(self, key: tuple[int, bool]) -> None:
+        members = self.open.pop(key, [])
+        self.filled.pop(key, None)
+        if not members:
+            return
+        buf, sp = key
+        start = offset = self.sizes[buf]
+        for i in members:
+            numel = _numel(self.shapes[i])
+            self.slots[i] = Slot(buf, offset, numel, len(self.buckets))
+            offset += _round_up(numel, ALIGN)
+        end = start + _round_up(offset - start, self.dp * ALIGN)
+        self.sizes[buf] = end
+        index = len(self.buckets)
+        self.buckets.append(
+            Bucket(index, buf, start, end, tuple(members), sp, self.dp, unit=self.unit)
+        )
+
+    def fill(self, i: int) -> None:
+        key = (self.buffer_dtypes.index(self.dtypes[i]), bool(self.sp[i]))
+        self.open.setdefault(key, []).append(i)
+        self.filled[key] = self.filled.get(key, 0) + _round_up(_numel(self.shapes[i]), ALIGN)
+        if self.filled[key] >= self.bucket_numel:
+            self.close(key)
+
+    def close_all(self, sequence_parallel: bool | None = None) -> None:
+        """Close the open buckets (only those of one kind when ``sequence_parallel`` is given)."""
+        for key in sorted(self.open):
+            if sequence_parallel is None or key[1] == sequence_parallel:
+                self.close(key)
+
+    def layout(self) -> FlatLayout:
+        slots = tuple(self.slots[i] for i in range(len(self.shapes)))
+        return FlatLayout(
+            self.buffer_dtypes, tuple(self.sizes), slots, tuple(self.buckets), self.dp
+        )
+
+
 def build_layout(
     shapes: Sequence[tuple[int, ...]],
     dtypes: Sequence[torch.dtype],
@@ -115,58 +167,21 @@ def build_layout(
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
-    buffer_dtypes = tuple(dict.fromkeys(dtypes))  # first-seen order
-    sizes = [0] * len(buffer_dtypes)
-    slots: dict[int, Slot] = {}
-    buckets: list[Bucket] = []
-    open_: dict[tuple[int, bool], list[int]] = {}  # (buffer, sp) -> params of the open bucket
-    filled: dict[tuple[int, bool], int] = {}  # (buffer, sp) -> elements in the open bucket
-
-    unit_now = [0]
-
-    def close(key: tuple[int, bool]) -> None:
-        members = open_.pop(key, [])
-        filled.pop(key, None)
-        if not members:
-            return
-        buf, sp = key
-        start = sizes[buf]
-        offset = start
-        for i in members:
-            numel = _numel(shapes[i])
-            slots[i] = Slot(buf, offset, numel, len(buckets))
-            offset += _round_up(numel, ALIGN)
-        end = start + _round_up(offset - start, dp * ALIGN)
-        sizes[buf] = end
-        buckets.append(
-            Bucket(len(buckets), buf, start, end, tuple(members), sp, dp, unit=unit_now[0])
-        )
-
-    def fill(i: int) -> None:
-        key = (buffer_dtypes.index(dtypes[i]), bool(sequence_parallel[i]))
-        open_.setdefault(key, []).append(i)
-        filled[key] = filled.get(key, 0) + _round_up(_numel(shapes[i]), ALIGN)
-        if filled[key] >= bucket_numel:
-            close(key)
-
     order = list(range(len(shapes)) if order is None else order)[::-1]  # backward: last first
     if sorted(order) != list(range(len(shapes))):
         raise ValueError("order must be a permutation of the parameter indices")
+    packer = _Packer(shapes, dtypes, sequence_parallel, dp, bucket_numel)
     for unit, members in _unit_runs(order, units):
-        unit_now[0] = unit
+        packer.unit = unit
         for i in members:
             if not sequence_parallel[i]:
-                fill(i)
-        for key in sorted(k for k in open_ if not k[1]):
-            close(key)
+                packer.fill(i)
+        packer.close_all(sequence_parallel=False)
         for i in members:  # partial-over-tp gradients: their own buckets, reduced last
             if sequence_parallel[i]:
-                fill(i)
-        for key in sorted(open_):
-            close(key)
-    return FlatLayout(
-        buffer_dtypes, tuple(sizes), tuple(slots[i] for i in range(len(shapes))), tuple(buckets), dp
-    )
+                packer.fill(i)
+        packer.close_all()
+    return packer.layout()
 
 
 def _unit_runs(order: list[int], units: Sequence[int] | None) -> list[tuple[int, list[int]]]:

@@ -44,8 +44,28 @@ class FlatBuffers:
         check_homes(layout, homes, stage)
         self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
         self.zero_stage = stage
-        sizes = list(zip(layout.dtypes, layout.sizes))
         self.store = ShardedStore(params, layout, dp_rank, device) if stage == 3 else None
+        self._model_views(device)
+        self.offload = set(offload)  # buckets whose masters live in host memory
+        self._allocate_chunks(device)
+        self.masters: list[torch.Tensor] = []  # per bucket: this rank's fp32 master chunk
+        self.grad_outs: list[torch.Tensor | None] = []  # per bucket: where its reduced chunk lands
+        self._place_chunks()
+        self.pieces: list[Piece] = layout.pieces(dp_rank)
+        self.piece_params = [self._piece(self.masters, pc) for pc in self.pieces]
+        self.piece_grads = [  # None for pieces of staged buckets
+            None if self.grad_outs[pc.bucket] is None else self._piece(self.grad_outs, pc)
+            for pc in self.pieces
+        ]
+        self.pieces_of: list[list[tuple[Piece, torch.Tensor]]] = [[] for _ in params]
+        for pc, t in zip(self.pieces, self.piece_params):
+            self.pieces_of[pc.param].append((pc, t))
+
+    def _model_views(self, device: torch.device) -> None:
+        """The parameter buffers (not at ZeRO-3: the store's buckets) and, at ZeRO-1, the
+        gradient buffers, with every parameter's ``.data`` and ``.grad`` a view into them."""
+        sizes = list(zip(self.layout.dtypes, self.layout.sizes))
+        stage = self.zero_stage
         self.param_buffers = (
             [] if stage == 3 else [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
         )
@@ -54,7 +74,7 @@ class FlatBuffers:
             [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes] if full_grads else []
         )
         self.grad_views: list[torch.Tensor] = []
-        for p, slot in zip(params, layout.slots):
+        for p, slot in zip(self.params, self.layout.slots):
             span = slice(slot.offset, slot.offset + slot.numel)
             if self.store is None:
                 view = self.param_buffers[slot.buffer][span].view(p.shape)
@@ -69,8 +89,10 @@ class FlatBuffers:
             p.grad = grad
             self.grad_views.append(grad)
 
-        buckets = layout.buckets
-        self.offload = set(offload)  # buckets whose masters live in host memory
+    def _allocate_chunks(self, device: torch.device) -> None:
+        """The flat fp32 tensors this rank's chunks live in: separate masters, reduced
+        gradient shards, the staging buffer, and the offloaded masters on the host."""
+        buckets, homes, layout = self.layout.buckets, self.homes, self.layout
         on_device = [b for b in buckets if b.index not in self.offload]
         separate = sum(b.chunk for b in on_device if layout.dtypes[b.buffer] != torch.float32)
         shard = sum(b.chunk for b in on_device if homes[b.index] == SHARD)
@@ -83,10 +105,12 @@ class FlatBuffers:
         self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
         # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped
         self.staging = torch.zeros(max(staged), device=device) if staged else None
-        self.masters: list[torch.Tensor] = []  # per bucket: this rank's fp32 master chunk
-        self.grad_outs: list[torch.Tensor | None] = []  # per bucket: where its reduced chunk lands
+
+    def _place_chunks(self) -> None:
+        """Each bucket's master chunk and the home of its reduced gradient (module docstring)."""
+        full_grads = self.zero_stage == 1
         offset = shard_offset = host_offset = 0
-        for b, home in zip(buckets, homes):
+        for b, home in zip(self.layout.buckets, self.homes):
             mine = self.own_param(b.index)
             grad = None  # STAGED: no home between steps; offloaded: on the host when stepped
             if b.index in self.offload:
@@ -113,16 +137,6 @@ class FlatBuffers:
                     grad = grads.view(torch.float32)[: b.chunk]  # (bucket/dp,) fp32
             self.masters.append(master)
             self.grad_outs.append(grad)
-
-        self.pieces: list[Piece] = layout.pieces(dp_rank)
-        self.piece_params = [self._piece(self.masters, pc) for pc in self.pieces]
-        self.piece_grads = [  # None for pieces of staged buckets
-            None if self.grad_outs[pc.bucket] is None else self._piece(self.grad_outs, pc)
-            for pc in self.pieces
-        ]
-        self.pieces_of: list[list[tuple[Piece, torch.Tensor]]] = [[] for _ in params]
-        for pc, t in zip(self.pieces, self.piece_params):
-            self.pieces_of[pc.param].append((pc, t))
 
     @staticmethod
     def _piece(chunks: Sequence[torch.Tensor | None], pc: Piece) -> torch.Tensor:

@@ -33,24 +33,16 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.optim.buckets import build_layout, grad_homes
+from parallax.optim.assembly import AssemblyMethods, check_offload
 from parallax.optim.clip import NormMethods
-from parallax.optim.flat import FlatBuffers
 from parallax.optim.gather import DeferredGathers
-from parallax.optim.grads import GradArrivals
 from parallax.optim.groups import accept, check_passes
 from parallax.optim.memory import MemoryReport, zero_memory
-from parallax.optim.offload import HostSteps, host_options, offloaded_buckets
-from parallax.optim.passes import PassReducer
+from parallax.optim.offload import HostSteps, host_options
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
-from parallax.optim.reducer import GradReducer
-from parallax.optim.staged import StagedSteps
 from parallax.optim.stages import (
     WeightMethods,
-    Zero3,
     check_stage,
-    grouped_order,
-    parameter_units,
 )
 from parallax.optim.state import StateMethods
 
@@ -59,7 +51,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
 
 
-class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
+class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, OptimizerFacade):
     """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
 
     ``stage`` (1, 2 or 3) and ``modules``: the model chunks holding ``params``, needed at stage 3
@@ -125,10 +117,7 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
     ) -> None:
         self.ctx, self.overlap, self.stage = ctx, overlap, stage
         modules = check_stage(stage, modules)
-        if offload and stage < 2:
-            raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {stage}")
-        if not 0.0 < offload_fraction <= 1.0:
-            raise ValueError(f"offload_fraction must be in (0, 1], got {offload_fraction}")
+        check_offload(stage, offload, offload_fraction)
         if offload:
             optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
@@ -156,88 +145,8 @@ class ZeroOptimizer(NormMethods, WeightMethods, StateMethods, OptimizerFacade):
         self.host = HostSteps(self, got.group_of, step_in_backward) if offload else None
         self.reducer.sink = self.host
         self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
-        self.zero3 = (
-            Zero3(
-                self.units,
-                self.params,
-                self.flat.store,
-                ctx,
-                self.reducer,
-                bucket_numel,
-                reshard_after_forward,
-            )
-            if stage == 3
-            else None
-        )
+        self._build_zero3(bucket_numel, reshard_after_forward)
         log.debug("%r: %s", self, self.memory_report())
-
-    def _build_buffers(self, got, modules: list[nn.Module], bucket_numel: int, offload: float):
-        """The layout (by block at stage 3, by chunk at 2) and this rank's buffers, the first
-        ``offload`` share of the elements offloaded."""
-        self.units, unit_of = parameter_units(self.stage, modules, self.params)
-        self.layout = build_layout(
-            [tuple(p.shape) for p in self.params],
-            [p.dtype for p in self.params],
-            got.sequence_parallel,
-            self.ctx.dp_size,
-            bucket_numel,
-            grouped_order(got.order, unit_of, len(self.params)),
-            units=unit_of,
-        )
-        self.flat = FlatBuffers(
-            self.params,
-            self.layout,
-            self.ctx.dp_rank,
-            self.device,
-            self._grad_homes(),
-            self.stage,
-            offloaded_buckets(self.layout, offload),
-        )
-
-    def _build_inner(self, optimizer_class, groups, group_of, optimizer_kwargs) -> None:
-        """The wrapped optimizer over this rank's pieces, in the given groups."""
-        members: list[list[torch.Tensor]] = [[] for _ in groups]  # this rank's pieces per group
-        for pc, t in zip(self.flat.pieces, self.flat.piece_params):
-            members[group_of[pc.param]].append(t)
-        self.staged = StagedSteps(self.flat, [group_of[pc.param] for pc in self.flat.pieces])
-        self._adopt(
-            optimizer_class(
-                [{"params": m, **g.options} for m, g in zip(members, groups)], **optimizer_kwargs
-            )
-        )
-
-    def _build_reduction(self, passes: int, side_copies: bool) -> None:
-        if self.stage >= 2:  # every backward pass reduced as it ends, no gradient buffer
-            self.reducer = PassReducer(
-                self.layout,
-                self.flat.grad_outs,
-                self.names,
-                self.ctx,
-                ordered=self.stage == 2,
-                average=not self._fold,
-                stream=self._stream,
-                device=self.device,
-            )
-            self.reducer.passes = passes
-            self.grads = GradArrivals(self.params, None, self.reducer, None)
-            return
-        self.reducer = GradReducer(
-            self.layout,
-            self.flat.grad_buffers,
-            self.flat.grad_outs,
-            self.names,
-            self.ctx,
-            self.overlap,
-            passes,
-            average=not self._fold,
-            stream=self._stream,
-        )
-        copies = self._stream if side_copies and self.overlap else None
-        self.grads = GradArrivals(self.params, self.flat.grad_views, self.reducer, copies)
-
-    def _grad_homes(self) -> list[str]:
-        """Where each bucket's fp32 reduced gradient lives (see ``buckets.grad_homes``)."""
-        return grad_homes(self.layout, self.overlap, self.stage)
 
     @torch.no_grad()
     def reload_master_weights(self) -> None:
