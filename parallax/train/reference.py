@@ -20,7 +20,7 @@ BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 def reference() -> str:
     """Every flag, a table per ``--help`` group."""
     intro = (
-        "Generated from the option declarations (`parallax/train/config.py`) by "
+        "Generated from the option declarations (`parallax/train/options_*.py`) by "
         "`python -m parallax.train.reference docs/training.md`; every flag is also a key of a "
         "`--config` TOML file (`global-batch-size = 64` or `global_batch_size`).\n\n"
     )
