@@ -24,6 +24,7 @@ COMMON = {  # every family's metrics.jsonl keys (parallax.train.monitor.METRIC_F
     "tokens_per_s",
     "mfu",
     "memory_gib",
+    "host_memory_gib",
     "step_time_s",
     "data_wait_s",
 }

@@ -50,6 +50,7 @@ METRIC_FIELDS = (
     "tokens_per_s",
     "mfu",
     "memory_gib",
+    "host_memory_gib",
     "step_time_s",
     "data_wait_s",
 )
@@ -94,11 +95,16 @@ def fit(parts: list[str], width: int | None, sep: str = "  ") -> str:
     return out
 
 
+def host_memory_gib() -> float:
+    """This process's peak resident host memory (what ``--offload optimizer`` adds to)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: allocated GPU memory, or the CPU process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return host_memory_gib()
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -221,6 +227,7 @@ class Monitor:
             "tokens_per_s": tokens / seconds,
             "mfu": mfu,
             "memory_gib": peak_memory_gib(self.device),
+            "host_memory_gib": host_memory_gib(),  # rank 0's peak RSS
             "step_time_s": seconds,
             "data_wait_s": data_wait_s,  # the slowest rank's wait for its batch
         }

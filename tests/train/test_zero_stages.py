@@ -1,6 +1,8 @@
 """--zero 2 and 3 in the trainer (tp x pp x dp, LoRA, --freeze, --compile) against one process,
 zero-3's memory counted from its own buffers, and a resume across stages and layouts."""
 
+import json
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -236,6 +238,8 @@ def test_resume_across_stages_layouts_and_offload(tmp_path):
     shutil.copy(b / "metrics.jsonl", c / "metrics.jsonl")
     run_ranks(_cli, 2, 1, 2, str(c), ["--zero", "2", *OFFLOAD_FLAGS, "--resume"])  # offload on
     step3 = _losses(b)[3]
+    rows = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["host_memory_gib"] > 0.1 for r in rows)  # host memory in the metrics
     assert _losses(a)[3] == pytest.approx(step3, rel=1e-5)
     assert _losses(c)[3] == pytest.approx(step3, rel=1e-5)
     x, y = (Checkpoint(d / "checkpoints" / "step_00000002") for d in (a, b))
