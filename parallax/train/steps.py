@@ -71,6 +71,8 @@ SCHEDULE_FLAGS = (
     "min_lr",
     "warmup_steps",
     "lr_schedule",
+    "lr_decay_steps",
+    "lr_decay",
     "steps",
     "weight_decay",
 )
@@ -102,10 +104,16 @@ def schedule_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list
         and cfg.steps > old_steps
     ):
         floor = saved.get("min_lr", 0.0)
+        instead = (  # a rate must be positive: a floor of 0 has no constant equivalent
+            f"To continue at the floor instead, pass --lr-schedule constant --lr {floor:g} "
+            "--warmup-steps 0"
+            if floor > 0
+            else "To continue at a small constant rate instead, pass --lr-schedule constant "
+            "--lr RATE --warmup-steps 0 (the floor, 0, would train nothing)"
+        )
         lines.append(
             f"the saved run had finished its cosine decay at step {old_steps} (lr {floor:g}); "
-            f"with --steps {cfg.steps} the decay restarts from {lr:.3g}. To continue at the "
-            f"floor instead, pass --lr-schedule constant --lr {floor:g} --warmup-steps 0"
+            f"with --steps {cfg.steps} the decay restarts from {lr:.3g}. {instead}"
         )
     return lines
 

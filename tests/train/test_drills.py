@@ -225,6 +225,7 @@ def test_resume_follows_changed_schedule_flags_and_takes_a_stale_lock(base, tmp_
     assert f"taking over the lock of a run that is gone (pid {dead.pid}" in said, said
     assert "follows this run's flags (--lr 0.001 -> 0.002, --steps 4 -> 6)" in said, said
     assert "had finished its cosine decay at step 4" in said and "restarts" in said, said
+    assert "--lr RATE" in said and "--lr 0 " not in said, said  # a floor of 0 is no rate
     cfg = parse_args(argv)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -244,6 +245,9 @@ def test_unchanged_flags_resume_silently(base, tmp_path, caplog):
     assert schedule_changes(ckpt["config"], cfg, 2) == []
     (line,) = schedule_changes(ckpt["config"], cfg.replace(min_lr=1e-5), 2)
     assert "--min-lr 0 -> 1e-05" in line and "step 3 trains at lr" in line
+    step = cfg.replace(lr_schedule="step", lr_decay_steps=3, lr_decay=0.5)
+    (line,) = schedule_changes({**ckpt["config"], "lr_decay": 0.1}, step, 2)
+    assert "--lr-decay 0.1 -> 0.5" in line and "--lr-schedule cosine -> step" in line
 
 
 def test_convert_refuses_non_finite_actions_and_writes_0644(tmp_path, capsys):
