@@ -13,7 +13,6 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import BatchLoader, SyntheticTask
-from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train.config import TrainConfig
 from tests.train.test_trainer import separate
@@ -58,19 +57,17 @@ def _run(ctx, cfg):
     for _ in range(STEPS):
         out = trainer.train_step([build(m) for m in loader.next_batch()])
         history.append([out.loss.item(), out.grad_norm.item(), *out.metrics.tolist()])
+    trainable = {name for name, p in trainer.named_parameters() if p.requires_grad}
     weights = {}
-    for name, p in trainer.named_parameters():
-        if not p.requires_grad:
-            continue
-        full = full_tensor(p, ctx.tp_group)
-        if ctx.dp_rank == 0 and ctx.tp_rank == 0:
+    for name, full in trainer.full_weights():  # at zero 3 a collective over dp and tp
+        if name in trainable and ctx.dp_rank == 0 and ctx.tp_rank == 0:
             weights.update(separate(name, full))
     return history, weights
 
 
-def _parallel(tp, pp, dp):
+def _parallel(tp, pp, dp, **memory):
     ctx = context(tp=tp, pp=pp, dp=dp)
-    return {k: _run(ctx, _cfg(k, tp=tp, pp=pp, dp=dp)) for k in RUNS}
+    return {k: _run(ctx, _cfg(k, tp=tp, pp=pp, dp=dp, **memory)) for k in RUNS}
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +80,24 @@ def reference():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(
-    "tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)], ids=["tp2", "pp2", "dp2", "tp2pp2dp2"]
-)
-def test_layouts_match_one_process(reference, tp, pp, dp):
+LAYOUTS = {
+    "tp2": (2, 1, 1, {}),
+    "pp2": (1, 2, 1, {}),
+    "dp2": (1, 1, 2, {}),
+    "tp2pp2dp2": (2, 2, 2, {}),
+    "dp2-zero2-offload": (1, 1, 2, dict(zero=2, offload="optimizer")),
+    "pp2dp2-zero3": (1, 2, 2, dict(zero=3)),
+}
+
+
+@pytest.mark.parametrize("tp,pp,dp,memory", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_layouts_match_one_process(reference, tp, pp, dp, memory):
     for kind, (_, ref_weights) in reference.items():
         assert any(n.startswith("action_head.proj_in") for n in ref_weights), kind
         assert "proprio_projector.fc1.weight" in ref_weights
         assert any(".film_scale." in n for n in ref_weights)
         assert "language_model.lm_head.weight" not in ref_weights  # never runs, never trains
-    results = run_ranks(_parallel, tp * pp * dp, tp, pp, dp)
+    results = run_ranks(_parallel, tp * pp * dp, tp, pp, dp, **memory)
     for kind, (ref_history, ref_weights) in reference.items():
         seen = {}
         for by_kind in results:
