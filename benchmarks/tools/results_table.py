@@ -138,6 +138,15 @@ SPECS: dict[str, Spec] = {
             ("step s measured", "measured_s", "g"),
         ),
     ),
+    "zero_bytes": Spec(
+        "zero.zero_bytes",
+        ("model", "dp", "zero"),
+        (
+            ("counted MiB", "counted_mib", "g"),
+            ("formula MiB", "formula_mib", "g"),
+            ("plain AdamW MiB", "plain_adamw_mib", "g"),
+        ),
+    ),
     "memory_fit": Spec(
         "zero.memory_fit",
         ("name", "batch", "limit", "layout"),
