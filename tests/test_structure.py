@@ -152,8 +152,6 @@ def _loaded_after(code: str) -> set[str]:
 
 
 def test_families_are_imported_only_when_asked_for():
-    siglip = _loaded_after("import parallax.families.siglip")
-    assert siglip and not {m for m in siglip if "openvla" in m or "llava" in m}, siglip
     helped = _loaded_after(
         "from parallax.train import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
     )
@@ -161,6 +159,7 @@ def test_families_are_imported_only_when_asked_for():
     planned = _loaded_after(
         "from parallax.train import main\nmain(['--dry-run', '--model', 'siglip-tiny'])"
     )
+    # a run of one family (which imports the family's package) loads no other family
     assert {m.split(".")[2] for m in planned if m.count(".") >= 2} == {"siglip"}, planned
 
 

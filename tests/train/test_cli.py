@@ -81,10 +81,12 @@ RUN = (
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """The README's CI command: tp2 pp2 dp2 on 8 CPU ranks, a short run."""
+    """The README's CI command: tp2 pp2 dp2 on 8 CPU ranks, a short run (in the warm pool of
+    8 ranks; tests/test_readme.py runs the README's command itself under torchrun)."""
+    from parallax.testing import run_ranks
+
     out = tmp_path_factory.mktemp("tp2pp2dp2")
-    proc = torchrun(8, "--tp", "2", "--pp", "2", "--dp", "2", "--out", str(out), *RUN)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(_run_in_pool, 8, 2, 2, 2, str(out), timeout=300)
     return out, metrics(out)
 
 
@@ -251,7 +253,11 @@ def test_dry_run_under_torchrun_prints_the_plan_once():
     assert "tp2 pp1 dp1 = 2 ranks" in proc.stdout and "not under torchrun" not in proc.stdout
 
 
-def test_bad_inputs_fail_before_training(tmp_path):
+def test_bad_inputs_fail_before_training(tmp_path, capsys):
+    """In this process, through ``main`` (``test_bad_layout_fails_on_every_rank...`` runs the
+    command itself under torchrun)."""
+    from parallax.train.cli import main
+
     cases = [
         (["--global-batch-size", "30", "--micro-batch-size", "4"], "not divisible by micro batch"),
         (["--data", str(tmp_path / "nope")], "nope"),
@@ -259,12 +265,16 @@ def test_bad_inputs_fail_before_training(tmp_path):
         (["--schedule", "1f1b", "--pp", "2"], "world size 1"),
         (["--chunks", "2"], "--chunks 2 needs --schedule interleaved"),
     ]
-    for args, message in cases:
-        proc = single("--out", str(tmp_path / "o"), *args)
-        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
-        assert proc.stderr.startswith("parallax.train: error: "), proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        for args, message in cases:
+            assert main(["--out", str(tmp_path / "o"), *args]) == 2, args
+            err = capsys.readouterr().err
+            assert err.startswith("parallax.train: error: ") and message in err, (args, err)
+            assert "Traceback" not in err, err
+            assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def test_bad_values_end_in_one_line_and_status_2(tmp_path, capsys):
