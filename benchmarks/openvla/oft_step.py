@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import math
 import tempfile
-import time
 
 import torch
 
@@ -49,7 +48,7 @@ from benchmarks.tools.common import (
     median,
     peak_memory_gib,
     print_table,
-    sync,
+    time_it,
 )
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.oft_config import OFTConfig
@@ -170,16 +169,8 @@ def measure_train(args, build, device) -> dict:
 
 
 def time_calls(fn, device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return median(times)
+    """Median seconds per call of ``fn``."""
+    return median(time_it(fn, device, warmup, iters))
 
 
 class _Prompt:

@@ -10,7 +10,6 @@ one process, world size 1.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -25,6 +24,7 @@ from benchmarks.openvla.native.base import (
     synthetic_batch,
 )
 from benchmarks.openvla.native.data_parallel import fsdp_api
+from benchmarks.tools.common import median, time_it
 from parallax.families.openvla import OpenVLAConfig
 
 TEXT_TOKENS, LABELLED = 40, 8  # openvla_step's workload: BOS + 39 prompt tokens, 8 labelled
@@ -73,16 +73,8 @@ def measure(config: OpenVLAConfig, batch: int, micro_batch: int, steps: int, war
     step = build(config, micro_batch, device)
     data = synthetic_batch(config, batch, TEXT_TOKENS, LABELLED, device=device)
     microbatches = split_batch(data, micro_batch)
-    times = []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step(microbatches).item()
-        torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    times.sort()
+    times = time_it(lambda: step(microbatches).item(), device, warmup, steps)
     return dict(
-        step_s=times[len(times) // 2],
+        step_s=median(times),
         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
     )

@@ -33,6 +33,7 @@ import torch
 from benchmarks.plan.plan_accuracy import Row, measure, plan_row
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
+from parallax.train.monitor import host_memory_gib
 
 ROWS = (
     Row("openvla-32", "openvla-7b", 256, limit=32.0),
@@ -68,15 +69,6 @@ COLUMNS = [
     "x uncapped",
     "status",
 ]
-
-
-def _host_peak_gib() -> float:
-    """This process's peak resident set (VmHWM) in GiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 def _rss_gib(pid: int) -> float:
@@ -132,7 +124,7 @@ def child(row: Row, args) -> dict:
         )
     if "host_phases" in got:
         rec["host_phases"] = got["host_phases"]
-    rec["host_gib"] = _host_peak_gib()
+    rec["host_gib"] = host_memory_gib()  # this row's process: its peak resident set
     return {**rec, "status": "ok"}
 
 
@@ -162,8 +154,8 @@ def spawn(row: Row, args) -> dict:
 
 def table_row(rec: dict) -> list[object]:
     nan = float("nan")
-    best = UNCAPPED.get(rec["name"].split("-")[0]) if not rec["name"].startswith("fsdp2") else None
-    best = UNCAPPED["openvla"] if rec["name"].startswith("fsdp2") else best
+    workload = "openvla" if rec["name"].startswith("fsdp2") else rec["name"].split("-")[0]
+    best = UNCAPPED.get(workload)  # the peer against parallax's uncapped best
     ratio = rec["samples_per_s"] / best[0] if best and rec.get("samples_per_s") else nan
     cap = f" (cap {rec['limit']:g} GiB)" if rec.get("limit") else ""
     return [
