@@ -8,9 +8,17 @@ on the reduction's side stream, and added by a worker thread into the bucket's h
 When the bucket's last pass is in, the worker makes its fp32 gradient (the accumulator over dp,
 one bucket at a time), takes its share of the gradient norm, and steps the wrapped optimizer on
 the bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running
-it once), otherwise its foreach kernels. ``step()`` then copies the updated weights back to the
-device bucket by bucket (:meth:`~parallax.optim.flat.FlatBuffers.gather_params`; at ZeRO-3
-into the shards, which the next forward gathers).
+it once), otherwise its foreach kernels. In ``step()`` the worker then writes each bucket's
+updated weights in the model's dtype into a pinned staging buffer and copies them to the device
+on a stream of their own (at ZeRO-3 into the shards, which the next forward gathers), so one
+bucket's upload runs while the next one is stepped.
+
+**Host work at memory speed.** The worker keeps one fp32 scratch buffer (the largest bucket's
+chunk) for the gradient it steps: a fresh tensor per bucket would be a fresh mapping of a few
+hundred MB, each page faulted in on first touch, which costs more than the arithmetic. The
+gradient norm is taken straight from the accumulator. The worker runs torch's CPU kernels on
+this process's share of the cores (:func:`host_threads`): torchrun sets ``OMP_NUM_THREADS=1``
+when it starts several processes, and the host step is the one place here that wants more.
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
 gradients) a bucket is stepped as soon as its gradient is complete, so the host's work hides
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import queue
 import time
 from collections import defaultdict
@@ -49,7 +58,13 @@ from parallax.optim.protocol import narrowed
 
 Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
 
-POOL = 4  # pinned staging buffers: reductions in flight to the host
+POOL = 4  # pinned staging buffers: reductions in flight to the host, or uploads back
+
+
+def host_threads() -> int:
+    """CPU threads for this process's host step: its share of the cores it may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 @functools.cache
@@ -115,40 +130,57 @@ class HostSteps:
         ]
         dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
         self.acc = {b: torch.zeros(buckets[b].chunk, dtype=dt) for b, dt in dtypes.items()}
+        most = max(buckets[b].chunk for b in self.buckets)
+        self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
         self.on_device = opt.device.type == "cuda"
+        # pinned staging (GPUs), per dtype: (buffer, event of its last upload or None)
         self.pool: dict[torch.dtype, queue.Queue] = {}
-        if self.on_device:  # pinned staging for the device-to-host copies, per dtype
-            most = max(buckets[b].chunk for b in self.buckets)
-            for dt in set(dtypes.values()):
-                self.pool[dt] = queue.Queue()
-                for _ in range(POOL):
-                    self.pool[dt].put(torch.empty(most, dtype=dt, pin_memory=True))
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="parallax-offload")
-        # seconds spent since construction, by phase (worker: accumulate, finish, step; main
-        # thread: blocked on a staging buffer or on the worker): where a step's time goes
+        self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
+        for dt in set(dtypes.values()) if self.on_device else ():
+            self.pool[dt] = queue.Queue()
+            for _ in range(POOL):
+                self.pool[dt].put((torch.empty(most, dtype=dt, pin_memory=True), None))
+        self.worker = ThreadPoolExecutor(
+            1, thread_name_prefix="parallax-offload", initializer=self._start_worker
+        )
+        # seconds spent since construction, by phase (worker: accumulate, finish, step_later,
+        # upload; main thread: blocked on a staging buffer or on the worker): where time goes
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.reset()
+
+    def _start_worker(self) -> None:
+        torch.set_num_threads(host_threads())
+        if self.on_device:
+            torch.cuda.set_device(self.opt.device)
 
     def reset(self) -> None:
         """A new step: nothing in, nothing stepped."""
         self.jobs: list[Future] = []
         self.final = dict.fromkeys(self.buckets, False)
         self.stepped = dict.fromkeys(self.buckets, False)
-        self.partials: dict[int, tuple[float, float]] = {}
+        self.partials: dict[int, float] = {}  # bucket -> its share of the squared 2-norm
+        self.uploaded: set[int] = set()  # buckets whose new weights the worker sent back
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
-        staging = [t for q in self.pool.values() for t in list(q.queue)]
-        return [*self.acc.values(), *staging]
+        staging = [t for q in self.pool.values() for t, _ in list(q.queue)]
+        return [*self.acc.values(), self.scratch, *staging]
+
+    def _take(self, dtype: torch.dtype, phase: str) -> torch.Tensor:
+        """A free staging buffer (blocks while all are in use or still uploading)."""
+        start = time.perf_counter()
+        staging, event = self.pool[dtype].get()
+        if event is not None:
+            event.synchronize()
+        self.seconds[phase] += time.perf_counter() - start
+        return staging
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done)."""
         dtype = self.acc[b].dtype
         if self.on_device:  # on the current (side) stream: after the reduce-scatter
-            start = time.perf_counter()
-            staging = self.pool[dtype].get()  # waits for the worker when all are in use
-            self.seconds["pool_wait"] += time.perf_counter() - start
+            staging = self._take(dtype, "pool_wait")
             part = staging[: grad.numel()]
             part.copy_(grad.to(dtype), non_blocking=True)
             event = torch.cuda.Event()
@@ -192,37 +224,41 @@ class HostSteps:
         else:
             self.acc[b].add_(part)
         if staging is not None:
-            self.pool[staging.dtype].put(staging)
+            self.pool[staging.dtype].put((staging, None))
 
-    def _gradient(self, b: int, summed: bool, coef: float | None) -> torch.Tensor:
-        """Bucket ``b``'s fp32 gradient: the dp average (times ``coef``), one bucket's worth."""
+    def _pieces(self, b: int) -> list[torch.Tensor]:
+        """Bucket ``b``'s accumulated gradient, piece by piece, where it counts in the norm."""
+        acc, pieces = self.acc[b], self.flat.pieces
+        return [
+            acc[pieces[k].chunk_offset : pieces[k].chunk_offset + pieces[k].numel]
+            for k in self.pieces_of_bucket[b]
+            if self.counted[k] and pieces[k].numel
+        ]
+
+    def _gradient(self, b: int, coef: float | None) -> torch.Tensor:
+        """Bucket ``b``'s fp32 gradient in the scratch buffer: the dp average times ``coef``."""
         acc = self.acc[b]
-        if not summed:
-            acc.zero_()
-        grad = acc.clone() if acc.dtype == torch.float32 else acc.float()  # (bucket/dp,) fp32
-        if self.dp > 1:
-            grad.div_(self.dp)
-        if coef is not None:
-            grad.mul_(coef)
+        grad = self.scratch[: acc.numel()]  # (bucket/dp,) fp32
+        grad.copy_(acc)
+        scale = (1.0 if coef is None else coef) / self.dp
+        if scale != 1.0:
+            grad.mul_(scale)
         return grad
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags) -> None:
-        grad = self._gradient(b, summed, None)
-        squares, largest = 0.0, 0.0
-        for k in self.pieces_of_bucket[b]:
-            pc = self.flat.pieces[k]
-            if self.counted[k]:
-                piece = grad[pc.chunk_offset : pc.chunk_offset + pc.numel]
-                squares += torch.linalg.vector_norm(piece, dtype=torch.float64).item() ** 2
-                largest = max(largest, piece.abs().max().item() if pc.numel else 0.0)
-        self.partials[b] = (squares, largest)
+        if not summed:
+            self.acc[b].zero_()
+        squares = sum(
+            torch.linalg.vector_norm(p, dtype=torch.float64).item() ** 2 for p in self._pieces(b)
+        )
+        self.partials[b] = squares / self.dp**2
         if flags is not None:
             tensor, work = flags
             comm.wait(work)
             got = tensor.cpu().tolist()
             params = self.layout.buckets[b].params
-            self._step(b, grad, {i: bool(f) for i, f in zip(params, got)})
+            self._step(b, self._gradient(b, None), {i: bool(f) for i, f in zip(params, got)})
 
     def _step(self, b: int, grad: torch.Tensor, flags) -> None:
         """Step the bucket's pieces whose parameter has a gradient on some dp rank."""
@@ -247,7 +283,25 @@ class HostSteps:
     @torch.no_grad()
     def _step_later(self, b: int, coef: float | None, flags) -> None:
         if not self.stepped[b]:  # (a bucket no pass reduced has a zeroed accumulator)
-            self._step(b, self._gradient(b, True, coef), flags)
+            self._step(b, self._gradient(b, coef), flags)
+
+    @torch.no_grad()
+    def _upload(self, b: int) -> None:
+        """Bucket ``b``'s new weights into the model (its shard at ZeRO-3), in the model's dtype:
+        through pinned staging and the upload stream on GPUs."""
+        mine, master = self.flat.own_param(b), self.flat.masters[b]  # (bucket/dp,) each
+        if not self.on_device:
+            mine.copy_(master)
+        else:
+            staging = self._take(mine.dtype, "upload_wait")
+            part = staging[: mine.numel()]
+            part.copy_(master)  # fp32 -> the model's dtype, on the host
+            with torch.cuda.stream(self.uploads):
+                mine.copy_(part, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self.pool[mine.dtype].put((staging, event))
+        self.uploaded.add(b)
 
     # -- the main thread: the step ---------------------------------------------------------------
     def wait(self) -> None:
@@ -259,17 +313,19 @@ class HostSteps:
 
     def local_part(self, norm_type: float) -> float:
         """What this rank's offloaded gradients add to the global norm: the sum of their
-        squares (2-norm) or their largest element (inf-norm), from each bucket's share taken
-        when its gradient was complete."""
+        squares (2-norm, each bucket's share taken when its gradient was complete) or their
+        largest element (inf-norm, read from the accumulators now)."""
         if norm_type not in (2.0, math.inf):
             raise NotImplementedError(
                 f"with --offload optimizer the gradient norm is the 2- or inf-norm, not {norm_type}"
             )
         self.wait()
-        parts = self.partials.values()
-        if norm_type == math.inf:
-            return max((p[1] for p in parts), default=0.0)
-        return sum(p[0] for p in parts)
+        if norm_type == 2.0:
+            return sum(self.partials.values())
+        return max(
+            (float(p.abs().max()) / self.dp for b in self.partials for p in self._pieces(b)),
+            default=0.0,
+        )
 
     def clip(self, coef: torch.Tensor) -> None:
         if any(self.stepped.values()):
@@ -280,9 +336,13 @@ class HostSteps:
         self.coef = float(coef) if self.coef is None else self.coef * float(coef)
 
     def step(self, flags: Sequence[bool]) -> None:
-        """Step every bucket not stepped yet (with the clip coefficient), then wait for all."""
+        """Step every bucket not stepped yet (with the clip coefficient) and send each changed
+        bucket's weights back; the current stream then waits for those uploads."""
         self.wait()
         for b in self.buckets:
-            if not self.stepped[b]:
-                self._submit(self._step_later, b, self.coef, flags)
+            self._submit(self._step_later, b, self.coef, flags)
+            if any(flags[i] for i in self.layout.buckets[b].params):
+                self._submit(self._upload, b)
         self.wait()
+        if self.uploads is not None:
+            torch.cuda.current_stream(self.opt.device).wait_stream(self.uploads)

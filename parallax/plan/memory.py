@@ -21,7 +21,7 @@ tp and dp peers hold as much):
   recomputes: its saved tensors again and their gradients);
 - **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
 - **host**: with offload the fp32 masters, moments and the gradient accumulator in the model's
-  dtype (2/dp bytes per parameter) and the pinned staging buffers.
+  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and the pinned staging buffers.
 
 What a card needs beyond the peak allocation: the caching allocator's reserve and the CUDA
 context (:meth:`RankMemory.needed`, from the machine profile).
@@ -222,10 +222,11 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     moments = 8.0 * c.trainable / dp
     optimizer = (1 - share) * (masters + moments)
     host = pinned = 0.0
-    if share:  # the masters on the host, the moments, the accumulator, the pinned staging
+    if share:  # the masters, the moments, the accumulator, the scratch, the pinned staging
         accumulator = (2.0 * c.t2 + 4.0 * c.t4) / dp
         pinned = PINNED_POOL * (bucket / dp) * (2 if c.t2 else 4)
-        host = share * (4.0 * c.trainable / dp + moments + accumulator) + pinned
+        scratch = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
+        host = share * (4.0 * c.trainable / dp + moments + accumulator) + scratch + pinned
     return weights, gradients, optimizer, gathered, buffers, host, pinned
 
 

@@ -140,7 +140,11 @@ def test_stages_2_and_3_match_torch(layout):
             assert got["pass_peak"] <= bound, case
             assert (got["host_bytes"] > 0) == (offload > 0), case
             if offload:  # where the host's time went, by phase
-                later = ["finish"] if clip is None else ["finish", "step_later", "wait"]
+                later = (
+                    ["finish", "upload"]
+                    if clip is None
+                    else ["finish", "step_later", "upload", "wait"]
+                )
                 assert set(got["host_phases"]) >= {"accumulate", *later}, case
             if stage == 3:
                 assert got["gathered_now"] == 0, case

@@ -1,0 +1,147 @@
+"""How fast can this host step an offloaded optimizer? The floor under ``--offload optimizer``:
+each host phase of :class:`parallax.optim.offload.HostSteps` timed alone on this machine's
+CPU (and its PCIe link, where a GPU is there), then scaled to a model's trainable parameters.
+
+    python -m benchmarks.zero.host_bound [--elements 2**28] [--params 7.54e9 --passes 8]
+    python -m benchmarks.zero.host_bound --smoke      # small tensors, writes nothing
+
+Per step, an offloaded ZeRO-2/3 rank at dp 1 (:mod:`parallax.optim.offload`):
+- per backward pass: copies its reduced gradient to pinned host memory in the model's dtype
+  (``d2h``) and adds it into the host accumulator (``accumulate``);
+- once per step: takes each bucket's gradient norm from the accumulator (``norm``, under the
+  backward), makes its fp32 gradient (``upcast``, into a kept buffer; fresh memory shown for
+  comparison), steps AdamW on the fp32 masters (``adamw fused`` or ``foreach``) and copies
+  the new weights back (``h2d``).
+The table's last rows add these up for ``--params`` and ``--passes``: what the host needs per
+step at best, and the part that cannot hide under the backward when the gradients are clipped
+(everything after the last pass: upcast, AdamW, h2d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.tools.common import append_results, median, print_table
+
+COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
+           "s per step"]  # fmt: skip
+BUCKET = 2**26  # elements per tensor: about one bucket of a 7B model
+
+
+def timed(fn, repeat: int = 3) -> float:
+    """Median seconds of ``fn`` after one untimed call."""
+    fn()
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return median(out)
+
+
+def adamw_seconds(n: int, fused: bool) -> float:
+    """One AdamW step over ``n`` fp32 elements in tensors of ``BUCKET``."""
+    sizes = [min(BUCKET, n - s) for s in range(0, n, BUCKET)]
+    params = [torch.zeros(k, requires_grad=True) for k in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, **kind)
+    return timed(opt.step)
+
+
+def gradient_phases(n: int) -> dict[str, tuple[float, int]]:
+    """The per-pass and per-bucket gradient work over ``n`` bf16 elements: (seconds, bytes
+    moved per element)."""
+    acc = torch.zeros(n, dtype=torch.bfloat16)
+    part = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    kept = torch.empty(n)  # the worker's scratch buffer
+    pieces = acc.split(BUCKET // 16)  # about a weight matrix each
+
+    def norm():
+        for p in pieces:
+            torch.linalg.vector_norm(p, dtype=torch.float64).item()
+
+    return {
+        "accumulate (bf16 add)": (timed(lambda: acc.add_(part)), 6),
+        "upcast into fresh memory (bf16 to fp32)": (timed(lambda: acc.float()), 6),
+        "upcast into a kept buffer (bf16 to fp32)": (timed(lambda: kept.copy_(acc)), 6),
+        "norm (2-norm per piece, from bf16)": (timed(norm), 2),
+    }
+
+
+def host_phases(n: int) -> dict[str, tuple[float, int]]:
+    """Each host-only phase over ``n`` elements: (seconds, bytes moved per element)."""
+    out = gradient_phases(n)
+    out["adamw fused"] = (adamw_seconds(n, fused=True), 28)
+    out["adamw foreach"] = (adamw_seconds(n, fused=False), 28)
+    return out
+
+
+def link_phases(n: int) -> dict[str, tuple[float, int]]:
+    """Pinned copies of ``n`` bf16 elements device-to-host and back (GPU only)."""
+    if not torch.cuda.is_available():
+        return {}
+    dev = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True))
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True))
+    return {"d2h (pinned, bf16)": (d2h, 2), "h2d (pinned, bf16)": (h2d, 2)}
+
+
+PER_PASS = ("accumulate", "d2h")
+TAIL = ("upcast into a kept", "adamw fused", "h2d")  # the norm is taken under the backward
+
+
+def table(phases: dict, params: float, passes: int, threads: int) -> list[list[object]]:
+    rows, per_pass, tail = [], 0.0, 0.0
+    for name, (seconds, width, n) in phases.items():
+        per = seconds / n * 1e9
+        times = passes if name.startswith(PER_PASS) else 1
+        step = per * params / 1e9 * times
+        if name.startswith(PER_PASS):
+            per_pass += step
+        elif name.startswith(TAIL):
+            tail += step
+        rows.append([name, threads, width, per, width * n / seconds / 1e9, times, step])
+    rows.append(["per step: per-pass phases (may hide under the passes)", threads, "-", "-", "-",
+                 passes, per_pass])  # fmt: skip
+    rows.append(["per step: the tail after the last pass (clipped gradients)", threads, "-", "-",
+                 "-", 1, tail])  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[list[object]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--elements", type=int, default=2**28, help="elements each phase is timed on")
+    p.add_argument("--params", type=float, default=7.54e9, help="trainable parameters to scale to")
+    p.add_argument("--passes", type=int, default=8, help="backward passes per step")
+    p.add_argument("--threads", type=int, nargs="*", help="torch threads to try (default: as set)")
+    p.add_argument("--smoke", action="store_true", help="2**20 elements; writes nothing")
+    args = p.parse_args(argv)
+    n = 2**20 if args.smoke else args.elements
+    rows = []
+    for threads in args.threads or [torch.get_num_threads()]:
+        torch.set_num_threads(threads)
+        got = {**host_phases(n), **link_phases(n)}
+        phases = {k: (s, w, n) for k, (s, w) in got.items()}
+        rows += table(phases, args.params, args.passes, threads)
+    title = f"host_bound: an offloaded optimizer's host phases, scaled to {args.params:.3g} params"
+    print_table(title, COLUMNS, rows)
+    if not args.smoke:
+        notes = (
+            f"each phase timed alone on {n} elements (median of 3 after 1), scaled linearly; "
+            f"per-pass phases times --passes {args.passes}; bytes/elem = bytes read and written "
+            "per element (AdamW: fp32 param, grad, two moments read, three written)"
+        )
+        append_results(title, COLUMNS, rows, notes)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
