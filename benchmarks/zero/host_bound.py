@@ -8,10 +8,10 @@ CPU (and its PCIe link, where a GPU is there), then scaled to a model's trainabl
 Per step, an offloaded ZeRO-2/3 rank at dp 1 (:mod:`parallax.optim.offload`):
 - per backward pass: copies its reduced gradient to pinned host memory in the model's dtype
   (``d2h``) and adds it into the host accumulator (``accumulate``);
-- once per step: takes each bucket's gradient norm from the accumulator (``norm``, under the
-  backward), makes its fp32 gradient (``upcast``, into a kept buffer; fresh memory shown for
-  comparison), steps AdamW on the fp32 masters (``adamw fused`` or ``foreach``) and copies
-  the new weights back (``h2d``).
+- once per step: makes each bucket's fp32 gradient (``upcast``, into a kept buffer; fresh
+  memory shown for comparison), takes its norm (``norm``, under the backward; torch's float64
+  norm shown for comparison), steps AdamW on the fp32 masters (``adamw fused`` or
+  ``foreach``) and copies the new weights back (``h2d``).
 The table's last rows add these up for ``--params`` and ``--passes``: what the host needs per
 step at best, and the part that cannot hide under the backward when the gradients are clipped
 (everything after the last pass: upcast, AdamW, h2d).
@@ -25,6 +25,7 @@ import time
 import torch
 
 from benchmarks.tools.common import append_results, median, print_table
+from parallax.optim.host import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
            "s per step"]  # fmt: skip
@@ -61,17 +62,21 @@ def gradient_phases(n: int) -> dict[str, tuple[float, int]]:
     acc = torch.zeros(n, dtype=torch.bfloat16)
     part = torch.full((n,), 1e-3, dtype=torch.bfloat16)
     kept = torch.empty(n)  # the worker's scratch buffer
-    pieces = acc.split(BUCKET // 16)  # about a weight matrix each
+
+    def norm64():
+        for p in acc.split(BUCKET // 16):  # about a weight matrix each
+            torch.linalg.vector_norm(p, dtype=torch.float64).item()
 
     def norm():
-        for p in pieces:
-            torch.linalg.vector_norm(p, dtype=torch.float64).item()
+        for p in kept.split(BUCKET // 16):
+            squares(p)
 
     return {
         "accumulate (bf16 add)": (timed(lambda: acc.add_(part)), 6),
         "upcast into fresh memory (bf16 to fp32)": (timed(lambda: acc.float()), 6),
         "upcast into a kept buffer (bf16 to fp32)": (timed(lambda: kept.copy_(acc)), 6),
-        "norm (2-norm per piece, from bf16)": (timed(norm), 2),
+        "norm in float64 from bf16 (before)": (timed(norm64), 2),
+        "norm (parallax.optim.host.squares, fp32)": (timed(norm), 4),
     }
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from parallax.optim.buckets import build_layout, grad_homes
 from parallax.optim.flat import FlatBuffers
 from parallax.optim.grads import GradArrivals
-from parallax.optim.offload import offloaded_buckets
+from parallax.optim.host import offloaded_buckets
 from parallax.optim.passes import PassReducer
 from parallax.optim.reducer import GradReducer
 from parallax.optim.staged import StagedSteps

@@ -37,8 +37,9 @@ from parallax.optim.assembly import AssemblyMethods, check_offload
 from parallax.optim.clip import NormMethods
 from parallax.optim.gather import DeferredGathers
 from parallax.optim.groups import accept, check_passes
+from parallax.optim.host import host_options
 from parallax.optim.memory import MemoryReport, zero_memory
-from parallax.optim.offload import HostSteps, host_options
+from parallax.optim.offload import HostSteps
 from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
 from parallax.optim.stages import (
     WeightMethods,

@@ -171,7 +171,8 @@ def largest_buckets(
 
 def offloaded_share(buckets: list[tuple], fraction: float) -> float:
     """The share of the elements ``--offload-fraction`` puts on the host: the first buckets
-    reduced up to ``fraction`` of them, at least one (:mod:`parallax.optim.offload`)."""
+    reduced up to ``fraction`` of them, at least one
+    (:func:`parallax.optim.host.offloaded_buckets`)."""
     if fraction <= 0 or not buckets:
         return 0.0
     total = sum(n for _, n in buckets)

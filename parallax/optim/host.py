@@ -1,0 +1,80 @@
+"""What the offloaded optimizer (:mod:`parallax.optim.offload`) runs on the host: which of
+torch's CPU kernels steps it, on how many threads, which buckets go there, and a norm that is
+both fast and accurate on billions of elements.
+
+Measured on one H200 host (``benchmarks/zero/host_bound.py``, 16 cores): torch's float64 norm
+runs at 1 GB/s on the CPU (13 s for a 7.5B model's gradient), a flat fp32 one is fast but off
+by 1e-3 on large tensors, hence :func:`squares`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+ROW = 1024  # elements per partial sum of a norm
+
+
+def host_threads() -> int:
+    """CPU threads for this process's host step: its share of the cores it may run on, less
+    one for the thread that drives the GPU where there are four or more (an OpenMP team waits
+    for its slowest thread: one that shares a core holds up all of them)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = (cpus or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return share - 1 if share >= 4 else max(1, share)
+
+
+def squares(x: torch.Tensor) -> float:
+    """The sum of squares of fp32 ``x`` to about 1e-7 relative, at fp32 speed: fp32 norms of
+    rows of ``ROW`` elements (each rounded once), their squares summed in float64. torch's
+    float64 norm runs at a twentieth of that speed on the CPU; a flat fp32 one drifts by 1e-3
+    over tens of millions of elements."""
+    m = x.numel() // ROW * ROW
+    rows = torch.linalg.vector_norm(x[:m].view(-1, ROW), dim=1)  # (m / ROW,) fp32
+    out = rows.double().square().sum() + torch.linalg.vector_norm(x[m:], dtype=torch.float64) ** 2
+    return float(out)
+
+
+@functools.cache
+def cpu_fused_available(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class(fused=True)`` steps CPU tensors in this torch (tried once)."""
+    p = torch.zeros(2, requires_grad=True)
+    try:
+        opt = optimizer_class([p], lr=0.0, fused=True)
+        p.grad = torch.zeros(2)
+        opt.step()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def host_options(optimizer_class: type, options: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped optimizer's options for host tensors: fused on the CPU where available,
+    else foreach (torch's optimizers that take either; others as given)."""
+    options = dict(options)
+    if not optimizer_class.__module__.startswith("torch.optim"):
+        return options
+    options.pop("fused", None)
+    options.pop("foreach", None)
+    if cpu_fused_available(optimizer_class):
+        options["fused"] = True
+    else:
+        options["foreach"] = True
+    return options
+
+
+def offloaded_buckets(layout, fraction: float) -> list[int]:
+    """The buckets to offload: the first ones reduced (layout order) up to ``fraction`` of the
+    elements, at least one when ``fraction`` > 0."""
+    if fraction <= 0:
+        return []
+    total, out, held = sum(b.numel for b in layout.buckets), [], 0
+    for b in layout.buckets:
+        if out and held + b.numel > fraction * total + 0.5:
+            break
+        out.append(b.index)
+        held += b.numel
+    return out
