@@ -3,7 +3,7 @@ per-process fraction, as ``--gpu-memory-limit`` does), asks ``parallax.plan`` fo
 layout that fits the cap, trains it and reports GPU peak, host peak RSS, samples/s, MFU and the
 ratio to parallax's uncapped best on the same GPU and workload, beside the planner's prediction.
 
-    python -m benchmarks.zero.memory_fit [--rows openvla-32,openvla-24,...] [--steps 1]
+    python -m benchmarks.zero.memory_fit [--rows openvla-32,openvla-24,...] [--steps 1] [--compile]
     python -m benchmarks.zero.memory_fit --smoke     # tiny presets on the CPU, writes nothing
 
 Rows (issue 26): OpenVLA-7B full fine-tuning at global batch 256 under 32 GiB (an RTX 5090) and
@@ -99,11 +99,11 @@ def child(row: Row, args) -> dict:
             OpenVLAConfig.preset(row.model), row.batch, PEER_MICRO_BATCH, args.steps, args.warmup
         )
     else:
-        plan_args = SimpleNamespace(compile=False, out=args.out, machine=args.machine)
+        plan_args = SimpleNamespace(compile=args.compile, out=args.out, machine=args.machine)
         run, best = plan_row(row, plan_args, device)
         if best is not None:
             rec.update(
-                layout=best.layout.describe(),
+                layout=best.layout.describe() + (", compile" if args.compile else ""),
                 flags=" ".join(best.layout.argv()),
                 predicted_gib=max(r.gpu for r in best.memory) / GIB,
                 predicted_host_gib=max(r.host for r in best.memory) / GIB,
@@ -132,7 +132,8 @@ def spawn(row: Row, args) -> dict:
     """Run ``row`` in a child process; end it when its host RSS passes ``--host-limit``."""
     cmd = [sys.executable, "-m", "benchmarks.zero.memory_fit", "--child", row.name]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", args.out]
-    cmd += ["--smoke"] * args.smoke + (["--machine", args.machine] if args.machine else [])
+    cmd += ["--smoke"] * args.smoke + ["--compile"] * args.compile
+    cmd += ["--machine", args.machine] if args.machine else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     start, most, status = time.monotonic(), 0.0, None
     while proc.poll() is None:
@@ -184,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-limit", type=float, default=112.0, help="GiB of host RSS a row may use")
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take")
     p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
+    p.add_argument("--compile", action="store_true", help="--compile in every parallax row")
     p.add_argument("--out", default="runs/memory_fit", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
     p.add_argument("--no-write", action="store_true")
