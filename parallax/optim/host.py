@@ -40,11 +40,14 @@ def squares(x: torch.Tensor) -> float:
 
 @functools.cache
 def cpu_fused_available(optimizer_class: type) -> bool:
-    """Whether ``optimizer_class(fused=True)`` steps CPU tensors in this torch (tried once)."""
+    """Whether ``optimizer_class(fused=True)`` steps CPU tensors in this torch, also with a
+    ``grad_scale`` (tried once)."""
     p = torch.zeros(2, requires_grad=True)
     try:
         opt = optimizer_class([p], lr=0.0, fused=True)
         p.grad = torch.zeros(2)
+        opt.step()
+        opt.grad_scale = torch.ones(())
         opt.step()
     except (RuntimeError, TypeError, ValueError):
         return False

@@ -3,13 +3,14 @@ there bucket by bucket while the backward goes on.
 
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
 (:mod:`parallax.optim.passes`). Offloaded, that chunk goes straight to the host: cast to the
-model's dtype on the device, copied into a pinned staging buffer (pinned only when CUDA is there)
-on the reduction's side stream, and added by a worker thread into the bucket's host accumulator.
+model's dtype on the device, copied into host staging (:mod:`parallax.optim.staging`, pinned
+on GPUs) on the reduction's side stream, and added by a worker thread into the bucket's host
+accumulator.
 When the bucket's last pass is in, the worker makes its fp32 gradient (the accumulator over dp,
 one bucket at a time), takes its share of the gradient norm, and steps the wrapped optimizer on
 the bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running
 it once), otherwise its foreach kernels. In ``step()`` the worker then writes each bucket's
-updated weights in the model's dtype into a pinned staging buffer and copies them to the device
+updated weights in the model's dtype into pinned staging and copies them to the device
 on a stream of their own (at ZeRO-3 into the shards, which the next forward gathers), so one
 bucket's upload runs while the next one is stepped.
 
@@ -45,22 +46,21 @@ microbatches (with activation checkpointing) keep the host from becoming the bot
 from __future__ import annotations
 
 import math
-import queue
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from parallax import comm
 from parallax.optim.host import host_threads, squares
-from parallax.optim.protocol import narrowed
+from parallax.optim.protocol import grad_scale, narrowed, takes_grad_scale
+from parallax.optim.staging import STAGING_BYTES, Ring
 
 Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
-
-POOL = 4  # pinned staging buffers: reductions in flight to the host, or uploads back
 
 
 class HostSteps:
@@ -70,6 +70,7 @@ class HostSteps:
     def __init__(self, opt: Zero, group_of: Sequence[int], early: bool) -> None:
         self.opt, self.flat, self.layout = opt, opt.flat, opt.layout
         self.early, self.dp = early, opt.ctx.dp_size
+        self.fold = takes_grad_scale(opt.inner)  # the kernel scales the gradients itself
         self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
         self.hosted = frozenset(self.buckets)
         self.piece_groups = [group_of[pc.param] for pc in self.flat.pieces]
@@ -87,13 +88,12 @@ class HostSteps:
         most = max(buckets[b].chunk for b in self.buckets)
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
         self.on_device = opt.device.type == "cuda"
-        # pinned staging (GPUs), per dtype: (buffer, event of its last upload or None)
-        self.pool: dict[torch.dtype, queue.Queue] = {}
         self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
-        for dt in set(dtypes.values()) if self.on_device else ():
-            self.pool[dt] = queue.Queue()
-            for _ in range(POOL):
-                self.pool[dt].put((torch.empty(most, dtype=dt, pin_memory=True), None))
+        self.rings: dict[torch.dtype, Ring] = {}  # staging on the way to the host, and back
+        for dt in set(dtypes.values()):
+            total = sum(buckets[b].chunk for b in self.buckets if dtypes[b] == dt)
+            size = max(most, min(total, STAGING_BYTES // dt.itemsize))
+            self.rings[dt] = Ring(size, dt, pin=self.on_device)
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
         )
@@ -117,31 +117,28 @@ class HostSteps:
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
-        staging = [t for q in self.pool.values() for t, _ in list(q.queue)]
-        return [*self.acc.values(), self.scratch, *staging]
+        return [*self.acc.values(), self.scratch, *(r.buffer for r in self.rings.values())]
 
-    def _take(self, dtype: torch.dtype, phase: str) -> torch.Tensor:
-        """A free staging buffer (blocks while all are in use or still uploading)."""
+    def _take(self, dtype: torch.dtype, n: int, phase: str) -> tuple[torch.Tensor, list]:
+        """``n`` elements of staging (blocks while the ring is full)."""
         start = time.perf_counter()
-        staging, event = self.pool[dtype].get()
-        if event is not None:
-            event.synchronize()
+        got = self.rings[dtype].take(n)
         self.seconds[phase] += time.perf_counter() - start
-        return staging
+        return got
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done)."""
         dtype = self.acc[b].dtype
+        part, ticket = self._take(dtype, grad.numel(), "pool_wait")  # (bucket/dp,)
+        event = None
         if self.on_device:  # on the current (side) stream: after the reduce-scatter
-            staging = self._take(dtype, "pool_wait")
-            part = staging[: grad.numel()]
             part.copy_(grad.to(dtype), non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._submit(self._accumulate, b, part, event, first, staging)
         else:
-            self._submit(self._accumulate, b, grad, None, first, None)
+            part.copy_(grad)
+        self._submit(self._accumulate, b, part, event, first, ticket)
         if last:
             self.complete(b, summed=True)
 
@@ -170,15 +167,14 @@ class HostSteps:
 
     # -- the worker thread ------------------------------------------------------------------------
     @torch.no_grad()
-    def _accumulate(self, b, part, event, first, staging) -> None:
+    def _accumulate(self, b, part, event, first, ticket) -> None:
         if event is not None:
             event.synchronize()
         if first:
             self.acc[b].copy_(part)
         else:
             self.acc[b].add_(part)
-        if staging is not None:
-            self.pool[staging.dtype].put((staging, None))
+        self.rings[part.dtype].give(ticket)
 
     def _pieces(self, b: int) -> list[slice]:
         """Where bucket ``b``'s pieces that count in the norm lie in its chunk."""
@@ -189,31 +185,30 @@ class HostSteps:
             if self.counted[k] and pieces[k].numel
         ]
 
-    def _gradient(self, b: int, coef: float | None) -> torch.Tensor:
-        """Bucket ``b``'s fp32 gradient in the scratch buffer: the dp average times ``coef``."""
+    def _gradient(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s summed fp32 gradient, in the scratch buffer."""
         acc = self.acc[b]
         grad = self.scratch[: acc.numel()]  # (bucket/dp,) fp32
         grad.copy_(acc)
-        scale = (1.0 if coef is None else coef) / self.dp
-        if scale != 1.0:
-            grad.mul_(scale)
         return grad
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags) -> None:
         if not summed:
             self.acc[b].zero_()
-        grad = self._gradient(b, None)
-        self.partials[b] = sum(squares(grad[p]) for p in self._pieces(b))
+        grad = self._gradient(b)  # the dp sum: its squares over dp**2 are the average's
+        self.partials[b] = sum(squares(grad[p]) for p in self._pieces(b)) / self.dp**2
         if flags is not None:
             tensor, work = flags
             comm.wait(work)
             got = tensor.cpu().tolist()
             params = self.layout.buckets[b].params
-            self._step(b, grad, {i: bool(f) for i, f in zip(params, got)})
+            self._step(b, grad, {i: bool(f) for i, f in zip(params, got)}, 1.0 / self.dp)
 
-    def _step(self, b: int, grad: torch.Tensor, flags) -> None:
-        """Step the bucket's pieces whose parameter has a gradient on some dp rank."""
+    def _step(self, b: int, grad: torch.Tensor, flags, scale: float) -> None:
+        """Step the bucket's pieces whose parameter has a gradient on some dp rank, on
+        ``grad`` times ``scale`` (the dp average and the clip coefficient: folded into
+        torch's fused kernel where it takes a ``grad_scale``, one pass over the bucket less)."""
         inner, flat = self.opt.inner, self.flat
         members: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
         live = []
@@ -223,9 +218,14 @@ class HostSteps:
                 t.grad = grad[pc.chunk_offset : pc.chunk_offset + pc.numel]
                 members[self.piece_groups[k]].append(t)
                 live.append(t)
+        folded = nullcontext()
+        if scale != 1.0 and self.fold:
+            folded = grad_scale(inner, torch.full((), 1.0 / scale))
+        elif scale != 1.0:
+            grad.mul_(scale)
         try:
             if live:
-                with narrowed(inner, members):
+                with narrowed(inner, members), folded:
                     inner.step()
         finally:
             for t in live:
@@ -235,7 +235,8 @@ class HostSteps:
     @torch.no_grad()
     def _step_later(self, b: int, coef: float | None, flags) -> None:
         if not self.stepped[b]:  # (a bucket no pass reduced has a zeroed accumulator)
-            self._step(b, self._gradient(b, coef), flags)
+            scale = (1.0 if coef is None else coef) / self.dp
+            self._step(b, self._gradient(b), flags, scale)
 
     @torch.no_grad()
     def _upload(self, b: int) -> None:
@@ -245,14 +246,13 @@ class HostSteps:
         if not self.on_device:
             mine.copy_(master)
         else:
-            staging = self._take(mine.dtype, "upload_wait")
-            part = staging[: mine.numel()]
+            part, ticket = self._take(mine.dtype, mine.numel(), "upload_wait")
             part.copy_(master)  # fp32 -> the model's dtype, on the host
             with torch.cuda.stream(self.uploads):
                 mine.copy_(part, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            self.pool[mine.dtype].put((staging, event))
+            self.rings[mine.dtype].give(ticket, event)
         self.uploaded.add(b)
 
     # -- the main thread: the step ---------------------------------------------------------------

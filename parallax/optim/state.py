@@ -89,6 +89,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# how this run steps (its device, --offload), not what it learned: kept from this optimizer
+KERNEL_OPTIONS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
 def state_meta(opt: Zero) -> dict[str, Any]:
     kinds = state_kinds(opt)
     groups = [
@@ -195,7 +199,7 @@ def load_state_tensors(opt: Zero, meta: dict[str, Any], get: Callable[[str], tor
     groups = opt.inner.state_dict()["param_groups"]
     for g, saved in zip(groups, meta["param_groups"]):
         for k, v in saved.items():
-            if k != "params":
+            if k != "params" and k not in KERNEL_OPTIONS:
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
     opt.inner.load_state_dict({"state": new_state, "param_groups": groups})
 

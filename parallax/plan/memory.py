@@ -21,7 +21,8 @@ tp and dp peers hold as much):
   recomputes: its saved tensors again and their gradients);
 - **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
 - **host**: with offload the fp32 masters, moments and the gradient accumulator in the model's
-  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and the pinned staging buffers.
+  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and the staging ring (one pass
+  of gradients up to 2 GiB, pinned on GPUs).
 
 What a card needs beyond the peak allocation: the caching allocator's reserve and the CUDA
 context (:meth:`RankMemory.needed`, from the machine profile).
@@ -34,10 +35,9 @@ from dataclasses import dataclass
 from parallax.plan.blocks import bucket_sizes, largest_buckets, offloaded_share
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
-from parallax.plan.model import DEFAULT_BUCKET_NUMEL, Model, peak_weighted
+from parallax.plan.model import DEFAULT_BUCKET_NUMEL, STAGING_BYTES, Model, peak_weighted
 
 GIB = 2**30
-PINNED_POOL = 4  # offload's pinned staging buffers per dtype (parallax.optim.offload.POOL)
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
 HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
 
@@ -61,7 +61,7 @@ class RankMemory:
     workspace: float
     buffers: float
     host: float
-    pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
+    pinned: float = 0.0  # of the host bytes, offload's staging ring (pinned on GPUs)
     building: float = 0.0  # while the optimizer is made: the model as built and its flat copy
 
     @property
@@ -193,7 +193,7 @@ def _counts(blocks) -> _Counts:
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     """(weights, gradients, optimizer, gathered, buffers, host, pinned) of ZeRO at this
-    layout (pinned: the host's staging buffers, which only a run on GPUs makes)."""
+    layout (pinned: the host's staging ring, pinned on GPUs)."""
     dp, zero = layout.dp, layout.zero
     share = offloaded_share(c.order, float(layout.offload))  # whole buckets go to the host
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
@@ -224,7 +224,9 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     host = pinned = 0.0
     if share:  # the masters, the moments, the accumulator, the scratch, the pinned staging
         accumulator = (2.0 * c.t2 + 4.0 * c.t4) / dp
-        pinned = PINNED_POOL * (bucket / dp) * (2 if c.t2 else 4)
+        width = 2 if c.t2 else 4
+        staged = share * (2.0 * c.t2 + 4.0 * c.t4) / dp  # one pass of offloaded gradients
+        pinned = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the staging ring
         scratch = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
         host = share * (4.0 * c.trainable / dp + moments + accumulator) + scratch + pinned
     return weights, gradients, optimizer, gathered, buffers, host, pinned

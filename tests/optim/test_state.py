@@ -151,3 +151,18 @@ def test_lr_scheduler_keeps_steering_after_load():
     sched2.step()
     assert opt2.param_groups is opt2.inner.param_groups
     assert opt2.inner.param_groups[0]["lr"] == 0.25
+
+
+def test_a_loaded_state_keeps_this_runs_kernel_options():
+    """A state saved by a plain (foreach) optimizer, loaded into an offloaded one, leaves the
+    host on its fused kernel: the checkpoint says what was learned, not how this run steps (an
+    offloaded resume once fell back to torch's slowest per-tensor AdamW)."""
+    ctx = parallax.ParallelContext.local()
+    model, plain = make_zero(ctx, "adamw", stage=2, foreach=True)
+    train_zero(model, plain, ctx, 1, 1, None)
+    _, hosted = make_zero(ctx, "adamw", stage=2, offload=True)
+    kernel = {k: hosted.inner.param_groups[0].get(k) for k in ("fused", "foreach")}
+    hosted.load_state_dict(plain.state_dict())
+    for g in hosted.inner.param_groups:
+        assert {k: g.get(k) for k in kernel} == kernel
+    assert plain.state_meta()["param_groups"][0]["foreach"] is True

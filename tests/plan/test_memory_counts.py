@@ -63,7 +63,7 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     staging = mem.buffers if stage == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
     predicted = mem.weights + mem.gradients + mem.optimizer + staging
     host = getattr(report, "host_bytes", 0)
-    return predicted, report.total_bytes + frozen, mem.host - mem.pinned, host
+    return predicted, report.total_bytes + frozen, mem.host, host
 
 
 def _microbatches(trainer, ctx, cfg) -> list:
