@@ -104,10 +104,10 @@ def plan_row(row: Row, args, device: torch.device):
 def batch_source(run, ctx):
     """A callable giving one global batch of ``run``'s synthetic data (its microbatches)."""
     recipe = run.recipe
-    if recipe.name == "llava":  # every image the largest canvas: the planner's case
-        scale = max(1, run.model_config.tile_size // 56)
+    if recipe.name == "llava":  # every image the largest canvas (2 x 2 tiles): the planner's case
+        scale = max(1, run.model_config.tile_size // 56)  # 112 x 112 times 6: 672 x 672 pixels
         data = SyntheticVQA(num_samples=4 * run.global_batch_size, image_scale=scale,
-                            image_sizes=((56, 56),), text_only_fraction=0.0)  # fmt: skip
+                            image_sizes=((112, 112),), text_only_fraction=0.0)  # fmt: skip
     else:
         data = recipe.dataset("synthetic", run)
     loader = recipe.loader(data, run, ctx)

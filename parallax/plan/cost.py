@@ -10,8 +10,9 @@ that train, twice its attention and element-wise work, and a whole forward again
 block recomputes. The pipeline's time is :func:`parallax.pipeline.simulate` of the schedule with
 each stage's forward and backward and the activations' transfer between stages. Beside it:
 data parallelism's reductions and gathers (hidden behind the backward and the next forward as
-far as they fit), ZeRO-3's gathers of every unit per use, offload's copies, host accumulation
-and host AdamW (hidden behind the backward only when nothing clips), and the optimizer step.
+far as they fit), ZeRO-3's gathers of every unit per use, offload's host accumulation (hidden
+behind the passes as far as it fits) and host step (behind the last backward only when nothing
+clips), and the optimizer step.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def step_time(
     last_backward = max(sum(s.backward for s in st) for st in per_rank)
     first_forward = max(sum(s.forward for s in st) for st in per_rank)
     dp, zero3 = _data_parallel(layout, machine, memory, m, first_forward, last_backward)
-    offload = _offload(model, layout, machine, memory, m, last_backward)
+    offload = _offload(model, layout, machine, memory, m, compute, last_backward)
     busy = max(memory, key=lambda r: r.trainable)
     optimizer = (
         (1 - layout.offload) * ADAMW_BYTES * _elements(busy, layout) / (machine.hbm_gbs * 1e9)
@@ -224,17 +225,25 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
     return exposed, zero3
 
 
-def _offload(model: Model, layout, machine, memory, m, last_backward) -> float:
-    """Exposed seconds of offload's copies, host accumulation and host AdamW per step."""
+def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -> float:
+    """Exposed seconds of offload's host work per step (:mod:`parallax.optim.offload`).
+
+    Under the passes, the host's worker adds each pass's gradients into its accumulator (3
+    bytes moved per gradient byte; the copies down run beside it) and, once a bucket is whole,
+    makes its fp32 gradient and norm; the staging ring lets it fall behind and catch up, so
+    only what exceeds the passes' compute shows. After them (under the last backward when
+    nothing clips): the fp32 gradient again, AdamW on the host and each bucket's new weights
+    converted for the upload, whose copies run beside the next bucket's step."""
     if not layout.offload:
         return 0.0
     rank = max(memory, key=lambda r: r.trainable)
     share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
     node = min(machine.gpus_per_node, layout.world)  # ranks sharing one host
+    host = node * share / (machine.host_gbs * 1e9)  # seconds per byte moved per element
     down = model.e * share / (machine.h2d_gbs * 1e9)
-    accumulate = node * 3 * model.e * share / (machine.host_gbs * 1e9)
-    per_pass = m * max(0.0, max(down, accumulate) - last_backward)
-    adam = machine.host_adam_s * node * share / 1e9
-    hidden = last_backward if not model.run.grad_clip else 0.0  # stepped during the backward
-    up = 4.0 * share / (machine.h2d_gbs * 1e9)  # the updated fp32 masters back to the GPU
-    return per_pass + max(0.0, adam - hidden) + up
+    gradient = (model.e + 4) * host  # the accumulator read, the fp32 gradient written
+    worker = m * max(down, 3 * model.e * host) + gradient
+    clipped = bool(model.run.grad_clip)
+    step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
+    hidden = 0.0 if clipped else last_backward  # stepped during the backward
+    return max(0.0, worker - compute) + max(0.0, step - hidden)

@@ -123,8 +123,9 @@ def save(machine: Machine, path: str | Path) -> None:
 
 
 # The shipped defaults. H200: 788 TFLOP/s on an 8192^3 bf16 product, about 650 at a 7B block's
-# shapes (the GEMM share of a profiled step); 4.3 TB/s device copies; 55 GB/s pinned copies and
-# fused CPU AdamW at 0.24 s per 1e9 parameters on its 16-core host (measured on the lent H200).
+# shapes (the GEMM share of a profiled step); 4.3 TB/s device copies; 55 GB/s pinned copies,
+# fused CPU AdamW at 0.24 s per 1e9 parameters and element-wise work at 55 GB/s on its 16-core
+# host (measured on the lent H200: benchmarks/zero/host_bound.py, memory_fit's host phases).
 H200 = Machine(
     name="h200-node (default)",
     gpu_memory_gib=139.8,
@@ -135,6 +136,7 @@ H200 = Machine(
     hbm_gbs=4300.0,
     h2d_gbs=55.0,
     host_adam_s=0.24,
+    host_gbs=55.0,
 )
 H100 = H200.with_(name="h100-node (default)", gpu_memory_gib=79.1, hbm_gbs=3000.0)
 # Consumer cards: dense bf16 at about 165 (4090) and 210 (5090) TFLOP/s, of which a 7B block
