@@ -98,9 +98,9 @@ class FlatBuffers:
         shard = sum(b.chunk for b in on_device if homes[b.index] == SHARD)
         staged = [b.chunk for b, home in zip(buckets, homes) if home == STAGED]
         hosted = sum(b.chunk for b in buckets if b.index in self.offload)
-        self.host_master_flat = (  # offloaded: no reduced gradient on the device either
-            torch.zeros(hosted, pin_memory=torch.cuda.is_available()) if hosted else None
-        )
+        # offloaded: no reduced gradient on the device either; not pinned: only the host's
+        # worker reads them (the new weights go up through the offload's staging)
+        self.host_master_flat = torch.zeros(hosted) if hosted else None
         self.master_flat = torch.zeros(separate, device=device) if separate else None
         self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
         # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped

@@ -2,17 +2,25 @@
 there bucket by bucket while the backward goes on.
 
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
-(:mod:`parallax.optim.passes`). Offloaded, that chunk goes straight to the host: cast to the
-model's dtype on the device, copied into host staging (:mod:`parallax.optim.staging`, pinned
-on GPUs) on the reduction's side stream, and added by a worker thread into the bucket's host
-accumulator.
-When the bucket's last pass is in, the worker makes its fp32 gradient (the accumulator over dp,
-one bucket at a time), takes its share of the gradient norm, and steps the wrapped optimizer on
-the bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running
-it once), otherwise its foreach kernels. In ``step()`` the worker then writes each bucket's
-updated weights in the model's dtype into pinned staging and copies them to the device
-on a stream of their own (at ZeRO-3 into the shards, which the next forward gathers), so one
-bucket's upload runs while the next one is stepped.
+(:mod:`parallax.optim.passes`). Offloaded, that chunk is added into the bucket's accumulator in
+host memory (the model's dtype, pinned on GPUs) without the host's cores: on a copies stream
+beside the compute, the accumulator comes up to the device, the chunk is added in fp32, and the
+sum goes back down, rounded once (the first pass just goes down). When the bucket's last pass
+has landed, a worker thread makes its fp32 gradient (the accumulator over dp, one bucket at a
+time), takes its share of the gradient norm and steps the wrapped optimizer on the bucket's host
+masters: torch's fused CPU AdamW where this torch has it (checked by running it once; the dp
+average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
+In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into
+staging (:mod:`parallax.optim.staging`, pinned on GPUs) and copies them to the device on an
+uploads stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's
+upload runs while the next one is stepped.
+
+**Why the device adds.** Measured on one H200 host (``benchmarks/zero/host_bound.py``, 16
+cores): a bf16 add runs at 60 GB/s, so adding a 7.5B model's gradient on the host costs 0.8 s a
+pass, as long as the pass itself, and the host's worker became the step's bottleneck (its adds
+took 9 of a 14.4 s step at 8 passes). Through the device, a pass costs the host's memory the
+two copies (2 bytes each way per parameter, 0.27 s each at 55 GB/s, concurrent) and its cores
+nothing.
 
 **Host work at memory speed.** The worker keeps one fp32 scratch buffer (the largest bucket's
 chunk) for the gradient it steps: a fresh tensor per bucket would be a fresh mapping of a few
@@ -20,9 +28,8 @@ hundred MB, each page faulted in on first touch, which costs more than the arith
 gradient norm is taken from that fp32 gradient (:func:`~parallax.optim.host.squares`). The
 worker runs torch's CPU kernels on this process's share of the cores
 (:func:`~parallax.optim.host.host_threads`): torchrun sets ``OMP_NUM_THREADS=1`` when it starts
-several processes, and the host step is the one place here that wants more. Measured on one
-H200 host (``benchmarks/zero/host_bound.py``, 16 cores): a bf16 add runs at 60 GB/s, fused
-AdamW at 112 GB/s (1.9 s for 7.5B parameters).
+several processes, and the host step is the one place here that wants more. Fused AdamW runs
+at 112 GB/s there (1.9 s for 7.5B parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
 gradients) a bucket is stepped as soon as its gradient is complete, so the host's work hides
@@ -37,20 +44,19 @@ between passes (ZeRO-2/3 keep no gradient buffer; offloaded, not even the fp32 s
 host accumulates in the model's dtype: 2 bytes per parameter, 15 GB, so 105 GB in all beside
 ~15 GB of bf16 weights on the card; an fp32 host accumulator would add 30 GB and not fit a 125
 GiB host. The fp32 gradient exists one bucket at a time, while that bucket is stepped. The
-price of bf16 accumulation is one rounding per pass (the reduced gradient itself is fp32);
-fp32 models accumulate in fp32. Each pass moves 2/dp bytes per parameter to the host (15 GB
-at dp 1: 0.27 s at 55 GB/s pinned) and adds them there (memory-bound), so fewer, larger
-microbatches (with activation checkpointing) keep the host from becoming the bottleneck.
+price of bf16 accumulation is one rounding per pass (each pass's sum is formed in fp32); fp32
+models accumulate in fp32.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -84,16 +90,29 @@ class HostSteps:
             for pc in self.flat.pieces
         ]
         dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
-        self.acc = {b: torch.zeros(buckets[b].chunk, dtype=dt) for b, dt in dtypes.items()}
+        self.on_device = opt.device.type == "cuda"
+        # the accumulators: one flat buffer per dtype (pinned on GPUs: the copies both ways go
+        # straight to and from it), a view per bucket
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.acc: dict[int, torch.Tensor] = {}
+        for dt in set(dtypes.values()):
+            mine = [b for b in self.buckets if dtypes[b] == dt]
+            flat = torch.zeros(
+                sum(buckets[b].chunk for b in mine), dtype=dt, pin_memory=self.on_device
+            )
+            self.flats[dt] = flat
+            for b, start in zip(
+                mine, itertools.accumulate((buckets[b].chunk for b in mine), initial=0)
+            ):
+                self.acc[b] = flat[start : start + buckets[b].chunk]  # (bucket/dp,)
         most = max(buckets[b].chunk for b in self.buckets)
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
-        self.on_device = opt.device.type == "cuda"
         self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
-        self.rings: dict[torch.dtype, Ring] = {}  # staging on the way to the host, and back
-        for dt in set(dtypes.values()):
-            total = sum(buckets[b].chunk for b in self.buckets if dtypes[b] == dt)
-            size = max(most, min(total, STAGING_BYTES // dt.itemsize))
-            self.rings[dt] = Ring(size, dt, pin=self.on_device)
+        self.copies = torch.cuda.Stream(opt.device) if self.on_device else None
+        self.rings = {  # staging of the new weights on their way back
+            dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, self.on_device)
+            for dt, flat in self.flats.items()
+        }
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
         )
@@ -117,7 +136,7 @@ class HostSteps:
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
-        return [*self.acc.values(), self.scratch, *(r.buffer for r in self.rings.values())]
+        return [*self.flats.values(), self.scratch, *(r.buffer for r in self.rings.values())]
 
     def _take(self, dtype: torch.dtype, n: int, phase: str) -> tuple[torch.Tensor, list]:
         """``n`` elements of staging (blocks while the ring is full)."""
@@ -128,32 +147,48 @@ class HostSteps:
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
-        """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done)."""
-        dtype = self.acc[b].dtype
-        part, ticket = self._take(dtype, grad.numel(), "pool_wait")  # (bucket/dp,)
-        event = None
-        if self.on_device:  # on the current (side) stream: after the reduce-scatter
-            part.copy_(grad.to(dtype), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            part.copy_(grad)
-        self._submit(self._accumulate, b, part, event, first, ticket)
+        """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done on
+        the current stream): added into its host accumulator on the device. The accumulator
+        comes up, the sum (in fp32, rounded once to its dtype) goes back down, on a stream of
+        their own beside the compute; the host's memory only sees the copies, and its cores
+        stay free for the steps."""
+        with self._on_copies(grad):
+            acc = self.acc[b]  # (bucket/dp,) host, the model's dtype
+            if first:
+                total = grad
+            else:  # (on the CPU, .to() is acc itself)
+                total = grad + acc.to(grad.device, non_blocking=True)  # (bucket/dp,) fp32
+            acc.copy_(total.to(acc.dtype), non_blocking=True)
         if last:
             self.complete(b, summed=True)
+
+    @contextmanager
+    def _on_copies(self, grad: torch.Tensor) -> Iterator[None]:
+        """GPUs: run the block on the copies stream, after the current stream's work."""
+        if self.copies is None:
+            yield
+            return
+        self.copies.wait_stream(torch.cuda.current_stream(self.opt.device))
+        grad.record_stream(self.copies)  # (allocated on another stream, read here)
+        with torch.cuda.stream(self.copies):
+            yield
 
     def complete(self, b: int, summed: bool) -> None:
         """Bucket ``b``'s gradient is all in (``summed``: some pass reduced it this step)."""
         if self.final[b]:
             return
         self.final[b] = True
+        landed = None
+        if self.copies is not None:  # the worker reads the accumulator once its copies landed
+            landed = torch.cuda.Event()
+            landed.record(self.copies)
         flags = None
         if self.early and summed:  # which of its parameters got a gradient on any dp rank
             has = [self.opt.grads.has[i] for i in self.layout.buckets[b].params]
             flags = torch.tensor(has, dtype=torch.float32).to(self.opt.device)
             work = comm.all_reduce_async(flags, self.opt.ctx.dp_group)
             flags = (flags, work)
-        self._submit(self._finish, b, summed, flags)
+        self._submit(self._finish, b, summed, flags, landed)
 
     def _submit(self, fn, *args) -> None:
         self.jobs.append(self.worker.submit(self._timed, fn, *args))
@@ -166,16 +201,6 @@ class HostSteps:
             self.seconds[fn.__name__.strip("_")] += time.perf_counter() - start
 
     # -- the worker thread ------------------------------------------------------------------------
-    @torch.no_grad()
-    def _accumulate(self, b, part, event, first, ticket) -> None:
-        if event is not None:
-            event.synchronize()
-        if first:
-            self.acc[b].copy_(part)
-        else:
-            self.acc[b].add_(part)
-        self.rings[part.dtype].give(ticket)
-
     def _pieces(self, b: int) -> list[slice]:
         """Where bucket ``b``'s pieces that count in the norm lie in its chunk."""
         pieces = self.flat.pieces
@@ -193,7 +218,9 @@ class HostSteps:
         return grad
 
     @torch.no_grad()
-    def _finish(self, b: int, summed: bool, flags) -> None:
+    def _finish(self, b: int, summed: bool, flags, landed) -> None:
+        if landed is not None:
+            landed.synchronize()
         if not summed:
             self.acc[b].zero_()
         grad = self._gradient(b)  # the dp sum: its squares over dp**2 are the average's
@@ -295,6 +322,8 @@ class HostSteps:
         """Step every bucket not stepped yet (with the clip coefficient) and send each changed
         bucket's weights back; the current stream then waits for those uploads."""
         self.wait()
+        if self.uploads is not None:  # the weights change only after the whole backward
+            self.uploads.wait_stream(torch.cuda.current_stream(self.opt.device))
         for b in self.buckets:
             self._submit(self._step_later, b, self.coef, flags)
             if any(flags[i] for i in self.layout.buckets[b].params):

@@ -1,16 +1,13 @@
-"""Host staging for the offloaded optimizer: one arena of (pinned, on GPUs) host memory per
-dtype, handed out as a ring, first in, first out.
+"""Host staging for the offloaded optimizer's uploads: one arena of (pinned, on GPUs) host
+memory per dtype, handed out as a ring, first in, first out.
 
-Gradients reach the host in bursts: a backward pass reduces one bucket after another, faster
-than the host can add them into its accumulators, and then the next forward sends nothing.
-The arena lets the device run ahead by up to ``STAGING_BYTES`` of gradients instead of waiting
-for the host bucket by bucket; buckets of every size share it (a pool of fixed buffers would
-size each one for the largest bucket, an embedding several times the others). Pieces are
-released in the order they were taken (one worker thread consumes them in order), so the free
-space is always one run from the newest piece to the oldest live one.
-
-A piece given back with a CUDA event (an upload to the device still reading it) is reused only
-after that event.
+After the host steps a bucket, its new weights are converted to the model's dtype into a piece
+of the arena and copied up on the uploads stream while the next bucket is stepped; the piece is
+reused once that copy is done (the CUDA event it was given back with). Buckets of every size
+share the arena (a pool of fixed buffers would size each one for the largest bucket, an
+embedding several times the others). Pieces are released in the order they were taken (one
+worker thread takes and gives them), so the free space is always one run from the newest piece
+to the oldest live one.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from collections import deque
 
 import torch
 
-STAGING_BYTES = 2 * 2**30  # per dtype: about an eighth of a 7B model's bf16 gradient
+STAGING_BYTES = 2**29  # per dtype: a few buckets' uploads in flight
 
 
 class Ring:

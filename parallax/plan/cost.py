@@ -10,9 +10,9 @@ that train, twice its attention and element-wise work, and a whole forward again
 block recomputes. The pipeline's time is :func:`parallax.pipeline.simulate` of the schedule with
 each stage's forward and backward and the activations' transfer between stages. Beside it:
 data parallelism's reductions and gathers (hidden behind the backward and the next forward as
-far as they fit), ZeRO-3's gathers of every unit per use, offload's host accumulation (hidden
-behind the passes as far as it fits) and host step (behind the last backward only when nothing
-clips), and the optimizer step.
+far as they fit), ZeRO-3's gathers of every unit per use, offload's copies (hidden behind the
+passes as far as they fit) and host step (behind the last backward only when nothing clips), and
+the optimizer step.
 """
 
 from __future__ import annotations
@@ -226,24 +226,24 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
 
 
 def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -> float:
-    """Exposed seconds of offload's host work per step (:mod:`parallax.optim.offload`).
+    """Exposed seconds of offload's work per step (:mod:`parallax.optim.offload`).
 
-    Under the passes, the host's worker adds each pass's gradients into its accumulator (3
-    bytes moved per gradient byte; the copies down run beside it) and, once a bucket is whole,
-    makes its fp32 gradient and norm; the staging ring lets it fall behind and catch up, so
-    only what exceeds the passes' compute shows. After them (under the last backward when
-    nothing clips): the fp32 gradient again, AdamW on the host and each bucket's new weights
-    converted for the upload, whose copies run beside the next bucket's step."""
+    Under the passes: each pass's gradients go down to the host accumulator and, after the
+    first, the accumulator comes up to be added to on the device (the model's bytes each way,
+    concurrent, beside the compute); once a bucket is whole the host's worker makes its fp32
+    gradient and norm. Only what exceeds the passes' compute shows. After them (under the last
+    backward when nothing clips): the fp32 gradient again, AdamW on the host and each bucket's
+    new weights converted for the upload, whose copies run beside the next bucket's step."""
     if not layout.offload:
         return 0.0
     rank = max(memory, key=lambda r: r.trainable)
     share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
     node = min(machine.gpus_per_node, layout.world)  # ranks sharing one host
     host = node * share / (machine.host_gbs * 1e9)  # seconds per byte moved per element
-    down = model.e * share / (machine.h2d_gbs * 1e9)
+    copies = m * node * model.e * share / (machine.h2d_gbs * 1e9)  # each way, per step
     gradient = (model.e + 4) * host  # the accumulator read, the fp32 gradient written
-    worker = m * max(down, 3 * model.e * host) + gradient
+    under = max(copies, gradient)
     clipped = bool(model.run.grad_clip)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
     hidden = 0.0 if clipped else last_backward  # stepped during the backward
-    return max(0.0, worker - compute) + max(0.0, step - hidden)
+    return max(0.0, under - compute) + max(0.0, step - hidden)

@@ -21,8 +21,8 @@ tp and dp peers hold as much):
   recomputes: its saved tensors again and their gradients);
 - **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
 - **host**: with offload the fp32 masters, moments and the gradient accumulator in the model's
-  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and the staging ring (one pass
-  of gradients up to 2 GiB, pinned on GPUs).
+  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and the uploads' staging (one pass
+  of weights up to 512 MiB, pinned on GPUs).
 
 What a card needs beyond the peak allocation: the caching allocator's reserve and the CUDA
 context (:meth:`RankMemory.needed`, from the machine profile).

@@ -16,7 +16,7 @@ from parallax.plan.layout import Layout
 from parallax.train.steps import make_schedule
 
 DEFAULT_BUCKET_NUMEL = 25_000_000  # ZeroOptimizer's bucket size (elements)
-STAGING_BYTES = 2 * 2**30  # offload's staging ring per dtype (parallax.optim.staging)
+STAGING_BYTES = 2**29  # offload's upload staging per dtype (parallax.optim.staging)
 
 
 class Model:
