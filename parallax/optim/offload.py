@@ -15,21 +15,15 @@ staging (:mod:`parallax.optim.staging`, pinned on GPUs) and copies them to the d
 uploads stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's
 upload runs while the next one is stepped.
 
-**Why the device adds.** Measured on one H200 host (``benchmarks/zero/host_bound.py``, 16
-cores): a bf16 add runs at 60 GB/s, so adding a 7.5B model's gradient on the host costs 0.8 s a
-pass, as long as the pass itself, and the host's worker became the step's bottleneck (its adds
-took 9 of a 14.4 s step at 8 passes). Through the device, a pass costs the host's memory the
-two copies (2 bytes each way per parameter, 0.27 s each at 55 GB/s, concurrent) and its cores
-nothing.
-
-**Host work at memory speed.** The worker keeps one fp32 scratch buffer (the largest bucket's
-chunk) for the gradient it steps: a fresh tensor per bucket would be a fresh mapping of a few
-hundred MB, each page faulted in on first touch, which costs more than the arithmetic. The
-gradient norm is taken from that fp32 gradient (:func:`~parallax.optim.host.squares`). The
-worker runs torch's CPU kernels on this process's share of the cores
-(:func:`~parallax.optim.host.host_threads`): torchrun sets ``OMP_NUM_THREADS=1`` when it starts
-several processes, and the host step is the one place here that wants more. Fused AdamW runs
-at 112 GB/s there (1.9 s for 7.5B parameters).
+**Why the device adds, and the host's habits.** On one H200 host (16 cores,
+``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long
+as a pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through
+the device a pass costs the host's memory two concurrent copies and its cores nothing. The
+worker keeps one fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page
+faults that cost more than the arithmetic), takes the norm in fp32 rows
+(:func:`~parallax.optim.host.squares`; torch's float64 norm took 13 s) and runs on this
+process's share of the cores (:func:`~parallax.optim.host.host_threads`; torchrun sets
+``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
 gradients) a bucket is stepped as soon as its gradient is complete, so the host's work hides
@@ -38,14 +32,10 @@ one small all-reduce at its last reduce-scatter. Clipping needs the norm of the 
 before any step: then only the copies, the accumulation and the norm run under the backward,
 and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient.
 
-**Gradient accumulation beside 90 GB of state.** A 7.5B model's fp32 masters and two AdamW
-moments are 12 bytes per parameter: 90 GB on the host (at dp 1). The device keeps no gradient
-between passes (ZeRO-2/3 keep no gradient buffer; offloaded, not even the fp32 shard), and the
-host accumulates in the model's dtype: 2 bytes per parameter, 15 GB, so 105 GB in all beside
-~15 GB of bf16 weights on the card; an fp32 host accumulator would add 30 GB and not fit a 125
-GiB host. The fp32 gradient exists one bucket at a time, while that bucket is stepped. The
-price of bf16 accumulation is one rounding per pass (each pass's sum is formed in fp32); fp32
-models accumulate in fp32.
+**Gradient accumulation beside 90 GB of state.** A 7.5B model's fp32 masters and moments are
+90 GB on the host at dp 1; the device keeps no gradient between passes, and the host
+accumulates in the model's dtype (15 GB; in fp32 it would be 30 GB more, past a 125 GiB host).
+The price is one rounding per pass, of a sum formed in fp32; fp32 models accumulate in fp32.
 """
 
 from __future__ import annotations
