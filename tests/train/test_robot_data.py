@@ -173,13 +173,13 @@ def test_bad_evaluation_data_stops_every_rank_with_one_message(rlds, tmp_path):
     assert [r["step"] for r in metrics(out)] == [1, 2]  # the steps before it were logged
 
 
-def test_bad_data_exits_with_status_2(tmp_path):
+def test_bad_data_exits_with_status_2(tmp_path, capsys):
     image = _bad_rlds(tmp_path, "image")
     args = ["--data", str(image.parent), "--out", str(tmp_path / "run"), *RUN[:-2]]
-    proc = single(*args, "--workers", "0", "--steps", "2")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "does not decode" in proc.stderr and "record" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    status, _, err = single(capsys, *args, "--workers", "0", "--steps", "2")
+    assert status == 2, err[-2000:]
+    assert "does not decode" in err and "record" in err, err[-2000:]
+    assert "Traceback" not in err
 
 
 def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
