@@ -139,26 +139,26 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _loaded_after(code: str) -> set[str]:
-    """The parallax.families modules loaded after running ``code`` in a fresh interpreter."""
+def _loaded_after(*codes: str) -> list[set[str]]:
+    """The parallax.families modules loaded after each of ``codes``, run one after the other
+    in one fresh interpreter."""
     names = "','.join(m for m in sys.modules if 'families' in m)"
-    probe = f"{code}\nimport sys\nprint('LOADED=' + {names})"
+    probe = "import sys\n" + "".join(f"{code}\nprint('LOADED=' + {names})\n" for code in codes)
     proc = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("LOADED=")][-1]
-    return {m for m in line.removeprefix("LOADED=").split(",") if m}
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("LOADED=")]
+    assert len(lines) == len(codes), proc.stdout[-2000:]
+    return [{m for m in line.removeprefix("LOADED=").split(",") if m} for line in lines]
 
 
 def test_families_are_imported_only_when_asked_for():
-    helped = _loaded_after(
-        "from parallax.train import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    helped, planned = _loaded_after(
+        "from parallax.train import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+        "main(['--dry-run', '--model', 'siglip-tiny'])",
     )
     assert not helped, f"--help imported {sorted(helped)}"
-    planned = _loaded_after(
-        "from parallax.train import main\nmain(['--dry-run', '--model', 'siglip-tiny'])"
-    )
     # a run of one family (which imports the family's package) loads no other family
     assert {m.split(".")[2] for m in planned if m.count(".") >= 2} == {"siglip"}, planned
 
