@@ -7,6 +7,7 @@ function in :mod:`parallax.comm` treats as "nothing to communicate".
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass, field
@@ -191,6 +192,8 @@ def init_parallel(
             world_size=world,
             store=_launcher_store(rank, world, timeout),
         )
+        if dist.get_backend() == "gloo":  # a script that ends without tearing it down must not
+            atexit.register(_destroy_at_exit)  # abort at exit in gloo's threads ("terminate")
     groups = _axis_groups(dims, rank, timeout)
     ctx = ParallelContext(
         dims=dims,
@@ -206,6 +209,13 @@ def init_parallel(
     )
     log.debug("parallel context ready: %s", ctx)
     return ctx
+
+
+def _destroy_at_exit() -> None:
+    """Tear down the gloo process group this module made, unless its owner did (local: no
+    collective)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _device(backend: str | None) -> tuple[torch.device, bool]:
