@@ -36,7 +36,7 @@ CASES = [
 def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float, ...]:
     """(predicted, counted) bytes on this rank's GPU, then on its host, with the model built
     but not initialised (only sizes matter: initialising the small preset would take most of
-    the test's time). On the CPU offload makes no pinned staging buffers."""
+    the test's time). On the CPU the offload's staging is not pinned."""
     cfg = resolve(
         TrainConfig(
             model=model,
