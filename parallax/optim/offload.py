@@ -11,8 +11,8 @@ time), takes its share of the gradient norm and steps the wrapped optimizer on t
 masters: torch's fused CPU AdamW where this torch has it (checked by running it once; the dp
 average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
 In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into
-staging (:mod:`parallax.optim.staging`, pinned on GPUs) and copies them to the device on an
-uploads stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's
+pinned staging (:mod:`parallax.optim.staging`) and copies them to the device on an uploads
+stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's
 upload runs while the next one is stepped.
 
 **Why the device adds, and the host's habits.** On one H200 host (16 cores,
@@ -99,15 +99,15 @@ class HostSteps:
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
         self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
         self.copies = torch.cuda.Stream(opt.device) if self.on_device else None
-        self.rings = {  # staging of the new weights on their way back
-            dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, self.on_device)
-            for dt, flat in self.flats.items()
+        self.rings = {  # GPUs: pinned staging of the new weights on their way up
+            dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
+            for dt, flat in (self.flats.items() if self.on_device else ())
         }
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
         )
-        # seconds spent since construction, by phase (worker: accumulate, finish, step_later,
-        # upload; main thread: blocked on a staging buffer or on the worker): where time goes
+        # seconds spent since construction, by phase (worker: finish, step_later, upload and its
+        # wait for staging; main thread: blocked on the worker): where a step's time goes
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.reset()
 
@@ -127,13 +127,6 @@ class HostSteps:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [*self.flats.values(), self.scratch, *(r.buffer for r in self.rings.values())]
-
-    def _take(self, dtype: torch.dtype, n: int, phase: str) -> tuple[torch.Tensor, list]:
-        """``n`` elements of staging (blocks while the ring is full)."""
-        start = time.perf_counter()
-        got = self.rings[dtype].take(n)
-        self.seconds[phase] += time.perf_counter() - start
-        return got
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
@@ -263,7 +256,9 @@ class HostSteps:
         if not self.on_device:
             mine.copy_(master)
         else:
-            part, ticket = self._take(mine.dtype, mine.numel(), "upload_wait")
+            start = time.perf_counter()
+            part, ticket = self.rings[mine.dtype].take(mine.numel())  # waits while it is full
+            self.seconds["upload_wait"] += time.perf_counter() - start
             part.copy_(master)  # fp32 -> the model's dtype, on the host
             with torch.cuda.stream(self.uploads):
                 mine.copy_(part, non_blocking=True)

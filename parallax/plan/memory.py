@@ -21,8 +21,8 @@ tp and dp peers hold as much):
   recomputes: its saved tensors again and their gradients);
 - **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
 - **host**: with offload the fp32 masters, moments and the gradient accumulator in the model's
-  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and the uploads' staging (one pass
-  of weights up to 512 MiB, pinned on GPUs).
+  dtype (2/dp bytes per parameter), one bucket's fp32 scratch and, on GPUs, the uploads' pinned
+  staging (one pass of weights up to 512 MiB).
 
 What a card needs beyond the peak allocation: the caching allocator's reserve and the CUDA
 context (:meth:`RankMemory.needed`, from the machine profile).
@@ -61,7 +61,7 @@ class RankMemory:
     workspace: float
     buffers: float
     host: float
-    pinned: float = 0.0  # of the host bytes, offload's staging ring (pinned on GPUs)
+    pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
     building: float = 0.0  # while the optimizer is made: the model as built and its flat copy
 
     @property
@@ -193,7 +193,7 @@ def _counts(blocks) -> _Counts:
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     """(weights, gradients, optimizer, gathered, buffers, host, pinned) of ZeRO at this
-    layout (pinned: the host's staging ring, pinned on GPUs)."""
+    layout (pinned: the host's staging, which only a run on GPUs makes)."""
     dp, zero = layout.dp, layout.zero
     share = offloaded_share(c.order, float(layout.offload))  # whole buckets go to the host
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights

@@ -36,7 +36,7 @@ CASES = [
 def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float, ...]:
     """(predicted, counted) bytes on this rank's GPU, then on its host, with the model built
     but not initialised (only sizes matter: initialising the small preset would take most of
-    the test's time). On the CPU the offload's staging is not pinned."""
+    the test's time). On the CPU the offload makes no pinned staging."""
     cfg = resolve(
         TrainConfig(
             model=model,
@@ -63,7 +63,7 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     staging = mem.buffers if stage == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
     predicted = mem.weights + mem.gradients + mem.optimizer + staging
     host = getattr(report, "host_bytes", 0)
-    return predicted, report.total_bytes + frozen, mem.host, host
+    return predicted, report.total_bytes + frozen, mem.host - mem.pinned, host
 
 
 def _microbatches(trainer, ctx, cfg) -> list:
