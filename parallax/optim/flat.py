@@ -212,7 +212,6 @@ class FlatBuffers:
         changed: Sequence[bool],
         wait: bool = True,
         stream: torch.cuda.Stream | None = None,
-        uploaded: Collection[int] = (),
     ) -> dict[int, comm.Work]:
         """Write the masters into the model and all-gather every bucket with a ``changed``
         parameter (``changed`` must be the same on every rank of ``group``).
@@ -221,8 +220,8 @@ class FlatBuffers:
         With ``wait=False`` nothing is waited for: returns ``{bucket: work}`` for the caller to
         wait on before the bucket's parameters are read. ``stream`` (GPUs, ``group`` of two or
         more ranks): issue the fp32 -> 16-bit copies and the collectives there, so the next
-        forward can start as soon as its first buckets have arrived. Buckets in ``uploaded``
-        already hold their new weights (offloaded: the host sent them back)."""
+        forward can start as soon as its first buckets have arrived. Offloaded buckets
+        already hold their new weights: the offload's host step sent them back."""
         works = {}
         with comm.side_stream(stream if comm.size(group) > 1 else None):
             for b in reversed(range(len(self.layout.buckets))):
@@ -230,7 +229,7 @@ class FlatBuffers:
                 if not any(changed[i] for i in bucket.params):
                     continue
                 mine = self.own_param(b)  # (bucket/dp,)
-                if master.data_ptr() != mine.data_ptr() and b not in uploaded:
+                if master.data_ptr() != mine.data_ptr() and b not in self.offload:
                     mine.copy_(master)  # fp32 -> the model's dtype
                 if self.store is not None:
                     continue  # ZeRO-3: the next use gathers it

@@ -122,7 +122,6 @@ class HostSteps:
         self.final = dict.fromkeys(self.buckets, False)
         self.stepped = dict.fromkeys(self.buckets, False)
         self.partials: dict[int, float] = {}  # bucket -> its share of the squared 2-norm
-        self.uploaded: set[int] = set()  # buckets whose new weights the worker sent back
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -265,7 +264,6 @@ class HostSteps:
                 event = torch.cuda.Event()
                 event.record()
             self.rings[mine.dtype].give(ticket, event)
-        self.uploaded.add(b)
 
     # -- the main thread: the step ---------------------------------------------------------------
     def wait(self) -> None:

@@ -198,11 +198,7 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
             self.host.step(flags)
         self._step_inner(flags)  # the buckets on the device
         self.gathers.works = self.flat.gather_params(
-            self.ctx.dp_group,
-            flags,
-            wait=not self.gathers.deferred,
-            stream=self._stream,
-            uploaded=self.host.uploaded if self.host is not None else (),
+            self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
         )
         if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
             self.zero3.gathers.release_all()
