@@ -23,11 +23,10 @@ the gradients are clipped (everything after the last pass: upcast, AdamW, conver
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from benchmarks.tools.common import append_results, median, print_table
+from benchmarks.tools.common import append_results, median, print_table, time_it
 from parallax.optim.host import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
@@ -35,17 +34,10 @@ COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times pe
 BUCKET = 2**26  # elements per tensor: about one bucket of a 7B model
 
 
-def timed(fn, repeat: int = 3) -> float:
-    """Median seconds of ``fn`` after one untimed call."""
-    fn()
-    out = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - start)
-    return median(out)
+def timed(fn) -> float:
+    """Median seconds of ``fn``, 3 calls after 1 (``benchmarks.tools.common.time_it``)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return median(time_it(fn, device, warmup=1, iters=3))
 
 
 def adamw_seconds(n: int, fused: bool) -> float:
