@@ -3,11 +3,11 @@ there bucket by bucket while the backward goes on.
 
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
 (:mod:`parallax.optim.passes`). Offloaded, that chunk is added into the bucket's accumulator in
-host memory (the model's dtype, pinned on GPUs) without the host's cores: on a copies stream
-beside the compute, the accumulator comes up to the device, the chunk is added in fp32, and the
-sum goes back down, rounded once (the first pass just goes down). When the bucket's last pass
-has landed, a worker thread makes its fp32 gradient (the accumulator over dp, one bucket at a
-time), takes its share of the gradient norm and steps the wrapped optimizer on the bucket's host
+host memory (the model's dtype, pinned on GPUs) without the host's cores: beside the compute,
+the accumulator comes up to the device on a fetch stream (beside the previous bucket's copy
+down), the chunk is added in fp32 on a copies stream, and the sum goes back down, rounded once
+(the first pass just goes down). When the bucket's last pass has landed, a worker thread makes
+its fp32 gradient (the accumulator over dp, one bucket at a time), takes its share of the gradient norm and steps the wrapped optimizer on the bucket's host
 masters: torch's fused CPU AdamW where this torch has it (checked by running it once; the dp
 average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
 In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into
@@ -99,6 +99,8 @@ class HostSteps:
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
         self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
         self.copies = torch.cuda.Stream(opt.device) if self.on_device else None
+        self.fetches = torch.cuda.Stream(opt.device) if self.on_device else None
+        self.down: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its last sum came down
         self.rings = {  # GPUs: pinned staging of the new weights on their way up
             dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
             for dt, flat in (self.flats.items() if self.on_device else ())
@@ -131,27 +133,45 @@ class HostSteps:
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done on
         the current stream): added into its host accumulator on the device. The accumulator
-        comes up, the sum (in fp32, rounded once to its dtype) goes back down, on a stream of
+        comes up, the sum (in fp32, rounded once to its dtype) goes back down, on streams of
         their own beside the compute; the host's memory only sees the copies, and its cores
         stay free for the steps."""
-        with self._on_copies(grad):
-            acc = self.acc[b]  # (bucket/dp,) host, the model's dtype
-            if first:
-                total = grad
-            else:  # (on the CPU, .to() is acc itself)
-                total = grad + acc.to(grad.device, non_blocking=True)  # (bucket/dp,) fp32
+        acc = self.acc[b]  # (bucket/dp,) host, the model's dtype
+        up = None if first else self._fetch(b)  # (bucket/dp,) the accumulator on the device
+        with self._on_copies(grad, up):
+            total = grad if up is None else grad + up  # (bucket/dp,) fp32
             acc.copy_(total.to(acc.dtype), non_blocking=True)
+            if self.copies is not None:  # the next pass's fetch waits for this sum
+                self.down[b] = torch.cuda.Event()
+                self.down[b].record()
         if last:
             self.complete(b, summed=True)
 
+    def _fetch(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s accumulator on the device (on the CPU, the accumulator itself). GPUs
+        copy it up on a stream of its own, after its last sum came down: so one bucket's copy
+        up runs beside the previous one's copy down, and the link carries both ways at once
+        (on one stream a pass took the two copies' sum)."""
+        acc = self.acc[b]
+        if self.fetches is None:
+            return acc
+        if b in self.down:
+            self.fetches.wait_event(self.down[b])
+        with torch.cuda.stream(self.fetches):
+            return acc.to(self.opt.device, non_blocking=True)
+
     @contextmanager
-    def _on_copies(self, grad: torch.Tensor) -> Iterator[None]:
-        """GPUs: run the block on the copies stream, after the current stream's work."""
+    def _on_copies(self, grad: torch.Tensor, up: torch.Tensor | None) -> Iterator[None]:
+        """GPUs: run the block on the copies stream, after the current stream's work and the
+        fetch of ``up``."""
         if self.copies is None:
             yield
             return
         self.copies.wait_stream(torch.cuda.current_stream(self.opt.device))
         grad.record_stream(self.copies)  # (allocated on another stream, read here)
+        if up is not None:
+            self.copies.wait_stream(self.fetches)
+            up.record_stream(self.copies)
         with torch.cuda.stream(self.copies):
             yield
 
