@@ -10,7 +10,11 @@ Rows (one invocation, one table):
 
 - ``parallax`` train: the Trainer with ``--action-head l1 --finetune lora`` (bf16 base, fp32
   adapters and head as their own ZeRO masters, no gradient or state for the base, the lm_head
-  never run); ``--compile`` adds ``parallax+compile`` (each ViT block and decoder layer).
+  never run); ``--compile`` adds ``parallax+compile`` (each ViT block and decoder layer), and
+  ``--offload`` adds ``parallax+offload`` (and ``parallax+compile+offload``): the same with
+  ``--zero 2 --offload optimizer``, the trainables' fp32 masters and AdamW moments on the host (the peer keeps its
+  trainables, their gradients and moments in bf16 on the GPU, as OFT does; parallax steps fp32
+  masters, and offloaded their state leaves the GPU).
 - ``hf`` train: :mod:`benchmarks.openvla.oft_hf`, timm + transformers + PEFT with OFT's head and
   projector as its repository writes them, under bf16 autocast (``eager``, and with
   ``--compile`` each block compiled: its best form where it compiles).
@@ -70,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--proprio-dim", type=int, default=8)
     p.add_argument("--images", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also the compiled training rows")
-    p.add_argument("--rows", default="parallax,hf,infer", help="which rows, comma separated")
+    p.add_argument("--offload", action="store_true", help="also the offloaded parallax rows")
+    p.add_argument(
+        "--rows", default="parallax,hf,infer", help="stacks or row names, comma separated"
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps (10; tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (3, compile 5)")
     p.add_argument("--write", action="store_true", help="write the results (tiny: off)")
@@ -118,7 +125,7 @@ def _on(mb: dict, device, dtype=None) -> dict:
     }
 
 
-def parallax_train(args, config, device, dtype, compile: bool):
+def parallax_train(args, config, device, dtype, compile: bool, offload: bool = False):
     from parallax import ParallelContext
     from parallax.train.config import TrainConfig
     from parallax.train.trainer import Trainer
@@ -135,6 +142,7 @@ def parallax_train(args, config, device, dtype, compile: bool):
         global_batch_size=args.batch,
         micro_batch_size=args.batch,
         compile=compile,
+        **(dict(zero=2, offload="optimizer") if offload else {}),
         out=tempfile.mkdtemp(prefix="parallax-oft-bench-"),  # nothing is written
     )
     options = {"backend": "inductor" if device.type == "cuda" else "aot_eager"}
@@ -143,7 +151,8 @@ def parallax_train(args, config, device, dtype, compile: bool):
     return (lambda: trainer.train_step(mbs)), trainer
 
 
-def hf_train(args, config, device, dtype, compile: bool):
+def hf_train(args, config, device, dtype, compile: bool, offload: bool = False):
+    """The peer (``offload`` is parallax's alone: never asked of this stack)."""
     from benchmarks.openvla import oft_hf  # the peer needs timm, transformers and peft
 
     parts, opt = oft_hf.build(config, device, dtype, RANK, ALPHA, compile)
@@ -246,13 +255,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(threads)
 
 
-def _train_plan(args) -> list[tuple[str, str, bool]]:
-    rows, wanted = [], args.rows.split(",")
-    for stack in ("parallax", "hf"):
-        if stack in wanted:
-            rows.append((stack, stack, False))
-            if args.compile:
-                rows.append((f"{stack}+compile", stack, True))
+# (stack, --compile, --offload): the training rows, in the table's order
+TRAIN_ROWS = (
+    ("parallax", False, False),
+    ("parallax", True, False),
+    ("parallax", False, True),
+    ("parallax", True, True),
+    ("hf", False, False),
+    ("hf", True, False),
+)
+
+
+def _train_plan(args) -> list[tuple[str, str, bool, bool]]:
+    """(name, stack, compile, offload) of each training row asked for: a row named in
+    ``--rows``, or each row of a stack named there that ``--compile``/``--offload`` allow."""
+    rows, wanted = [], set(args.rows.split(","))
+    for stack, compile, offload in TRAIN_ROWS:
+        name = stack + "+compile" * compile + "+offload" * offload
+        allowed = (args.compile or not compile) and (args.offload or not offload)
+        if name in wanted or (stack in wanted and allowed):
+            rows.append((name, stack, compile, offload))
     return rows
 
 
@@ -263,14 +285,14 @@ def _run(args, device, dtype) -> list[dict]:
     text = args.prompt_tokens + config.oft.slots + 1
     per_sample = oft_flops_per_sample(config, text, lora=True)
     builders = {"parallax": parallax_train, "hf": hf_train}
-    for name, stack, compile in _train_plan(args):
+    for name, stack, compile, offload in _train_plan(args):
         if stack == "hf":
             from benchmarks.openvla import oft_hf  # the peer needs timm, transformers and peft
 
             if oft_hf.missing():
                 records.append({"row": f"{name} train", "stack": stack, "status": oft_hf.missing()})
                 continue
-        build = lambda s=stack, c=compile: builders[s](args, config, device, dtype, c)  # noqa: E731
+        build = lambda s=stack, c=compile, o=offload: builders[s](args, config, device, dtype, c, o)  # noqa: E731
         got = measure_train(args, build, device)
         step = got.get("step_s", math.nan)
         records.append(

@@ -15,9 +15,12 @@ def _size(path) -> int:
 
 def test_tiny_rows_run_and_write_nothing():
     before = (_size(RESULTS_JSONL), _size(RESULTS_MD))
-    rows = {r["row"]: r for r in main(["--model", "tiny", "--steps", "1", "--warmup", "0"])}
+    argv = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--offload"]
+    rows = {r["row"]: r for r in main(argv)}
     train = rows["parallax train"]
     assert train["status"] == "ok" and train["mfu"] > 0 and math.isfinite(train["first_loss"])
+    offloaded = rows["parallax+offload train"]  # the same model and batch: the same first loss
+    assert offloaded["status"] == "ok" and offloaded["first_loss"] == train["first_loss"]
     chunk, autoregressive = (
         rows["parallax predict_action_chunk"],
         rows["parallax OpenVLA autoregressive"],
