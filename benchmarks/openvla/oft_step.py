@@ -11,10 +11,11 @@ Rows (one invocation, one table):
 - ``parallax`` train: the Trainer with ``--action-head l1 --finetune lora`` (bf16 base, fp32
   adapters and head as their own ZeRO masters, no gradient or state for the base, the lm_head
   never run); ``--compile`` adds ``parallax+compile`` (each ViT block and decoder layer), and
-  ``--offload`` adds ``parallax+offload`` (and ``parallax+compile+offload``): the same with
-  ``--zero 2 --offload optimizer``, the trainables' fp32 masters and AdamW moments on the host (the peer keeps its
-  trainables, their gradients and moments in bf16 on the GPU, as OFT does; parallax steps fp32
-  masters, and offloaded their state leaves the GPU).
+  ``--memory`` adds parallax's memory-saving forms, each also compiled: ``+offload`` (``--zero 2
+  --offload optimizer``: the trainables' fp32 masters and AdamW moments on the host; the peer
+  keeps its trainables, their gradients and moments in bf16 on the GPU, as OFT does, where
+  parallax steps fp32 masters) and ``+ckpt-vision`` (``--activation-checkpointing
+  --checkpoint-scope vision``: the two towers recompute, the LLM keeps its activations).
 - ``hf`` train: :mod:`benchmarks.openvla.oft_hf`, timm + transformers + PEFT with OFT's head and
   projector as its repository writes them, under bf16 autocast (``eager``, and with
   ``--compile`` each block compiled: its best form where it compiles).
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--proprio-dim", type=int, default=8)
     p.add_argument("--images", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also the compiled training rows")
-    p.add_argument("--offload", action="store_true", help="also the offloaded parallax rows")
+    p.add_argument("--memory", action="store_true", help="also parallax's memory-saving rows")
     p.add_argument(
         "--rows", default="parallax,hf,infer", help="stacks or row names, comma separated"
     )
@@ -125,7 +126,14 @@ def _on(mb: dict, device, dtype=None) -> dict:
     }
 
 
-def parallax_train(args, config, device, dtype, compile: bool, offload: bool = False):
+# parallax's memory-saving forms (``--memory``): their TrainConfig fields
+SAVING = {
+    "offload": dict(zero=2, offload="optimizer"),
+    "ckpt-vision": dict(activation_checkpointing=True, checkpoint_scope="vision"),
+}
+
+
+def parallax_train(args, config, device, dtype, compile: bool, saving: str = ""):
     from parallax import ParallelContext
     from parallax.train.config import TrainConfig
     from parallax.train.trainer import Trainer
@@ -142,7 +150,7 @@ def parallax_train(args, config, device, dtype, compile: bool, offload: bool = F
         global_batch_size=args.batch,
         micro_batch_size=args.batch,
         compile=compile,
-        **(dict(zero=2, offload="optimizer") if offload else {}),
+        **SAVING.get(saving, {}),
         out=tempfile.mkdtemp(prefix="parallax-oft-bench-"),  # nothing is written
     )
     options = {"backend": "inductor" if device.type == "cuda" else "aot_eager"}
@@ -151,8 +159,8 @@ def parallax_train(args, config, device, dtype, compile: bool, offload: bool = F
     return (lambda: trainer.train_step(mbs)), trainer
 
 
-def hf_train(args, config, device, dtype, compile: bool, offload: bool = False):
-    """The peer (``offload`` is parallax's alone: never asked of this stack)."""
+def hf_train(args, config, device, dtype, compile: bool, saving: str = ""):
+    """The peer (``saving`` is parallax's alone: never asked of this stack)."""
     from benchmarks.openvla import oft_hf  # the peer needs timm, transformers and peft
 
     parts, opt = oft_hf.build(config, device, dtype, RANK, ALPHA, compile)
@@ -255,26 +263,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(threads)
 
 
-# (stack, --compile, --offload): the training rows, in the table's order
+# (stack, --compile, memory-saving form): the training rows, in the table's order
 TRAIN_ROWS = (
-    ("parallax", False, False),
-    ("parallax", True, False),
-    ("parallax", False, True),
-    ("parallax", True, True),
-    ("hf", False, False),
-    ("hf", True, False),
+    ("parallax", False, ""),
+    ("parallax", True, ""),
+    *(("parallax", c, form) for form in SAVING for c in (False, True)),
+    ("hf", False, ""),
+    ("hf", True, ""),
 )
 
 
-def _train_plan(args) -> list[tuple[str, str, bool, bool]]:
-    """(name, stack, compile, offload) of each training row asked for: a row named in
-    ``--rows``, or each row of a stack named there that ``--compile``/``--offload`` allow."""
+def _train_plan(args) -> list[tuple[str, str, bool, str]]:
+    """(name, stack, compile, saving) of each training row asked for: a row named in
+    ``--rows``, or each row of a stack named there that ``--compile``/``--memory`` allow."""
     rows, wanted = [], set(args.rows.split(","))
-    for stack, compile, offload in TRAIN_ROWS:
-        name = stack + "+compile" * compile + "+offload" * offload
-        allowed = (args.compile or not compile) and (args.offload or not offload)
+    for stack, compile, saving in TRAIN_ROWS:
+        name = stack + "+compile" * compile + (f"+{saving}" if saving else "")
+        allowed = (args.compile or not compile) and (args.memory or not saving)
         if name in wanted or (stack in wanted and allowed):
-            rows.append((name, stack, compile, offload))
+            rows.append((name, stack, compile, saving))
     return rows
 
 
@@ -285,14 +292,17 @@ def _run(args, device, dtype) -> list[dict]:
     text = args.prompt_tokens + config.oft.slots + 1
     per_sample = oft_flops_per_sample(config, text, lora=True)
     builders = {"parallax": parallax_train, "hf": hf_train}
-    for name, stack, compile, offload in _train_plan(args):
+    for name, stack, compile, saving in _train_plan(args):
         if stack == "hf":
             from benchmarks.openvla import oft_hf  # the peer needs timm, transformers and peft
 
             if oft_hf.missing():
                 records.append({"row": f"{name} train", "stack": stack, "status": oft_hf.missing()})
                 continue
-        build = lambda s=stack, c=compile, o=offload: builders[s](args, config, device, dtype, c, o)  # noqa: E731
+
+        def build(s=stack, c=compile, f=saving):
+            return builders[s](args, config, device, dtype, c, f)
+
         got = measure_train(args, build, device)
         step = got.get("step_s", math.nan)
         records.append(

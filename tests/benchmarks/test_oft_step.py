@@ -15,12 +15,13 @@ def _size(path) -> int:
 
 def test_tiny_rows_run_and_write_nothing():
     before = (_size(RESULTS_JSONL), _size(RESULTS_MD))
-    argv = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--offload"]
+    argv = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--memory"]
     rows = {r["row"]: r for r in main(argv)}
     train = rows["parallax train"]
     assert train["status"] == "ok" and train["mfu"] > 0 and math.isfinite(train["first_loss"])
-    offloaded = rows["parallax+offload train"]  # the same model and batch: the same first loss
-    assert offloaded["status"] == "ok" and offloaded["first_loss"] == train["first_loss"]
+    for form in ("offload", "ckpt-vision"):  # the same model and batch: the same first loss
+        saved = rows[f"parallax+{form} train"]
+        assert saved["status"] == "ok" and saved["first_loss"] == train["first_loss"], form
     chunk, autoregressive = (
         rows["parallax predict_action_chunk"],
         rows["parallax OpenVLA autoregressive"],
