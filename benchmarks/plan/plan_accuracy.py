@@ -84,8 +84,9 @@ COLUMNS = [
 ]
 
 
-def plan_row(row: Row, args, device: torch.device):
-    """The row's run (resolved) and the planner's first choice for one GPU."""
+def plan_row(row: Row, args, device: torch.device, closest: bool = False):
+    """The row's run (resolved) and the planner's first choice for one GPU (None when nothing
+    fits its margin, or with ``closest`` the layout that comes nearest to fitting)."""
     precision = "bf16" if device.type == "cuda" else "fp32"
     flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
@@ -98,7 +99,9 @@ def plan_row(row: Row, args, device: torch.device):
     if row.limit is not None:  # torch's fraction caps the allocator, not the CUDA context
         machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)
     result = search(Model(run), machine, 1, top=1)
-    return run, (result.ranked[0] if result.ranked else None)
+    if result.ranked:
+        return run, result.ranked[0]
+    return run, (result.closest[0] if closest and result.closest else None)
 
 
 def batch_source(run, ctx):

@@ -33,6 +33,7 @@ import torch
 from benchmarks.plan.plan_accuracy import Row, measure, plan_row
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
+from parallax.plan.search import MARGIN
 from parallax.train.monitor import host_memory_gib
 
 ROWS = (
@@ -45,8 +46,6 @@ ROWS = (
 )
 SMOKE = (Row("tiny-capped", "tiny", 8, limit=0.012), Row("tiny-lora", "tiny", 8, finetune="lora"))
 PEER_MICRO_BATCH = 16
-# run where the planner finds nothing that fits its margin: is it right?
-FALLBACK = {"lora-16": dict(micro_batch_size=1, activation_checkpointing=True)}
 # parallax's uncapped best on one H200 (RESULTS.md): samples/s, which row
 UNCAPPED = {
     "openvla": (36.4, "openvla_step 1gpu micro 8 opt+compile/cudagraphs (run 9ae9773d9a40)"),
@@ -100,21 +99,20 @@ def child(row: Row, args) -> dict:
         )
     else:
         plan_args = SimpleNamespace(compile=args.compile, out=args.out, machine=args.machine)
-        run, best = plan_row(row, plan_args, device)
-        if best is not None:
-            rec.update(
-                layout=best.layout.describe() + (", compile" if args.compile else ""),
-                flags=" ".join(best.layout.argv()),
-                predicted_gib=max(r.gpu for r in best.memory) / GIB,
-                predicted_host_gib=max(r.host for r in best.memory) / GIB,
-                predicted_s=best.time.seconds,
-            )
-            run = run.replace(**best.layout.options())
-        elif row.name in FALLBACK:
-            rec["layout"] = "planner: nothing fits; ran " + str(FALLBACK[row.name])
-            run = run.replace(**FALLBACK[row.name])
-        else:
+        run, best = plan_row(row, plan_args, device, closest=True)
+        if best is None:
             return {"status": "the planner found nothing that fits"}
+        fits = best.gpu <= row.limit * GIB * (1 - MARGIN) if row.limit else True
+        rec.update(
+            layout=best.layout.describe() + (", compile" if args.compile else ""),
+            flags=" ".join(best.layout.argv()),
+            predicted_gib=max(r.gpu for r in best.memory) / GIB,
+            predicted_host_gib=max(r.host for r in best.memory) / GIB,
+            predicted_s=best.time.seconds,
+        )
+        if not fits:  # does the planner's margin refuse a layout that runs? run the nearest
+            rec["layout"] += f" (planner: needs {best.gpu / GIB:.1f} GiB, past its margin)"
+        run = run.replace(**best.layout.options())
         got = measure(run, device, args.steps, args.warmup)
     step = got["step_s"]
     rec.update(step_s=step, gpu_gib=got["peak_gib"], samples_per_s=row.batch / step)
