@@ -2,6 +2,7 @@
 a memory cap changes the plan, and nothing is written."""
 
 import math
+from types import SimpleNamespace
 
 from benchmarks.plan.plan_accuracy import main
 from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
@@ -22,3 +23,18 @@ def test_smoke_rows_plan_run_and_write_nothing(tmp_path):
     assert capped["layout"] != free["layout"]  # 12 MiB does not hold the uncapped choice
     assert capped["predicted_gib"] * 2**30 <= 0.012 * 2**30
     assert _sizes() == before
+
+
+def test_where_nothing_fits_the_nearest_layout_is_planned_and_timed(tmp_path):
+    """memory_fit runs the nearest layout when nothing fits the planner's margin: it comes
+    timed, and only when asked for."""
+    import torch
+
+    from benchmarks.plan.plan_accuracy import Row, plan_row
+
+    row = Row("tiny-too-small", "tiny", 8, limit=1e-6)
+    args = SimpleNamespace(compile=False, out=str(tmp_path), machine=None)
+    cpu = torch.device("cpu")
+    assert plan_row(row, args, cpu)[1] is None
+    _, nearest = plan_row(row, args, cpu, closest=True)
+    assert nearest.gpu > 1e-6 * 2**30 and nearest.time.seconds > 0
