@@ -29,6 +29,7 @@ from parallax.train.args import parse_args
 from parallax.train.config import TrainConfig
 from parallax.train.failures import Ending, Preempted, Preemption, is_comm_failure, sigterm_held
 from parallax.train.lock import RunLock
+from parallax.train.memory_limit import default_allocator
 from parallax.train.plan import print_plan
 from parallax.train.run import Run, resolve
 from parallax.train.session import export_hf, train
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m parallax.train`` and ``parallax-train``. What each rank says
     and which exit status it gives when the run cannot go on: :mod:`parallax.train.failures`."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    default_allocator()
     ending = Ending(int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1))
     signal.signal(signal.SIGTERM, ending.on_sigterm)
     cfg = ctx = None

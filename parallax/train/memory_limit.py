@@ -1,5 +1,5 @@
 """``--gpu-memory-limit GIB``: a cap on this process's GPU memory, and what to say when a step
-runs out of it.
+runs out of it; and the caching allocator's setting that every run starts with.
 
 The cap is torch's per-process memory fraction (the caching allocator refuses to grow past it),
 computed from the device's total memory: it emulates a smaller card on a large one (a 24 GiB
@@ -10,6 +10,7 @@ but say so.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -18,6 +19,15 @@ from parallax.context import ParallelContext
 log = logging.getLogger(__name__)
 
 GiB = 2**30
+ALLOCATOR = "expandable_segments:True"
+
+
+def default_allocator() -> None:
+    """Expandable segments for torch's caching allocator unless ``PYTORCH_CUDA_ALLOC_CONF`` says
+    otherwise (read when CUDA first allocates, so before any tensor is on the GPU). Segments
+    that grow in place leave little of a card unusable between blocks of different sizes; the
+    planner's allocator reserve (:mod:`parallax.plan.machine`) assumes them."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)
 
 
 def apply_gpu_memory_limit(cfg, ctx: ParallelContext) -> None:

@@ -2,6 +2,7 @@
 named with the options that would help."""
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -63,3 +64,14 @@ def test_an_out_of_memory_step_names_the_cap_and_what_helps(monkeypatch, tmp_pat
     assert out_of_memory_message(cfg, 7, RuntimeError()).endswith(
         "What would help: a smaller --micro-batch-size (now 4)"
     )
+
+
+def test_runs_start_with_expandable_segments_unless_the_user_chose(monkeypatch):
+    from parallax.train.memory_limit import ALLOCATOR, default_allocator
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    default_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ALLOCATOR
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    default_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
