@@ -15,7 +15,9 @@ Rows (one invocation, one table):
   --offload optimizer``: the trainables' fp32 masters and AdamW moments on the host; the peer
   keeps its trainables, their gradients and moments in bf16 on the GPU, as OFT does, where
   parallax steps fp32 masters) and ``+ckpt-vision`` (``--activation-checkpointing
-  --checkpoint-scope vision``: the two towers recompute, the LLM keeps its activations).
+  --checkpoint-scope vision``: the two towers recompute, the LLM keeps its activations) and,
+  compiled only, ``+budget`` (``--activation-memory-budget 0.8``: each compiled block keeps
+  80 % of its saved activations and recomputes the cheapest of the rest).
 - ``hf`` train: :mod:`benchmarks.openvla.oft_hf`, timm + transformers + PEFT with OFT's head and
   projector as its repository writes them, under bf16 autocast (``eager``, and with
   ``--compile`` each block compiled: its best form where it compiles).
@@ -130,6 +132,7 @@ def _on(mb: dict, device, dtype=None) -> dict:
 SAVING = {
     "offload": dict(zero=2, offload="optimizer"),
     "ckpt-vision": dict(activation_checkpointing=True, checkpoint_scope="vision"),
+    "budget": dict(activation_memory_budget=0.8),  # compiled only: the compiler recomputes
 }
 
 
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 TRAIN_ROWS = (
     ("parallax", False, ""),
     ("parallax", True, ""),
-    *(("parallax", c, form) for form in SAVING for c in (False, True)),
+    *(("parallax", c, form) for form in SAVING for c in (False, True) if c or form != "budget"),
     ("hf", False, ""),
     ("hf", True, ""),
 )

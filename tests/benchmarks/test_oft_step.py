@@ -44,3 +44,16 @@ def test_the_7b_recipes_flops():
     assert 0.66 < lora / full < 0.68, lora / full
     params = 6.74e9  # Llama-2-7B's layers: 2 N T forward dominates the LLM part
     assert 0.95 < parts["llm"] / (2 * params * 600) < 1.15
+
+
+def test_every_memory_form_is_a_valid_run_where_the_plan_asks_for_it():
+    """Each saving form the plan lists makes a TrainConfig that passes its checks (the budget
+    needs --compile, so it has no eager row)."""
+    from benchmarks.openvla.oft_step import SAVING, _train_plan
+    from parallax.train.config import TrainConfig
+
+    plan = _train_plan(parse_args(["--compile", "--memory", "--rows", "parallax"]))
+    assert {f for *_, f in plan} == {"", *SAVING}
+    assert ("parallax+budget", "parallax", False, "budget") not in plan
+    for _, _, compile, form in plan:
+        TrainConfig(model="tiny", finetune="lora", compile=compile, **SAVING.get(form, {}))
