@@ -3,11 +3,10 @@ there bucket by bucket while the backward goes on.
 
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
 (:mod:`parallax.optim.passes`). Offloaded, that chunk is added into the bucket's accumulator in
-host memory (the model's dtype, pinned on GPUs) without the host's cores: beside the compute,
-the accumulator comes up to the device on a fetch stream (beside the previous bucket's copy
-down), the chunk is added in fp32 on a copies stream, and the sum goes back down, rounded once
-(the first pass just goes down). When the bucket's last pass has landed, a worker thread makes
-its fp32 gradient (the accumulator over dp, one bucket at a time), takes its share of the gradient norm and steps the wrapped optimizer on the bucket's host
+host memory (the model's dtype, pinned on GPUs) on the device, beside the compute, without the
+host's cores (:mod:`parallax.optim.accumulate`). When the bucket's last pass has landed, a
+worker thread makes its fp32 gradient (the accumulator over dp, one bucket at a time), takes its
+share of the gradient norm and steps the wrapped optimizer on the bucket's host
 masters: torch's fused CPU AdamW where this torch has it (checked by running it once; the dp
 average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
 In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into
@@ -40,18 +39,18 @@ The price is one rounding per pass, of a sum formed in fp32; fp32 models accumul
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from parallax import comm
+from parallax.optim.accumulate import Accumulators
 from parallax.optim.host import host_threads, squares
 from parallax.optim.protocol import grad_scale, narrowed, takes_grad_scale
 from parallax.optim.staging import STAGING_BYTES, Ring
@@ -81,26 +80,12 @@ class HostSteps:
         ]
         dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
         self.on_device = opt.device.type == "cuda"
-        # the accumulators: one flat buffer per dtype (pinned on GPUs: the copies both ways go
-        # straight to and from it), a view per bucket
-        self.flats: dict[torch.dtype, torch.Tensor] = {}
-        self.acc: dict[int, torch.Tensor] = {}
-        for dt in set(dtypes.values()):
-            mine = [b for b in self.buckets if dtypes[b] == dt]
-            flat = torch.zeros(
-                sum(buckets[b].chunk for b in mine), dtype=dt, pin_memory=self.on_device
-            )
-            self.flats[dt] = flat
-            for b, start in zip(
-                mine, itertools.accumulate((buckets[b].chunk for b in mine), initial=0)
-            ):
-                self.acc[b] = flat[start : start + buckets[b].chunk]  # (bucket/dp,)
+        chunks = [bk.chunk for bk in buckets]
+        self.sums = Accumulators(self.buckets, chunks, dtypes, opt.device)
+        self.acc, self.flats = self.sums.acc, self.sums.flats  # (bucket/dp,) host views; buffers
         most = max(buckets[b].chunk for b in self.buckets)
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
         self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
-        self.copies = torch.cuda.Stream(opt.device) if self.on_device else None
-        self.fetches = torch.cuda.Stream(opt.device) if self.on_device else None
-        self.down: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its last sum came down
         self.rings = {  # GPUs: pinned staging of the new weights on their way up
             dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
             for dt, flat in (self.flats.items() if self.on_device else ())
@@ -132,58 +117,19 @@ class HostSteps:
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done on
-        the current stream): added into its host accumulator on the device. The accumulator
-        comes up, the sum (in fp32, rounded once to its dtype) goes back down, on streams of
-        their own beside the compute; the host's memory only sees the copies, and its cores
-        stay free for the steps."""
-        acc = self.acc[b]  # (bucket/dp,) host, the model's dtype
-        up = None if first else self._fetch(b)  # (bucket/dp,) the accumulator on the device
-        with self._on_copies(grad, up):
-            total = grad if up is None else grad + up  # (bucket/dp,) fp32
-            acc.copy_(total.to(acc.dtype), non_blocking=True)
-            if self.copies is not None:  # the next pass's fetch waits for this sum
-                self.down[b] = torch.cuda.Event()
-                self.down[b].record()
+        the current stream): added into its host accumulator on the device
+        (:class:`~parallax.optim.accumulate.Accumulators`), the host's cores left free for the
+        steps."""
+        self.sums.add(b, grad, first)
         if last:
             self.complete(b, summed=True)
-
-    def _fetch(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s accumulator on the device (on the CPU, the accumulator itself). GPUs
-        copy it up on a stream of its own, after its last sum came down: so one bucket's copy
-        up runs beside the previous one's copy down, and the link carries both ways at once
-        (on one stream a pass took the two copies' sum)."""
-        acc = self.acc[b]
-        if self.fetches is None:
-            return acc
-        if b in self.down:
-            self.fetches.wait_event(self.down[b])
-        with torch.cuda.stream(self.fetches):
-            return acc.to(self.opt.device, non_blocking=True)
-
-    @contextmanager
-    def _on_copies(self, grad: torch.Tensor, up: torch.Tensor | None) -> Iterator[None]:
-        """GPUs: run the block on the copies stream, after the current stream's work and the
-        fetch of ``up``."""
-        if self.copies is None:
-            yield
-            return
-        self.copies.wait_stream(torch.cuda.current_stream(self.opt.device))
-        grad.record_stream(self.copies)  # (allocated on another stream, read here)
-        if up is not None:
-            self.copies.wait_stream(self.fetches)
-            up.record_stream(self.copies)
-        with torch.cuda.stream(self.copies):
-            yield
 
     def complete(self, b: int, summed: bool) -> None:
         """Bucket ``b``'s gradient is all in (``summed``: some pass reduced it this step)."""
         if self.final[b]:
             return
         self.final[b] = True
-        landed = None
-        if self.copies is not None:  # the worker reads the accumulator once its copies landed
-            landed = torch.cuda.Event()
-            landed.record(self.copies)
+        landed = self.sums.landed()  # the worker reads the accumulator once its copies landed
         flags = None
         if self.early and summed:  # which of its parameters got a gradient on any dp rank
             has = [self.opt.grads.has[i] for i in self.layout.buckets[b].params]
