@@ -25,3 +25,15 @@ def test_a_row_over_the_host_limit_is_ended_and_reported(tmp_path):
     (rec,) = main(["--smoke", "--rows", "tiny-lora", "--host-limit", "0.01",
                    "--out", str(tmp_path), "--no-write"])  # fmt: skip
     assert rec["status"].startswith("host RSS over 0.01 GiB"), rec
+
+
+def test_the_ratio_is_against_this_invocations_uncapped_row_where_it_ran():
+    from benchmarks.zero.memory_fit import UNCAPPED, references, table_row
+
+    capped = {"name": "llava-24", "limit": 24.0, "batch": 32, "samples_per_s": 2.0, "status": "ok"}
+    alone = references([capped])
+    assert alone["llava"] == UNCAPPED["llava"]  # nothing uncapped ran: RESULTS.md's best
+    uncapped = {"name": "llava", "limit": None, "batch": 32, "samples_per_s": 4.0, "status": "ok"}
+    refs = references([capped, uncapped])
+    assert refs["llava"][0] == 4.0 and refs["openvla"] == UNCAPPED["openvla"]
+    assert table_row(capped, refs)[-2] == 0.5 and table_row(uncapped, refs)[-2] == 1.0
