@@ -3,6 +3,7 @@ of a workload on this one GPU (under a memory cap where the row has one), then r
 and measures its peak GPU memory (``torch.cuda.max_memory_allocated``) and step time.
 
     python -m benchmarks.plan.plan_accuracy [--rows openvla,openvla-32,...] [--compile]
+        [--cuda-graphs]   # with --compile: each first choice replayed where the trainer allows
         [--machine FILE] [--steps 4 --warmup 2]
     python -m benchmarks.plan.plan_accuracy --smoke    # tiny presets on the CPU, writes nothing
 
@@ -30,7 +31,7 @@ from parallax.data.vqa_synthetic import SyntheticVQA
 from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
 from parallax.plan.model import Model
-from parallax.plan.search import Searcher, search
+from parallax.plan.search import Searcher, option_problems, search
 from parallax.train.config import TrainConfig
 from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
@@ -170,7 +171,11 @@ def run_row(row: Row, args, device: torch.device) -> dict:
             torch.cuda.set_per_process_memory_fraction(row.limit * GIB / total, device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        got = measure(run.replace(**best.layout.options()), device, args.steps, args.warmup)
+        run = run.replace(**best.layout.options())
+        if cuda and args.cuda_graphs and not option_problems(run.replace(cuda_graphs=True)):
+            run = run.replace(cuda_graphs=True)  # as the hand-tuned rows ran; not in the model
+            rec["layout"] += ", cuda graphs"
+        got = measure(run, device, args.steps, args.warmup)
         step = got["step_s"]
         rec.update(measured_s=step, measured_gib=got["peak_gib"], samples_per_s=row.batch / step)
         rec["status"] = "ok"
@@ -215,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="--compile in every row")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --compile: also --cuda-graphs where the first choice allows it",
+    )
     p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
     p.add_argument("--out", default="runs/plan_accuracy", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
