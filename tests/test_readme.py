@@ -15,7 +15,8 @@ install``) and ``pytest`` are the CI's own steps and are not repeated; downloads
 the network, and the ``setup=`` option makes a local stand-in for what they fetch; a benchmark
 without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training command runs
 with ``--steps 2`` appended (the full runs' numbers in the docs are measured, not tested), or
-with ``--dry-run`` where it names GPU work (bf16, a 7B preset, several nodes).
+with ``--dry-run`` where it names GPU work (bf16, a 7B preset, several nodes); so does the
+pipeline example, which takes ``--steps`` too (its 60 steps print a falling loss, checked nowhere).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ MARK = re.compile(r"^<!-- test: (.*) -->$")
 GPU_WORDS = ("--precision bf16", "openvla-7b", "vicuna-7b", "siglip-large", "--nnodes")
 TIMEOUT_S = 300
 TRAINERS = ("parallax.train", "examples/custom_recipe.py")  # entry points that take its flags
+STEPPED = ("examples/pipeline_custom_model.py",)  # scripts with a --steps of their own
 
 
 def blocks(text: str) -> list[tuple[int, str, str, dict[str, str]]]:
@@ -103,6 +105,8 @@ def plan(cmd: str, dry_run: bool) -> list[str] | None:
         if dry_run or any(w in cmd for w in GPU_WORDS):
             entry = ["-m", trainer] if trainer == "parallax.train" else [trainer]
             return [sys.executable, *entry, *args, "--dry-run"]
+        words = [*words, "--steps", "2"]
+    elif any(w in STEPPED for w in words):
         words = [*words, "--steps", "2"]
     if words[0] == "torchrun":
         rdzv = any(w.startswith("--rdzv") for w in words)
@@ -182,6 +186,8 @@ def test_commands_are_planned_as_the_module_doc_says():
     assert got[-4:] == ["--out", "a", "--steps", "2"] and "--standalone" in got
     got = plan("torchrun --nproc-per-node 8 -m parallax.train --precision bf16", False)
     assert got == [sys.executable, "-m", "parallax.train", "--precision", "bf16", "--dry-run"]
+    got = plan("torchrun --nproc-per-node 2 examples/pipeline_custom_model.py --pp 2", False)
+    assert got[-4:] == ["--pp", "2", "--steps", "2"], got
     assert commands("a \\\n  b  # c\n# d\ne") == ["a b", "e"]
 
 

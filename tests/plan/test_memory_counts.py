@@ -36,14 +36,15 @@ CASES = [
 def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float, ...]:
     """(predicted, counted) bytes on this rank's GPU, then on its host, with the model built
     but not initialised (only sizes matter: initialising the small preset would take most of
-    the test's time). On the CPU the offload makes no pinned staging."""
+    the test's time). On the CPU the offload makes no pinned staging. None of the bytes
+    counted depends on the batch, so each rank runs the fewest microbatches its schedule takes."""
     cfg = resolve(
         TrainConfig(
             model=model,
             tp=tp,
             pp=pp,
             dp=dp,
-            global_batch_size=2 * dp,
+            global_batch_size=pp * dp,  # pp microbatches a rank: the fewest 1F1B takes
             micro_batch_size=1,
             **options,
         )

@@ -73,15 +73,15 @@ def metrics(out: Path) -> list[dict]:
 
 RUN = (
     "--steps",
-    "12",
+    "8",
     "--global-batch-size",
     "16",
     "--micro-batch-size",
     "2",
     "--save-interval",
-    "6",
+    "4",
     "--log-interval",
-    "6",
+    "4",
     "--warmup-steps",
     "2",
     "--lr",
@@ -102,13 +102,13 @@ def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 def test_default_command_learns_and_logs(reference):
     out, rows = reference
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r.keys() >= KEYS for r in rows)
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest",
-        "step_00000006",
-        "step_00000012",
+        "step_00000004",
+        "step_00000008",
     ]
 
 
@@ -134,14 +134,14 @@ def test_resume_at_another_layout_matches_uninterrupted(reference, tmp_path):
     from parallax.testing import run_ranks
 
     _, ref = reference
-    later = [r["loss"] for r in ref if r["step"] > 6]
-    # interrupted after step 6 at tp2 pp2, resumed at dp2 (another layout); a resume at the
+    later = [r["loss"] for r in ref if r["step"] > 4]
+    # interrupted after step 4 at tp2 pp2, resumed at dp2 (another layout); a resume at the
     # same layout (dp2) is test_killed_rank_stops_the_run_and_torchrun_restart_resumes's
-    run_ranks(_run_in_pool, 4, 2, 2, 1, str(tmp_path / "a"), 6)
+    run_ranks(_run_in_pool, 4, 2, 2, 1, str(tmp_path / "a"), 4)
     run_ranks(_run_in_pool, 2, 1, 1, 2, str(tmp_path / "a"), None, True)
     steps = [r["step"] for r in metrics(tmp_path / "a")]
-    assert steps == list(range(1, 13)), steps
-    assert _losses(tmp_path / "a", 7) == pytest.approx(later, rel=1e-4)
+    assert steps == list(range(1, 9)), steps
+    assert _losses(tmp_path / "a", 5) == pytest.approx(later, rel=1e-4)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -163,10 +163,10 @@ def _kill_one_worker(launcher: subprocess.Popen) -> None:
 
 def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_path):
     _, ref = reference
-    args = ("--out", str(tmp_path / "k"), *RUN, "--save-interval", "3")
+    args = ("--out", str(tmp_path / "k"), *RUN, "--save-interval", "2")
     # without restarts: the run stops promptly and says why
     launcher = launch(2, *args)
-    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000003", launcher)
+    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000002", launcher)
     _kill_one_worker(launcher)
     t0 = time.monotonic()
     _, err = launcher.communicate(timeout=90)
@@ -180,12 +180,12 @@ def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_p
     assert "Signal 9 (SIGKILL)" in err
     # torchrun --max-restarts with --resume carries on from the last checkpoint
     launcher = launch(2, *args, "--resume", extra=("--max-restarts=1",))
-    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000009", launcher)
+    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000004", launcher)
     _kill_one_worker(launcher)
     _, err = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, err[-3000:]
     rows = metrics(tmp_path / "k")
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
 
 
@@ -342,7 +342,7 @@ def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path,
     for damage, message in cases:
         out = tmp_path / damage
         shutil.copytree(src / "checkpoints", out / "checkpoints")
-        last = out / "checkpoints" / "step_00000012"
+        last = out / "checkpoints" / "step_00000008"
         if damage == "truncate":
             shard = last / "shard-00000.safetensors"
             shard.write_bytes(shard.read_bytes()[:-100])
@@ -352,7 +352,7 @@ def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path,
         else:
             (last / "meta.json").unlink()
         before = _digest(out)
-        status, _, err = single(capsys, "--out", str(out), *RUN, "--resume", "--steps", "14")
+        status, _, err = single(capsys, "--out", str(out), *RUN, "--resume", "--steps", "10")
         assert status == 2, err[-2000:]
         assert message in err, err[-2000:]
         assert _digest(out) == before  # nothing written, nothing removed
@@ -379,9 +379,9 @@ def test_damage_one_rank_reads_is_refused_on_every_rank(reference, tmp_path):
 
     src, _ = reference
     shutil.copytree(src / "checkpoints", tmp_path / "c" / "checkpoints")
-    last = tmp_path / "c" / "checkpoints" / "step_00000012"
+    last = tmp_path / "c" / "checkpoints" / "step_00000008"
     name = _scribble(last / "shard-00004.safetensors")  # the last stage's: rank 1 at pp 2
-    errors = run_ranks(_resume_expecting_error, 2, 1, 2, 1, str(tmp_path / "c"), 14)
+    errors = run_ranks(_resume_expecting_error, 2, 1, 2, 1, str(tmp_path / "c"), 10)
     assert errors[0] == errors[1] and errors[0].startswith("--resume: rank 1: "), errors
     assert f"shard-00004.safetensors: tensor '{name}' is corrupt" in errors[0]
 
@@ -394,8 +394,8 @@ def test_resume_with_no_steps_left_fails(reference, tmp_path, capsys):
     args = ("--out", str(tmp_path), *RUN, "--resume", "--steps", "6")  # (equal: see
     status, _, err = single(capsys, *args)  # tests/train/test_run_safety.py)
     assert status == 2, err[-2000:]
-    assert "is at step 12 and --steps is 6: nothing left to train" in err
-    assert "raise --steps above 12" in err
+    assert "is at step 8 and --steps is 6: nothing left to train" in err
+    assert "raise --steps above 8" in err
 
 
 def test_dry_run_prints_the_plan(monkeypatch, capsys):

@@ -227,14 +227,14 @@ def test_cli_run_logs_eval_metrics_and_learns():
     """tp2 dp2 through ``parallax.train.cli.run``: metrics.jsonl and eval.jsonl hold the loss and
     every evaluation metric, the loss falls, --export-hf writes the HF layout."""
     with tempfile.TemporaryDirectory() as root:
-        run_ranks(_cli, 4, 2, 2, root, 30)
+        run_ranks(_cli, 4, 2, 2, root, 16)  # the loss levels off after ~13 steps
         rows = [json.loads(x) for x in (Path(root) / "metrics.jsonl").read_text().splitlines()]
         evals = [json.loads(x) for x in (Path(root) / "eval.jsonl").read_text().splitlines()]
         hf = Path(root) / "hf"  # --export-hf: the HF SiglipModel layout, found by config.json
         assert registry.find(str(hf)).name == "siglip"
         assert json.loads((hf / "config.json").read_text())["model_type"] == "clip"
         assert Siglip.from_pretrained(hf).logit_scale.item() != 2.6592  # trained
-    assert len(rows) == 30 and {"temperature", "logit_bias", "truncated"} <= rows[0].keys()
+    assert len(rows) == 16 and {"temperature", "logit_bias", "truncated"} <= rows[0].keys()
     assert sum(r["loss"] for r in rows[-5:]) < 0.9 * sum(r["loss"] for r in rows[:5])
     (last,) = evals
     keys = {f"eval_{d}_r@{k}" for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
