@@ -4,9 +4,13 @@
 #
 #   PARALLAX_COMMIT=<sha> bash benchmarks/tools/gpu_memory_session.sh OUT_DIR [SECONDS]
 #
-# 1. benchmarks.zero.memory_fit: 7B under 32/24/16 GiB caps, the FSDP2 + CPU offload peer;
-# 2. benchmarks.plan.plan_accuracy: the planner's uncapped first choices, predicted vs measured;
-# 3. benchmarks.openvla.oft_step: OpenVLA-OFT's training step and action-chunk inference.
+# 0. the GPU tests of ZeRO-2/3 and the offload's streams;
+# 1. benchmarks.zero.memory_fit: OpenVLA-7B LoRA under 16 GiB beside its uncapped row;
+# 2. benchmarks.openvla.oft_step: the compiled OFT step with a compiler memory budget, beside
+#    the compiled peer;
+# 3. benchmarks.plan.plan_accuracy: the uncapped first choices compiled, with CUDA graphs;
+# 4. benchmarks.zero.memory_fit: LLaVA-NeXT-7B under 24 GiB beside its uncapped row.
+# Each list can be changed through FIT_ROWS, OFT_ROWS, PLAN_ROWS and LLAVA_ROWS.
 set -u
 out=${1:?usage: gpu_memory_session.sh OUT_DIR [SECONDS]}
 budget=${2:-580}
@@ -28,6 +32,8 @@ step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the bu
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 free -g | head -2
-step 330 memory_fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla-32,openvla-24,llava-24,lora-16,fsdp2-offload-32}" --row-timeout 120
-step 150 plan_accuracy python3 -m benchmarks.plan.plan_accuracy --rows "${PLAN_ROWS:-lora-16,siglip,openvla,llava}" --steps 2 --warmup 1
-[ -n "${OFT:-}" ] && step 300 oft_step python3 -m benchmarks.openvla.oft_step --steps 4 --warmup 2 --write
+step 60 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/optim/test_zero_stages_cuda.py
+step 200 memory_fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-lora-16,lora}" --compile --steps 2 --row-timeout 95
+step 170 oft_step python3 -m benchmarks.openvla.oft_step --compile --memory --rows "${OFT_ROWS:-parallax+compile+budget,hf+compile}"
+step 200 plan_accuracy python3 -m benchmarks.plan.plan_accuracy --rows "${PLAN_ROWS:-openvla,lora-16}" --compile --cuda-graphs --steps 3 --warmup 2
+step 300 memory_fit_llava python3 -m benchmarks.zero.memory_fit --rows "${LLAVA_ROWS:-llava-24,llava}" --compile --steps 1 --row-timeout 145
