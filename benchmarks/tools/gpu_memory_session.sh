@@ -9,7 +9,8 @@
 # 2. benchmarks.openvla.oft_step: the compiled OFT step with a compiler memory budget, beside
 #    the compiled peer;
 # 3. benchmarks.plan.plan_accuracy: the uncapped first choices compiled, with CUDA graphs;
-# 4. benchmarks.zero.memory_fit: LLaVA-NeXT-7B under 24 GiB beside its uncapped row.
+# 4. benchmarks.zero.host_bound: the host's phases and the pinned copies, both ways at once;
+# 5. benchmarks.zero.memory_fit: LLaVA-NeXT-7B under 24 GiB beside its uncapped row.
 # Each list can be changed through FIT_ROWS, OFT_ROWS, PLAN_ROWS and LLAVA_ROWS.
 set -u
 out=${1:?usage: gpu_memory_session.sh OUT_DIR [SECONDS]}
@@ -36,4 +37,5 @@ step 60 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/optim/test_zero
 step 200 memory_fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-lora-16,lora}" --compile --steps 2 --row-timeout 95
 step 170 oft_step python3 -m benchmarks.openvla.oft_step --compile --memory --rows "${OFT_ROWS:-parallax+compile+budget,hf+compile}"
 step 200 plan_accuracy python3 -m benchmarks.plan.plan_accuracy --rows "${PLAN_ROWS:-openvla,lora-16}" --compile --cuda-graphs --steps 3 --warmup 2
+step 90 host_bound python3 -m benchmarks.zero.host_bound
 step 300 memory_fit_llava python3 -m benchmarks.zero.memory_fit --rows "${LLAVA_ROWS:-llava-24,llava}" --compile --steps 1 --row-timeout 145

@@ -85,34 +85,53 @@ def host_phases(n: int) -> dict[str, tuple[float, int]]:
 
 
 def link_phases(n: int) -> dict[str, tuple[float, int]]:
-    """Pinned copies of ``n`` bf16 elements device-to-host and back (GPU only)."""
+    """Pinned copies of ``n`` bf16 elements device-to-host, back, and both at once on two
+    streams, as the offload's accumulators copy (GPU only)."""
     if not torch.cuda.is_available():
         return {}
-    dev = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    dev, dev2 = (torch.empty(n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    host, host2 = (torch.empty(n, dtype=torch.bfloat16, pin_memory=True) for _ in range(2))
     d2h = timed(lambda: host.copy_(dev, non_blocking=True))
     h2d = timed(lambda: dev.copy_(host, non_blocking=True))
-    return {"d2h (pinned, bf16)": (d2h, 2), "h2d (pinned, bf16)": (h2d, 2)}
+    down, up = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        now = torch.cuda.current_stream()
+        for stream, (dst, src) in ((down, (host, dev)), (up, (dev2, host2))):
+            stream.wait_stream(now)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        now.wait_stream(down)
+        now.wait_stream(up)
+
+    return {
+        "d2h (pinned, bf16)": (d2h, 2),
+        "h2d (pinned, bf16)": (h2d, 2),
+        "both ways at once (pinned, bf16, two streams)": (timed(both), 4),
+    }
 
 
-PER_PASS = ("accumulate", "d2h", "h2d")
-COPIES = ("d2h", "h2d")  # concurrent: the slower one counts
+PER_PASS = ("accumulate", "d2h", "h2d", "both ways")
+COPIES = ("d2h", "h2d")  # concurrent: the slower one counts, unless both ways were measured
+BOTH = "both ways"
 TAIL = ("upcast into a kept", "adamw fused", "convert")  # the norm is taken under the backward
 
 
 def table(phases: dict, params: float, passes: int, threads: int) -> list[list[object]]:
-    rows, copies, tail = [], 0.0, 0.0
+    rows, copies, both, tail = [], 0.0, 0.0, 0.0
     for name, (seconds, width, n) in phases.items():
         per = seconds / n * 1e9
         times = passes if name.startswith(PER_PASS) else 1
         step = per * params / 1e9 * times
         if name.startswith(COPIES):
             copies = max(copies, step)
+        elif name.startswith(BOTH):
+            both = step
         elif name.startswith(TAIL):
             tail += step
         rows.append([name, threads, width, per, width * n / seconds / 1e9, times, step])
     rows.append(["per step: the copies (hide under the passes)", threads, "-", "-", "-",
-                 passes, copies])  # fmt: skip
+                 passes, both or copies])  # fmt: skip
     rows.append(["per step: the tail after the last pass (clipped gradients)", threads, "-", "-",
                  "-", 1, tail])  # fmt: skip
     return rows
