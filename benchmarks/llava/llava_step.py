@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import time
 
 import torch
@@ -57,6 +56,7 @@ from benchmarks.tools.common import (
     sync,
 )
 from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.train.memory_limit import default_allocator
 
 COLUMNS = [
     "framework",
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     info = env_info()
     cuda = torch.cuda.is_available() and not args.smoke
     if cuda:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        default_allocator()  # as parallax.train runs
     device = torch.device("cuda" if cuda else "cpu")
     config = LlavaNextConfig.preset(args.model)
     plans = samples(config, args.global_batch, seed=args.seed)

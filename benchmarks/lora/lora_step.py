@@ -71,6 +71,7 @@ from benchmarks.tools.common import (
 )
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.compile import CHECKPOINT_SCOPES, memory_budget
+from parallax.train.memory_limit import default_allocator
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
 
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return report(args.report)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":  # before the first allocation: against fragmentation after OOMs
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        default_allocator()  # as parallax.train runs
     threads = torch.get_num_threads()
     if args.smoke:
         torch.set_num_threads(1)  # a small CPU shared with others: threads only contend

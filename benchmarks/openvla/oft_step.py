@@ -59,6 +59,7 @@ from benchmarks.tools.common import (
 )
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.oft_config import OFTConfig
+from parallax.train.memory_limit import default_allocator
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
 COLUMNS = [
@@ -255,6 +256,7 @@ def inference_rows(args, config, device, dtype) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    default_allocator()  # as parallax.train runs, and as the planner assumes
     device = torch.device("cuda" if torch.cuda.is_available() and args.model != "tiny" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     threads = torch.get_num_threads()

@@ -94,6 +94,7 @@ from parallax import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.flops import openvla_flops_per_sample
 from parallax.train.config import TrainConfig
+from parallax.train.memory_limit import default_allocator
 
 
 def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None, bool]:
@@ -104,7 +105,7 @@ def init_world(args) -> tuple[torch.device, int, int, dist.ProcessGroup | None, 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = torch.device("cpu")
     if use_cuda:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        default_allocator()  # as parallax.train runs
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if world == 1:

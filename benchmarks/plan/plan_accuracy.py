@@ -33,6 +33,7 @@ from parallax.plan.machine import default_for as default_machine
 from parallax.plan.model import Model
 from parallax.plan.search import Searcher, option_problems, search
 from parallax.train.config import TrainConfig
+from parallax.train.memory_limit import default_allocator
 from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 
@@ -86,8 +87,9 @@ COLUMNS = [
 
 
 def plan_row(row: Row, args, device: torch.device, closest: bool = False):
-    """The row's run (resolved) and the planner's first choice for one GPU (None when nothing
-    fits its margin, or with ``closest`` the layout that comes nearest to fitting)."""
+    """The row's run (resolved), the planner's first choice for one GPU and whether it fits the
+    planner's margin: when nothing does, None, or with ``closest`` the layout that comes
+    nearest (timed)."""
     precision = "bf16" if device.type == "cuda" else "fp32"
     flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
@@ -102,10 +104,10 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     model = Model(run)
     result = search(model, machine, 1, top=1)
     if result.ranked:
-        return run, result.ranked[0]
+        return run, result.ranked[0], True
     if not (closest and result.closest):
-        return run, None
-    return run, Searcher(model, machine).timed(result.closest[0])  # (the search left it untimed)
+        return run, None, False
+    return run, Searcher(model, machine).timed(result.closest[0]), False  # (it was untimed)
 
 
 def batch_source(run, ctx):
@@ -157,7 +159,7 @@ def run_row(row: Row, args, device: torch.device) -> dict:
     rec: dict = {"benchmark": "plan_accuracy", **dataclasses.asdict(row)}
     cuda = device.type == "cuda"
     try:
-        run, best = plan_row(row, args, device)
+        run, best, _ = plan_row(row, args, device)
         if best is None:
             return {**rec, "status": "nothing fits"}
         rec.update(
@@ -234,6 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    default_allocator()  # as parallax.train runs, and as the planner assumes
     info = env_info()
     rows = SMOKE if args.smoke else ROWS
     if args.rows:

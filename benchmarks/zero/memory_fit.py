@@ -35,7 +35,7 @@ import torch
 from benchmarks.plan.plan_accuracy import Row, measure, plan_row
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
-from parallax.plan.search import MARGIN
+from parallax.train.memory_limit import default_allocator
 from parallax.train.monitor import host_memory_gib
 
 ROWS = (
@@ -104,10 +104,9 @@ def child(row: Row, args) -> dict:
         )
     else:
         plan_args = SimpleNamespace(compile=args.compile, out=args.out, machine=args.machine)
-        run, best = plan_row(row, plan_args, device, closest=True)
+        run, best, fits = plan_row(row, plan_args, device, closest=True)
         if best is None:
             return {"status": "the planner found nothing that fits"}
-        fits = best.gpu <= row.limit * GIB * (1 - MARGIN) if row.limit else True
         rec.update(
             layout=best.layout.describe() + (", compile" if args.compile else ""),
             flags=" ".join(best.layout.argv()),
@@ -212,6 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    default_allocator()  # as parallax.train runs, and as the planner assumes
     rows = SMOKE if args.smoke else ROWS
     if args.child:
         row = next(r for r in rows if r.name == args.child)

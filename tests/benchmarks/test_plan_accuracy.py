@@ -35,6 +35,6 @@ def test_where_nothing_fits_the_nearest_layout_is_planned_and_timed(tmp_path):
     row = Row("tiny-too-small", "tiny", 8, limit=1e-6)
     args = SimpleNamespace(compile=False, out=str(tmp_path), machine=None)
     cpu = torch.device("cpu")
-    assert plan_row(row, args, cpu)[1] is None
-    _, nearest = plan_row(row, args, cpu, closest=True)
-    assert nearest.gpu > 1e-6 * 2**30 and nearest.time.seconds > 0
+    assert plan_row(row, args, cpu)[1:] == (None, False)
+    _, nearest, fits = plan_row(row, args, cpu, closest=True)
+    assert not fits and nearest.gpu > 1e-6 * 2**30 and nearest.time.seconds > 0
