@@ -149,6 +149,8 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
     out = dict(step_s=median(times), peak_gib=peak, flops=flops, tokens=tokens)
+    if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow
+        out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     if host is not None:  # seconds per step in each host phase of the offloaded optimizer
         out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
     return out

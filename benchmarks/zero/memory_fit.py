@@ -124,8 +124,9 @@ def child(row: Row, args) -> dict:
         rec.update(
             tokens_per_s=got["tokens"] / step, mfu=got["flops"] / step / PEAK_BF16_TFLOPS / 1e12
         )
-    if "host_phases" in got:
-        rec["host_phases"] = got["host_phases"]
+    for key in ("host_phases", "alloc_retries"):
+        if key in got:
+            rec[key] = got[key]
     rec["host_gib"] = host_memory_gib()  # this row's process: its peak resident set
     return {**rec, "status": "ok"}
 
