@@ -38,3 +38,13 @@ def test_where_nothing_fits_the_nearest_layout_is_planned_and_timed(tmp_path):
     assert plan_row(row, args, cpu)[1:] == (None, False)
     _, nearest, fits = plan_row(row, args, cpu, closest=True)
     assert not fits and nearest.gpu > 1e-6 * 2**30 and nearest.time.seconds > 0
+
+
+def test_against_hand_compares_in_the_hand_rows_unit():
+    from benchmarks.plan.plan_accuracy import HAND, against_hand
+
+    rec = {"name": "openvla", "samples_per_s": 1.0, "tokens_per_s": HAND["openvla"][0] / 2}
+    assert against_hand(rec) == 0.5  # tokens/s: the hand row's samples were shorter
+    rec = {"name": "siglip", "samples_per_s": HAND["siglip"][0] * 2, "tokens_per_s": 1.0}
+    assert against_hand(rec) == 2.0
+    assert math.isnan(against_hand({"name": "llava", "samples_per_s": 3.0}))
