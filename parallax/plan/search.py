@@ -27,7 +27,7 @@ from parallax.plan.model import Model
 from parallax.train.options import needs_problems, problems
 from parallax.train.rules import RULES
 
-MARGIN = 0.05  # of the GPU's and the host's memory, kept free
+MARGIN = 0.03  # of the GPU's and the host's memory, kept free
 TIE = 1.005  # step times this close are a tie: the simpler layout goes first
 
 
