@@ -32,6 +32,7 @@ from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
 from parallax.plan.model import Model
 from parallax.plan.search import Searcher, option_problems, search
+from parallax.recipe import registry
 from parallax.train.config import TrainConfig
 from parallax.train.memory_limit import default_allocator
 from parallax.train.run import resolve
@@ -103,6 +104,8 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     nearest (timed)."""
     precision = "bf16" if device.type == "cuda" else "fp32"
     flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
+    if args.pad_to_multiple_of > 1 and registry.find(row.model).pads_text:
+        flags["pad_to_multiple_of"] = args.pad_to_multiple_of  # (the others' text is fixed)
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
     card = 1.0  # GiB: the CPU smoke plans the tiny presets for a small card
@@ -119,6 +122,12 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     if not (closest and result.closest):
         return run, None, False
     return run, Searcher(model, machine).timed(result.closest[0]), False  # (it was untimed)
+
+
+def described(best, run) -> str:
+    """The layout in words, and the text padding where the run pads."""
+    pad = run.pad_to_multiple_of
+    return best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
 
 
 def batch_source(run, ctx):
@@ -176,7 +185,7 @@ def run_row(row: Row, args, device: torch.device) -> dict:
         if best is None:
             return {**rec, "status": "nothing fits"}
         rec.update(
-            layout=best.layout.describe(),
+            layout=described(best, run),
             flags=" ".join(best.layout.argv()),
             predicted_gib=max(r.gpu for r in best.memory) / GIB,
             predicted_s=best.time.seconds,
@@ -240,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --compile: also --cuda-graphs where the first choice allows it",
     )
     p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
+    p.add_argument(
+        "--pad-to-multiple-of", type=int, default=1, metavar="N", help="OpenVLA rows' text width"
+    )
     p.add_argument("--out", default="runs/plan_accuracy", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
     p.add_argument("--no-write", action="store_true")

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.plan.plan_accuracy import Row, measure, plan_row
+from benchmarks.plan.plan_accuracy import Row, described, measure, plan_row
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
 from parallax.train.memory_limit import default_allocator
@@ -103,12 +103,17 @@ def child(row: Row, args) -> dict:
             OpenVLAConfig.preset(row.model), row.batch, PEER_MICRO_BATCH, args.steps, args.warmup
         )
     else:
-        plan_args = SimpleNamespace(compile=args.compile, out=args.out, machine=args.machine)
+        plan_args = SimpleNamespace(
+            compile=args.compile,
+            out=args.out,
+            machine=args.machine,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+        )
         run, best, fits = plan_row(row, plan_args, device, closest=True)
         if best is None:
             return {"status": "the planner found nothing that fits"}
         rec.update(
-            layout=best.layout.describe() + (", compile" if args.compile else ""),
+            layout=described(best, run) + (", compile" if args.compile else ""),
             flags=" ".join(best.layout.argv()),
             predicted_gib=max(r.gpu for r in best.memory) / GIB,
             predicted_host_gib=max(r.host for r in best.memory) / GIB,
@@ -137,6 +142,7 @@ def spawn(row: Row, args) -> dict:
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", args.out]
     cmd += ["--smoke"] * args.smoke + ["--compile"] * args.compile
     cmd += ["--machine", args.machine] if args.machine else []
+    cmd += ["--pad-to-multiple-of", str(args.pad_to_multiple_of)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     start, most, status = time.monotonic(), 0.0, None
     while proc.poll() is None:
@@ -198,10 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", help="comma-separated row names (default: all)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per row (after --warmup)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2, help="(compiled: the second step recompiles)")
     p.add_argument("--host-limit", type=float, default=112.0, help="GiB of host RSS a row may use")
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take")
     p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
+    p.add_argument(
+        "--pad-to-multiple-of", type=int, default=1, metavar="N", help="OpenVLA rows' text width"
+    )
     p.add_argument("--compile", action="store_true", help="--compile in every parallax row")
     p.add_argument("--out", default="runs/memory_fit", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")

@@ -92,6 +92,8 @@ class Recipe(RecipeDefaults):
     # the training step's; ``None``: the same as ``metric_sums`` and ``metrics``
     eval_metric_sums: tuple[str, ...] | None = None
     eval_metrics: tuple[MetricSpec, ...] | None = None
+    # whether the collator rounds its text up to ``--pad-to-multiple-of`` (refused elsewhere)
+    pads_text: bool = False
 
     # -- model: what a family must say ------------------------------------------------------------
     def presets(self) -> Sequence[str]:

@@ -65,6 +65,14 @@ class DataOptions:
         switch="both",
         default_text="on for robot data, off for the synthetic task",
     )
+    pad_to_multiple_of: int = opt(
+        1,
+        "round each microbatch's text up to a multiple of N tokens (masked out of the loss), "
+        "so that compiled blocks and CUDA graphs see few sequence lengths (OpenVLA)",
+        DATA,
+        check=ONE,
+        metavar="N",
+    )
     freeze: str | None = opt(
         None,
         "GLOB,...: freeze the parameters whose global names match (or a family's alias, such as "

@@ -92,5 +92,10 @@ def resolve(
     if flags.layout == "auto":  # the planner's layout for this world, on every rank alike
         as_given = Run(flags, recipe, name, recipe.configure(model_config, flags), checkpoint)
         flags = auto.choose(as_given)
+    if flags.pad_to_multiple_of > 1 and not recipe.pads_text:
+        raise ValueError(
+            f"--pad-to-multiple-of: the {recipe.name} family's batches do not pad their text "
+            "to a multiple; leave it at 1"
+        )
     configured = recipe.configure(model_config, flags)
     return Run(flags, recipe, name, configured, checkpoint)

@@ -281,3 +281,12 @@ def test_evaluation_flags_reach_the_config():
     assert (cfg.eval_interval, cfg.eval_batches, cfg.eval_data) == (3, 1, "held/out")
     with pytest.raises(ValueError, match="--eval-interval must be >= 0"):
         parse_args(["--eval-interval", "-1"])
+
+
+def test_only_a_family_that_pads_its_text_takes_pad_to_multiple_of():
+    from parallax.train.run import resolve
+
+    assert resolve(TrainConfig(model="tiny", pad_to_multiple_of=8)).model_config.text_multiple == 8
+    for model in ("llava-tiny", "siglip-tiny"):
+        with pytest.raises(ValueError, match="--pad-to-multiple-of: the .* family's batches"):
+            resolve(TrainConfig(model=model, pad_to_multiple_of=8))

@@ -17,6 +17,7 @@ from parallax.pipeline import executor, p2p
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import parse_args, state
+from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 from tests.train.test_trainer import _cfg, _run, separate
 
@@ -268,3 +269,15 @@ def test_cuda_graphs_option():
     assert trainer._compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
     assert not trainer.optimizer._side_copies  # graph outputs are copied on the compute stream
     assert Trainer(_cfg(), context()).optimizer._side_copies
+
+
+def test_padded_text_matches_the_default(reference):
+    # --pad-to-multiple-of 16 widens every microbatch's text with pad tokens that no label
+    # reads (causal attention: no real position sees them): the same step
+    cfg = _cfg(pad_to_multiple_of=16)
+    data = SyntheticTask(num_episodes=2, episode_length=2, image_size=32, seed=cfg.seed)
+    config = resolve(cfg).model_config
+    builder = BatchBuilder(config, data.statistics, text_tokenizer(config))
+    width = builder([data[0]])["input_ids"].shape[1]
+    assert width % 16 == 0 and width > (builder([data[0]])["labels"] != -100).nonzero()[-1, 1] + 1
+    _same(_run(ParallelContext.local(), cfg), reference)

@@ -117,7 +117,7 @@ class BatchBuilder:
             )
             ids.append(i)
             labels.append(lab)
-        width = max(len(i) for i in ids)
+        width = padded_width(max(len(i) for i in ids), self.config.text_multiple)
         pad = self.config.pad_token_id
         input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
         label_t = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
@@ -130,3 +130,9 @@ class BatchBuilder:
             "input_ids": input_ids,  # (b, t)
             "labels": label_t,  # (b, t)
         }
+
+
+def padded_width(width: int, multiple: int) -> int:
+    """``width`` rounded up to a multiple of ``multiple``: a compiled block recompiles, and a
+    CUDA graph records again, for every new width; few widths, few of both."""
+    return -(-width // multiple) * multiple

@@ -66,6 +66,7 @@ class OpenVLAConfig:
     hf_config: dict = field(default_factory=dict, repr=False)
     source: str | None = None
     oft: OFTConfig | None = None  # OpenVLA-OFT's head, cameras and proprio (oft_config.py)
+    text_multiple: int = 1  # the collated text's width rounds up to this (--pad-to-multiple-of)
 
     def __post_init__(self) -> None:
         a, b = self.vision

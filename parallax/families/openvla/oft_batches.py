@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from parallax.families.openvla.action_tokenizer import normalize_actions
+from parallax.families.openvla.batches import padded_width
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.preprocess import pixel_values
 from parallax.families.openvla.prompt import prompt_ids
@@ -119,7 +120,7 @@ class OFTBatchBuilder:
                     )
                 proprio.append(state)
             images.append(oft_pixel_values(sample_images(s, oft.num_images), self.config))
-        width = max(len(i) for i in ids)
+        width = padded_width(max(len(i) for i in ids), self.config.text_multiple)
         b = len(ids)
         input_ids = torch.full((b, width), pad, dtype=torch.long)
         attention = torch.zeros((b, width), dtype=torch.bool)

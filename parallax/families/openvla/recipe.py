@@ -66,6 +66,7 @@ class OpenVLARecipe(Recipe):
     input_keys = ("pixel_values", "input_ids")  # and "labels", or OFT's (input_problem)
     # OFT's column-parallel linears are trained whole, never adapted (oft_head.LORA_EXCLUDE)
     lora_exclude = ("lm_head", *LORA_EXCLUDE)
+    pads_text = True  # both collators round the text up (--pad-to-multiple-of)
 
     def __init__(self) -> None:
         self._data_shapes: dict = {}  # the OFT inputs of each opened --data (oft_data)
@@ -97,6 +98,7 @@ class OpenVLARecipe(Recipe):
         state sizes and the cameras from the data (:mod:`.oft_data`). The recipe's metrics
         follow the objective of the run configured last (one run per process)."""
         config = with_fusion(config, cfg.fused_projections)
+        config = dataclasses.replace(config, text_multiple=cfg.pad_to_multiple_of)
         self._export_step = cfg.steps
         if cfg.action_head != "l1":
             if config.oft is not None:

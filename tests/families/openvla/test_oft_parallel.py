@@ -108,3 +108,29 @@ def test_layouts_match_one_process(reference, tp, pp, dp, memory):
         for name, value in ref_weights.items():
             assert_close(seen[name], value, rtol=1e-5, atol=1e-5, msg=f"{kind}: {name}")
         assert ref_history[-1][0] != ref_history[0][0]
+
+
+def test_padded_text_matches_one_process(reference):
+    # --pad-to-multiple-of 16 widens every microbatch (the key-padding mask hides the pads):
+    # the same losses, gradient norms and updated weights as the unpadded run
+    from parallax.train.run import resolve
+
+    cfg = _cfg("full", pad_to_multiple_of=16)
+    data = _data(cfg)
+
+    def width(run) -> int:
+        return run.recipe.collator(run.model_config, data, None)([data[0]])["input_ids"].shape[1]
+
+    padded, plain = width(resolve(cfg)), width(resolve(_cfg("full")))
+    assert padded % 16 == 0 and plain < padded, (plain, padded)  # the run does pad
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        history, weights = _run(ParallelContext.local(), cfg)
+    finally:
+        torch.set_num_threads(threads)
+    ref_history, ref_weights = reference["full"]
+    assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
+    assert weights.keys() == ref_weights.keys()
+    for name, value in ref_weights.items():
+        assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
