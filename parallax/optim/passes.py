@@ -93,6 +93,7 @@ class PassReducer:
         self.got = [False] * len(self.layout.slots)
         self.sent = [False] * len(self.layout.buckets)  # reduce-scattered in this pass
         self.touched: set[int] = set()
+        self.ready_from: dict[int, int] = {}  # unit -> its buckets before this one are sent
 
     def touch(self, unit: int) -> None:
         """``unit`` takes part in this pass (see the module docstring); queues the pass's end."""
@@ -139,13 +140,19 @@ class PassReducer:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _launch_ready(self, unit: int) -> None:
-        for b in self.of_unit[unit]:
-            bucket = self.layout.buckets[b]
-            if self.sent[b]:
-                continue
-            if bucket.sequence_parallel or self.arrived[b] < len(bucket.params):
-                return  # held: the end of the pass sends it and every later one
-            self._launch(b)
+        """Send the unit's buckets that are complete, in order, up to the first that is not.
+        Called for every gradient: it resumes at the unit's first bucket not known to be sent
+        (``ready_from``), so a pass costs O(buckets + parameters), not their product."""
+        buckets, k = self.of_unit[unit], self.ready_from.get(unit, 0)
+        while k < len(buckets):
+            b = buckets[k]
+            if not self.sent[b]:
+                bucket = self.layout.buckets[b]
+                if bucket.sequence_parallel or self.arrived[b] < len(bucket.params):
+                    break  # held: the end of the pass sends it and every later one
+                self._launch(b)
+            k += 1
+        self.ready_from[unit] = k  # every bucket of the unit before k has been sent
 
     def launch_unit(self, unit: int) -> None:
         """Reduce-scatter ``unit``'s buckets now (its backward is over: ZeRO-3's post-backward
