@@ -99,21 +99,29 @@ def measure(name: str, args) -> list[object]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[list[object]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    originals = {key: getattr(*key) for key in TIMED}
     for (cls, method), column in TIMED.items():
         setattr(cls, method, _timed(getattr(cls, method), column))
-    rows = [measure(name, args) for name in args.configs.split(",")]
+    try:
+        rows = [measure(name, args) for name in args.configs.split(",")]
+    finally:  # the classes as they were, for whatever runs next in this process
+        for (cls, method), f in originals.items():
+            setattr(cls, method, f)
+        torch.set_num_threads(threads)
     columns = ["config", "trainable tensors", "microbatches", "step ms", "ms per microbatch"]
     title = "host time per microbatch, LoRA mb 1 (CPU" + (", compiled)" if args.compile else ")")
     print_table(title, columns + [f"{c} per mb" for c in TIMED.values()], rows)
+    return rows
 
 
 if __name__ == "__main__":
