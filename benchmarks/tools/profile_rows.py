@@ -10,6 +10,10 @@ top kernels, and the compute stream's idle time
     python -m benchmarks.tools.profile_rows --out lora.txt lora --compile --cuda-graphs --batch 16
     python -m benchmarks.tools.profile_rows --out siglip.txt siglip parallax 512
     python -m benchmarks.tools.profile_rows --out s.txt siglip torch 4 --smoke   # CPU: no kernels
+    python -m benchmarks.tools.profile_rows --out p.txt plan fit:lora-16 --compile  # a planner row
+
+``plan`` runs a row of ``plan_accuracy`` (``openvla``) or ``memory_fit`` (``fit:lora-16``, under its cap) as
+those benchmarks do: is the step bound by the GPU or by the host between its kernels?
 
 Why: a row's GEMM time is a floor that no framework change below the GEMMs moves, so it bounds
 the speed-up any framework can have over a peer that runs the same GEMMs.
@@ -120,12 +124,46 @@ def siglip(argv: list[str]) -> str:
     return head + "\n" + kernel_summary(prof, PROFILED)
 
 
+def planned(argv: list[str]) -> str:
+    """A row of ``plan_accuracy`` or ``memory_fit`` as they run it: the planner's layout (under
+    the row's cap), the trainer, the trainer's synthetic data."""
+    from benchmarks.plan.plan_accuracy import ROWS, SMOKE, batch_source, described, plan_row
+    from benchmarks.zero.memory_fit import ROWS as FIT_ROWS
+    from parallax import ParallelContext
+    from parallax.train.trainer import Trainer
+
+    p = argparse.ArgumentParser(prog="profile_rows plan")
+    p.add_argument("name", help="a row of plan_accuracy, or fit:ROW of memory_fit (fit:lora-16)")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--pad-to-multiple-of", type=int, default=1)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    args.out, args.machine = "runs/profile_rows", None
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    rows = {r.name: r for r in (SMOKE if args.smoke else ROWS)}
+    rows |= {f"fit:{r.name}": r for r in FIT_ROWS}  # memory_fit's, whose names repeat
+    row = rows[args.name]
+    run, best, _ = plan_row(row, args, device, closest=True)
+    if device.type == "cuda" and row.limit is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(row.limit * 2**30 / total, device)
+    run = run.replace(**best.layout.options())
+    ctx = ParallelContext.local(device=device)
+    trainer, next_batch = Trainer(run, ctx), batch_source(run, ctx)
+    wall, prof = profile_step(lambda: trainer.train_step(next_batch()).loss.item(), device, 2)
+    head = (
+        f"plan {args.name} ({described(best, run)}): step {wall:.4f} s unprofiled, predicted "
+        f"{best.time.seconds:.4f} s, peak {_peak(device):.2f} GiB"
+    )
+    return head + "\n" + kernel_summary(prof, PROFILED)
+
+
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("row", choices=("lora", "siglip"))
+    p.add_argument("row", choices=("lora", "siglip", "plan"))
     args, rest = p.parse_known_args(argv)
-    text = (lora if args.row == "lora" else siglip)(rest)
+    text = {"lora": lora, "siglip": siglip, "plan": planned}[args.row](rest)
     Path(args.out).write_text(text + "\n")
     print(text, flush=True)
     return text

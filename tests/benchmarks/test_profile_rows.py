@@ -10,3 +10,8 @@ def test_lora_and_siglip_rows(tmp_path):
     assert (tmp_path / "l.txt").read_text().startswith("lora --smoke")
     text = main(["--out", str(tmp_path / "s.txt"), "siglip", "torch", "4", "--smoke"])
     assert text.startswith("siglip torch batch 4: step ") and "by kind" in text
+
+
+def test_a_planner_row(tmp_path):
+    text = main(["--out", str(tmp_path / "p.txt"), "plan", "tiny", "--smoke"])
+    assert text.startswith("plan tiny (tp1 pp1 dp1") and "predicted" in text and "by kind" in text
