@@ -12,8 +12,9 @@ top kernels, and the compute stream's idle time
     python -m benchmarks.tools.profile_rows --out s.txt siglip torch 4 --smoke   # CPU: no kernels
     python -m benchmarks.tools.profile_rows --out p.txt plan fit:lora-16 --compile  # a planner row
 
-``plan`` runs a row of ``plan_accuracy`` (``openvla``) or ``memory_fit`` (``fit:lora-16``, under its cap) as
-those benchmarks do: is the step bound by the GPU or by the host between its kernels?
+``plan`` runs a row of ``plan_accuracy`` (``openvla``) or of ``memory_fit`` (``fit:lora-16``,
+under its cap) as those benchmarks do: is the step bound by the GPU or by the host between its
+kernels?
 
 Why: a row's GEMM time is a floor that no framework change below the GEMMs moves, so it bounds
 the speed-up any framework can have over a peer that runs the same GEMMs.
