@@ -8,9 +8,11 @@
 # 1. benchmarks.plan.plan_accuracy: OpenVLA-7B and LoRA's first choices (the 3 % margin) compiled,
 #    with the text as it comes and padded to 64 (do fixed widths close the gap to the
 #    hand-tuned rows?), then padded under CUDA graphs;
+#    and profiles of LoRA under 16 GiB (micro-batch 1: host-bound?) and OpenVLA-7B's choice;
 # 2. benchmarks.zero.memory_fit: the new first choice under 32 GiB;
 # 3. benchmarks.plan.plan_accuracy: the other rows (LoRA at 64, LLaVA, SigLIP) at the 3 % margin.
-# Each list can be changed through PLAN_ROWS, FIT_ROWS and MORE_ROWS.
+# Each list can be changed through PLAN_ROWS, FIT_ROWS and MORE_ROWS; SKIP="name ..." skips
+# steps already run (a second call of the same session).
 set -u
 out=${1:?usage: gpu_memory_session.sh OUT_DIR [SECONDS]}
 budget=${2:-580}
@@ -21,6 +23,7 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped card fragmen
 start=$SECONDS
 step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the budget
   local limit=$1 name=$2; shift 2
+  [[ " ${SKIP:-} " == *" $name "* ]] && { echo "=== $name: skipped (SKIP)"; return; }
   local left=$((budget - (SECONDS - start)))
   ((left < limit)) && limit=$left
   ((limit < 20)) && { echo "=== $name: skipped (no time left)"; return; }
@@ -36,6 +39,8 @@ step 60 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/optim/test_zero
 rows=${PLAN_ROWS:-openvla,lora-16}
 step 150 plan_plain python3 -m benchmarks.plan.plan_accuracy --rows "$rows" --compile --steps 3 --warmup 2
 step 150 plan_padded python3 -m benchmarks.plan.plan_accuracy --rows "$rows" --compile --pad-to-multiple-of 64 --steps 3 --warmup 2
+step 120 profile_lora16 python3 -m benchmarks.tools.profile_rows --out "$out/profile_lora16.txt" plan fit:lora-16 --compile
+step 100 profile_openvla python3 -m benchmarks.tools.profile_rows --out "$out/profile_openvla.txt" plan openvla --compile
 step 150 plan_graphs python3 -m benchmarks.plan.plan_accuracy --rows "$rows" --compile --cuda-graphs --pad-to-multiple-of 64 --steps 3 --warmup 2
 step 200 memory_fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla-32}" --compile --steps 1 --row-timeout 190
 step 300 plan_more python3 -m benchmarks.plan.plan_accuracy --rows "${MORE_ROWS:-lora-64,llava,siglip}" --compile --steps 3 --warmup 2
