@@ -286,7 +286,17 @@ def test_evaluation_flags_reach_the_config():
 def test_only_a_family_that_pads_its_text_takes_pad_to_multiple_of():
     from parallax.train.run import resolve
 
-    assert resolve(TrainConfig(model="tiny", pad_to_multiple_of=8)).model_config.text_multiple == 8
+    run = resolve(TrainConfig(model="tiny", pad_to_multiple_of=64))
+    assert run.model_config.text_multiple == 64
+    from types import SimpleNamespace
+
+    from parallax.families.openvla.estimate import TEXT_TOKENS, text_tokens
+
+    # the planner's width for real data: a typical prompt, rounded up as the collator pads it
+    real = SimpleNamespace(data="rlds:anywhere")
+    assert text_tokens(run.recipe, run.model_config, real) == 64 > TEXT_TOKENS
+    plain = resolve(TrainConfig(model="tiny"))
+    assert text_tokens(plain.recipe, plain.model_config, real) == TEXT_TOKENS
     for model in ("llava-tiny", "siglip-tiny"):
         with pytest.raises(ValueError, match="--pad-to-multiple-of: the .* family's batches"):
             resolve(TrainConfig(model=model, pad_to_multiple_of=8))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from parallax.families.openvla.batches import padded_width
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.estimate import (
     BlockEstimate,
@@ -34,9 +35,10 @@ _SYNTHETIC: dict[tuple, int] = {}  # the synthetic task's token ids per sample, 
 def text_tokens(recipe, config: OpenVLAConfig, cfg) -> int:
     """Token ids per sample (BOS, prompt, actions or OFT's slots and stop): see the module
     docstring."""
-    if cfg.data != "synthetic":
+    if cfg.data != "synthetic":  # a typical width, rounded up as --pad-to-multiple-of asks
         oft = config.oft
-        return TEXT_TOKENS if oft is None else TEXT_TOKENS - LABELLED + oft.slots + 1
+        typical = TEXT_TOKENS if oft is None else TEXT_TOKENS - LABELLED + oft.slots + 1
+        return padded_width(typical, config.text_multiple)
     key = (repr(config.oft), config.image_size, config.tokenizer, config.text.vocab_size)
     key += (cfg.seed, cfg.checkpoint)
     if key not in _SYNTHETIC:
