@@ -297,6 +297,9 @@ def test_only_a_family_that_pads_its_text_takes_pad_to_multiple_of():
     assert text_tokens(run.recipe, run.model_config, real) == 64 > TEXT_TOKENS
     plain = resolve(TrainConfig(model="tiny"))
     assert text_tokens(plain.recipe, plain.model_config, real) == TEXT_TOKENS
+    # and the synthetic task's, measured on its collator (each width its own)
+    padded = text_tokens(run.recipe, run.model_config, run)
+    assert padded % 64 == 0 and text_tokens(plain.recipe, plain.model_config, plain) < padded
     for model in ("llava-tiny", "siglip-tiny"):
         with pytest.raises(ValueError, match="--pad-to-multiple-of: the .* family's batches"):
             resolve(TrainConfig(model=model, pad_to_multiple_of=8))

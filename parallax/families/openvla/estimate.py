@@ -40,7 +40,7 @@ def text_tokens(recipe, config: OpenVLAConfig, cfg) -> int:
         typical = TEXT_TOKENS if oft is None else TEXT_TOKENS - LABELLED + oft.slots + 1
         return padded_width(typical, config.text_multiple)
     key = (repr(config.oft), config.image_size, config.tokenizer, config.text.vocab_size)
-    key += (cfg.seed, cfg.checkpoint)
+    key += (cfg.seed, cfg.checkpoint, config.text_multiple)
     if key not in _SYNTHETIC:
         data = recipe.dataset("synthetic", cfg)
         batch = recipe.collator(config, data, cfg.checkpoint)
