@@ -280,4 +280,8 @@ def test_padded_text_matches_the_default(reference):
     builder = BatchBuilder(config, data.statistics, text_tokenizer(config))
     width = builder([data[0]])["input_ids"].shape[1]
     assert width % 16 == 0 and width > (builder([data[0]])["labels"] != -100).nonzero()[-1, 1] + 1
+    unpadded = resolve(_cfg()).model_config
+    plain = BatchBuilder(unpadded, data.statistics, text_tokenizer(unpadded))([data[0]])
+    recipe = resolve(cfg).recipe  # tokens/s counts the data, not the pads
+    assert recipe.tokens(config, [builder([data[0]])]) == recipe.tokens(unpadded, [plain])
     _same(_run(ParallelContext.local(), cfg), reference)

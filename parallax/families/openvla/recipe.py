@@ -299,7 +299,12 @@ class OpenVLARecipe(Recipe):
         return block_estimates(self, config, cfg)
 
     def tokens(self, config: OpenVLAConfig, microbatches: Sequence[Microbatch]) -> int:
-        return sum(
-            mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.prefix_tokens
-            for mb in microbatches
-        )
+        """The sequence the language model sees, without the padding (tokens/s counts the
+        data, not the pads a batch or ``--pad-to-multiple-of`` adds; the FLOPs count all)."""
+        total = 0
+        for mb in microbatches:
+            ids = mb["input_ids"]  # (b, t)
+            real = mb.get("attention_mask")  # OFT's; its empty slots hold the pad id
+            real = ids != config.pad_token_id if real is None else real
+            total += int(real.sum()) + ids.shape[0] * config.prefix_tokens
+        return total

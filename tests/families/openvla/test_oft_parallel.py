@@ -118,11 +118,14 @@ def test_padded_text_matches_one_process(reference):
     cfg = _cfg("full", pad_to_multiple_of=16)
     data = _data(cfg)
 
-    def width(run) -> int:
-        return run.recipe.collator(run.model_config, data, None)([data[0]])["input_ids"].shape[1]
+    def batch(run) -> dict:
+        return run.recipe.collator(run.model_config, data, None)([data[0]])
 
-    padded, plain = width(resolve(cfg)), width(resolve(_cfg("full")))
+    runs = resolve(cfg), resolve(_cfg("full"))
+    padded, plain = (batch(r)["input_ids"].shape[1] for r in runs)
     assert padded % 16 == 0 and plain < padded, (plain, padded)  # the run does pad
+    tokens = [r.recipe.tokens(r.model_config, [batch(r)]) for r in runs]
+    assert tokens[0] == tokens[1]  # tokens/s counts the data, not the pads
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
