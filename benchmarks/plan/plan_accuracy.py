@@ -34,7 +34,7 @@ from parallax.plan.model import Model
 from parallax.plan.search import Searcher, option_problems, search
 from parallax.recipe import registry
 from parallax.train.config import TrainConfig
-from parallax.train.memory_limit import default_allocator
+from parallax.train.memory_limit import cap_gpu_memory, default_allocator
 from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 
@@ -190,10 +190,8 @@ def run_row(row: Row, args, device: torch.device) -> dict:
             predicted_gib=max(r.gpu for r in best.memory) / GIB,
             predicted_s=best.time.seconds,
         )
-        if cuda and row.limit is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(row.limit * GIB / total, device)
         if cuda:
+            cap_gpu_memory(row.limit, device)
             torch.cuda.reset_peak_memory_stats(device)
         run = run.replace(**best.layout.options())
         if cuda and args.cuda_graphs and not option_problems(run.replace(cuda_graphs=True)):
@@ -211,7 +209,7 @@ def run_row(row: Row, args, device: torch.device) -> dict:
     finally:
         gc.collect()
         if cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            cap_gpu_memory(None, device)
             torch.cuda.empty_cache()
     return rec
 

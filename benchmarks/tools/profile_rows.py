@@ -131,6 +131,7 @@ def planned(argv: list[str]) -> str:
     from benchmarks.plan.plan_accuracy import ROWS, SMOKE, batch_source, described, plan_row
     from benchmarks.zero.memory_fit import ROWS as FIT_ROWS
     from parallax import ParallelContext
+    from parallax.train.memory_limit import cap_gpu_memory
     from parallax.train.trainer import Trainer
 
     p = argparse.ArgumentParser(prog="profile_rows plan")
@@ -145,9 +146,8 @@ def planned(argv: list[str]) -> str:
     rows |= {f"fit:{r.name}": r for r in FIT_ROWS}  # memory_fit's, whose names repeat
     row = rows[args.name]
     run, best, _ = plan_row(row, args, device, closest=True)
-    if device.type == "cuda" and row.limit is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(row.limit * 2**30 / total, device)
+    if device.type == "cuda":
+        cap_gpu_memory(row.limit, device)
     run = run.replace(**best.layout.options())
     ctx = ParallelContext.local(device=device)
     trainer, next_batch = Trainer(run, ctx), batch_source(run, ctx)

@@ -35,7 +35,7 @@ import torch
 from benchmarks.plan.plan_accuracy import Row, described, measure, plan_row
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
-from parallax.train.memory_limit import default_allocator
+from parallax.train.memory_limit import cap_gpu_memory, default_allocator
 from parallax.train.monitor import host_memory_gib
 
 ROWS = (
@@ -91,9 +91,8 @@ def child(row: Row, args) -> dict:
     gpu = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     rec: dict = {}
-    if device.type == "cuda" and row.limit is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(row.limit * GIB / total, device)
+    if device.type == "cuda":
+        cap_gpu_memory(row.limit, device)
     if row.name.startswith("fsdp2"):
         from benchmarks.zero.fsdp2_offload import measure as peer_measure
         from parallax.families.openvla import OpenVLAConfig

@@ -40,14 +40,22 @@ def apply_gpu_memory_limit(cfg, ctx: ParallelContext) -> None:
         if ctx.rank == 0:
             log.info("--gpu-memory-limit %g GiB: no GPU on this run, nothing to cap", limit)
         return
-    total = torch.cuda.get_device_properties(ctx.device).total_memory
-    if limit * GiB > total:
+    total = cap_gpu_memory(limit, ctx.device)
+    if ctx.rank == 0:
+        log.info("GPU memory capped at %g GiB of %.1f GiB per process", limit, total / GiB)
+
+
+def cap_gpu_memory(limit: float | None, device: torch.device) -> int:
+    """Cap this process's allocator on ``device`` at ``limit`` GiB (``None``: lift the cap);
+    returns the device's bytes. A cap larger than the device is a ``ValueError``."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit is not None and limit * GiB > total:
         raise ValueError(
             f"--gpu-memory-limit {limit:g} GiB is more than this GPU's {total / GiB:.1f} GiB"
         )
-    torch.cuda.set_per_process_memory_fraction(limit * GiB / total, ctx.device)
-    if ctx.rank == 0:
-        log.info("GPU memory capped at %g GiB of %.1f GiB per process", limit, total / GiB)
+    fraction = 1.0 if limit is None else limit * GiB / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return total
 
 
 def out_of_memory_message(cfg, step: int, err: BaseException) -> str:
