@@ -169,8 +169,10 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
     out = dict(step_s=median(times), peak_gib=peak, flops=flops, tokens=tokens)
-    if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow
+    if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow;
+        # what it reserved past the peak it handed out is the planner's allocator reserve
         out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        out["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
     if host is not None:  # seconds per step in each host phase of the offloaded optimizer
         out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
     return out
@@ -201,6 +203,7 @@ def run_row(row: Row, args, device: torch.device) -> dict:
         step = got["step_s"]
         rec.update(measured_s=step, measured_gib=got["peak_gib"], samples_per_s=row.batch / step)
         rec["tokens_per_s"] = got["tokens"] / step if got.get("tokens") else None
+        rec.update({k: got[k] for k in ("alloc_retries", "reserved_gib") if k in got})
         rec["status"] = "ok"
     except torch.cuda.OutOfMemoryError as err:
         rec["status"] = f"out of memory: {str(err).splitlines()[0][:100]}"
@@ -271,7 +274,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_table(title, COLUMNS, [table_row(r) for r in records])
     if not (args.smoke or args.no_write):
         notes = (
-            "peak = torch.cuda.max_memory_allocated; step = median of the timed steps; "
+            "peak = torch.cuda.max_memory_allocated (results.jsonl also keeps the reserved peak "
+            "and the allocator's retries); step = median of the timed steps; "
             "targets: memory ratio within 0.9-1.1, time ratio within 0.85-1.15; x hand = "
             "the rate against the fastest RESULTS.md row of the model and batch: "
             + "; ".join(f"{k}: {v[0]:g} {v[1]}, {v[2]}" for k, v in HAND.items())

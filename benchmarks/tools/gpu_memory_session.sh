@@ -11,12 +11,15 @@
 #    and profiles of LoRA under 16 GiB (micro-batch 1: host-bound?) and OpenVLA-7B's choice;
 # 2. benchmarks.zero.memory_fit: the new first choice under 32 GiB;
 # 3. benchmarks.plan.plan_accuracy: the other rows (LoRA at 64, LLaVA, SigLIP) at the 3 % margin.
+# 4. every row uncapped with the allocator's reserved peak, a LoRA profile, SigLIP under graphs.
 # Each list can be changed through PLAN_ROWS, FIT_ROWS and MORE_ROWS; SKIP="name ..." skips
 # steps already run (a second call of the same session).
 set -u
 out=${1:?usage: gpu_memory_session.sh OUT_DIR [SECONDS]}
 budget=${2:-580}
 mkdir -p "$out"
+logs=$(mktemp -d)  # every log and profile, packed into $out/logs.tgz after each step: the device
+# returns at most 8 files, and RESULTS.md and results.jsonl must be two of them
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 : "${PARALLAX_COMMIT:?set PARALLAX_COMMIT to the commit that runs: a device copy of the tree may hold another git state}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped card fragments less
@@ -28,10 +31,11 @@ step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the bu
   ((left < limit)) && limit=$left
   ((limit < 20)) && { echo "=== $name: skipped (no time left)"; return; }
   echo "=== $name ($limit s): $*"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - start)) s in all"
-  tail -n 30 "$out/$name.log" | cut -c1-220
+  grep -v '^│ *│' "$logs/$name.log" | tail -n 30 | cut -c1-220
   cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
+  tar czf "$out/logs.tgz" -C "$logs" .
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 free -g | head -2
@@ -39,8 +43,14 @@ step 60 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/optim/test_zero
 rows=${PLAN_ROWS:-openvla,lora-16}
 step 150 plan_plain python3 -m benchmarks.plan.plan_accuracy --rows "$rows" --compile --steps 3 --warmup 2
 step 150 plan_padded python3 -m benchmarks.plan.plan_accuracy --rows "$rows" --compile --pad-to-multiple-of 64 --steps 3 --warmup 2
-step 120 profile_lora16 python3 -m benchmarks.tools.profile_rows --out "$out/profile_lora16.txt" plan fit:lora-16 --compile
-step 100 profile_openvla python3 -m benchmarks.tools.profile_rows --out "$out/profile_openvla.txt" plan openvla --compile
+step 120 profile_lora16 python3 -m benchmarks.tools.profile_rows --out "$logs/profile_lora16.txt" plan fit:lora-16 --compile
+step 100 profile_openvla python3 -m benchmarks.tools.profile_rows --out "$logs/profile_openvla.txt" plan openvla --compile
 step 150 plan_graphs python3 -m benchmarks.plan.plan_accuracy --rows "$rows" --compile --cuda-graphs --pad-to-multiple-of 64 --steps 3 --warmup 2
 step 200 memory_fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla-32}" --compile --steps 1 --row-timeout 190
 step 300 plan_more python3 -m benchmarks.plan.plan_accuracy --rows "${MORE_ROWS:-lora-64,llava,siglip}" --compile --steps 3 --warmup 2
+# 4. the allocator's reserve: every row uncapped, with the reserved peak and retries recorded;
+#    a profile of LoRA at batch 16 as the planner runs it (against the hand-tuned row), and the
+#    rows the hand-tuned figures ran under CUDA graphs
+step 260 plan_reserved python3 -m benchmarks.plan.plan_accuracy --rows "${RESERVED_ROWS:-openvla,lora-16,lora-64,llava,siglip}" --compile --steps 3 --warmup 2
+step 110 profile_lora16_uncapped python3 -m benchmarks.tools.profile_rows --out "$logs/profile_lora16_uncapped.txt" plan lora-16 --compile
+step 90 siglip_graphs python3 -m benchmarks.plan.plan_accuracy --rows siglip --compile --cuda-graphs --steps 3 --warmup 2

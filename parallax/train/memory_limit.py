@@ -48,6 +48,8 @@ def apply_gpu_memory_limit(cfg, ctx: ParallelContext) -> None:
 def cap_gpu_memory(limit: float | None, device: torch.device) -> int:
     """Cap this process's allocator on ``device`` at ``limit`` GiB (``None``: lift the cap);
     returns the device's bytes. A cap larger than the device is a ``ValueError``."""
+    if device.index is None:  # torch's cap wants an index; "cuda" means the current device
+        device = torch.device(device.type, torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if limit is not None and limit * GiB > total:
         raise ValueError(

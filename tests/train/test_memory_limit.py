@@ -10,7 +10,12 @@ import torch
 
 from parallax import ParallelContext
 from parallax.train.config import TrainConfig
-from parallax.train.memory_limit import GiB, apply_gpu_memory_limit, out_of_memory_message
+from parallax.train.memory_limit import (
+    GiB,
+    apply_gpu_memory_limit,
+    cap_gpu_memory,
+    out_of_memory_message,
+)
 
 
 def test_the_cap_is_a_fraction_of_the_device(monkeypatch):
@@ -25,6 +30,21 @@ def test_the_cap_is_a_fraction_of_the_device(monkeypatch):
     assert given == [pytest.approx(24 / 141)]
     with pytest.raises(ValueError, match="more than this GPU's 141.0 GiB"):
         apply_gpu_memory_limit(TrainConfig(gpu_memory_limit=200), gpu)
+
+
+def test_a_device_without_an_index_caps_the_current_one(monkeypatch):
+    """``torch.device("cuda")`` (as the benchmarks build it) names the current device: torch's
+    own cap refuses a device without an index."""
+    given = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    props = SimpleNamespace(total_memory=int(100 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, device: given.append((f, device))
+    )
+    cap_gpu_memory(16, torch.device("cuda"))
+    cap_gpu_memory(None, torch.device("cuda", 1))
+    assert given == [(pytest.approx(0.16), torch.device("cuda", 3)), (1.0, torch.device("cuda", 1))]
 
 
 def test_on_the_cpu_it_only_says_so(caplog):
