@@ -54,3 +54,6 @@ step 300 plan_more python3 -m benchmarks.plan.plan_accuracy --rows "${MORE_ROWS:
 step 260 plan_reserved python3 -m benchmarks.plan.plan_accuracy --rows "${RESERVED_ROWS:-openvla,lora-16,lora-64,llava,siglip}" --compile --steps 3 --warmup 2
 step 110 profile_lora16_uncapped python3 -m benchmarks.tools.profile_rows --out "$logs/profile_lora16_uncapped.txt" plan lora-16 --compile
 step 90 siglip_graphs python3 -m benchmarks.plan.plan_accuracy --rows siglip --compile --cuda-graphs --steps 3 --warmup 2
+# 5. the capped rows again, with the allocator's retries and reserved peak recorded (does the
+#    24 GiB row's time miss come from retries?), after a profile of LoRA under 16 GiB
+step 420 memory_fit_again python3 -m benchmarks.zero.memory_fit --rows "${AGAIN_ROWS:-openvla-24,openvla-32}" --compile --steps 1 --row-timeout 200
