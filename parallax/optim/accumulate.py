@@ -8,15 +8,24 @@ dtype (the first pass just goes down). On separate streams one bucket's copy up 
 previous bucket's copy down, so the link carries both ways at once; on one stream a pass cost
 the two copies in turn (OpenVLA-7B under 24 GiB, 16 passes: 19.0 s a step against 16.4 s). On
 the CPU the same code adds in place.
+
+At most ``IN_FLIGHT`` adds are queued on the copies stream: the host waits for older ones before
+it queues another. Without that bound a backward that makes chunks faster than the link carries
+them left them all waiting, freed but not reusable, until the allocator ran into a cap and
+flushed its cache (OpenVLA-7B under 24 GiB: 104 such retries a step; under 32 GiB at
+micro-batch 8: 211, and 23.4 s a step).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+
+IN_FLIGHT = 4  # adds whose copies may be queued at once: enough to keep both directions busy
 
 
 class Accumulators:
@@ -43,11 +52,14 @@ class Accumulators:
         self.copies = torch.cuda.Stream(device) if self.on_device else None
         self.fetches = torch.cuda.Stream(device) if self.on_device else None
         self.down: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its last sum came down
+        self.queued: deque[torch.cuda.Event] = deque()  # GPUs: the adds not known to be done
 
     def add(self, b: int, grad: torch.Tensor, first: bool) -> None:
         """Add ``grad`` (bucket ``b``'s reduced fp32 chunk, its reduction done on the current
         stream) into its accumulator; ``first``: this step's first pass overwrites it."""
         acc = self.acc[b]  # (bucket/dp,) host, its dtype
+        while len(self.queued) >= IN_FLIGHT:  # (GPUs) bound what waits for the link
+            self.queued.popleft().synchronize()
         up = None if first else self._fetch(b)  # (bucket/dp,) the accumulator on the device
         with self._on_copies(grad, up):
             total = grad if up is None else grad + up  # (bucket/dp,) fp32
@@ -55,6 +67,7 @@ class Accumulators:
             if self.copies is not None:  # the next pass's fetch waits for this sum
                 self.down[b] = torch.cuda.Event()
                 self.down[b].record()
+                self.queued.append(self.down[b])
 
     def landed(self) -> torch.cuda.Event | None:
         """GPUs: an event after every add queued so far (the host may read those sums once it
