@@ -53,9 +53,6 @@ class StepTime:
     zero3: float
     offload: float
     optimizer: float
-    # GPU bytes of reduced gradient chunks that wait for the offload's copies when those
-    # outrun the backward (freed, but not reusable until copied: the allocator must hold them)
-    queued: float = 0.0
 
     def parts(self) -> dict[str, float]:
         """Seconds by cause, for saying why one layout is slower than another."""
@@ -176,7 +173,7 @@ def step_time(
     last_backward = max(sum(s.backward for s in st) for st in per_rank)
     first_forward = max(sum(s.forward for s in st) for st in per_rank)
     dp, zero3 = _data_parallel(layout, machine, memory, m, first_forward, last_backward)
-    offload, queued = _offload(model, layout, machine, memory, m, compute, last_backward)
+    offload = _offload(model, layout, machine, memory, m, compute, last_backward)
     busy = max(memory, key=lambda r: r.trainable)
     optimizer = (
         (1 - layout.offload) * ADAMW_BYTES * _elements(busy, layout) / (machine.hbm_gbs * 1e9)
@@ -185,8 +182,7 @@ def step_time(
     tp = m * sum(s.tp for s in busiest)
     bubble = 1 - compute / pipeline if pipeline > 0 else 0.0
     total = pipeline + dp + zero3 + offload + optimizer
-    parts = (pipeline, compute, recompute, tp, bubble, dp, zero3, offload, optimizer)
-    return StepTime(total, *parts, queued=queued)
+    return StepTime(total, pipeline, compute, recompute, tp, bubble, dp, zero3, offload, optimizer)
 
 
 def _elements(rank, layout: Layout) -> float:
@@ -229,9 +225,8 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
     return exposed, zero3
 
 
-def _offload(model: Model, layout, machine, memory, m, compute, last_backward):
-    """Exposed seconds of offload's work per step (:mod:`parallax.optim.offload`), and the
-    GPU bytes queued for its copies.
+def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -> float:
+    """Exposed seconds of offload's work per step (:mod:`parallax.optim.offload`).
 
     Under the passes: each pass's gradients go down to the host accumulator and, after the
     first, the accumulator comes up to be added to on the device (the model's bytes each way,
@@ -241,13 +236,13 @@ def _offload(model: Model, layout, machine, memory, m, compute, last_backward):
     new weights converted for the upload, whose copies run beside the next bucket's step.
 
     A pass's chunks come ready during its backward, so the copies hide under the backwards
-    only. Where they take longer, the chunks not yet copied wait on the GPU: at the end of a
-    pass the share of its fp32 chunks that the link has not reached. OpenVLA-7B under a 32 GiB
-    cap at micro-batch 8 (copies about 1.5 times its backwards) allocated 29.4 GiB at its peak
-    but retried its allocator 211 times a step and took 23.4 s, against 12.5 s at micro-batch
-    32 (benchmarks/RESULTS.md, run 6a8fd6ee2dca)."""
+    only; where they take longer the step waits for the link (a few adds queue at most,
+    :mod:`parallax.optim.accumulate`). OpenVLA-7B under a 32 GiB cap at micro-batch 8, whose
+    copies take about 1.5 times its backwards, ran 23.4 s a step against 12.5 s at
+    micro-batch 32 (benchmarks/RESULTS.md, run 6a8fd6ee2dca; the queue was not bounded then).
+    """
     if not layout.offload:
-        return 0.0, 0.0
+        return 0.0
     rank = max(memory, key=lambda r: r.trainable)
     share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
     node = min(machine.gpus_per_node, layout.world)  # ranks sharing one host
@@ -256,8 +251,7 @@ def _offload(model: Model, layout, machine, memory, m, compute, last_backward):
     gradient = (model.e + 4) * host  # the accumulator read, the fp32 gradient written
     window = m * last_backward  # the backwards, beside which the copies run
     under = max(copies - window, gradient - compute)  # (the host's adds under every pass)
-    queued = 4.0 * share * max(0.0, 1 - window / copies) if copies else 0.0
     clipped = bool(model.run.grad_clip)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
     hidden = 0.0 if clipped else last_backward  # stepped during the backward
-    return max(0.0, under) + max(0.0, step - hidden), queued
+    return max(0.0, under) + max(0.0, step - hidden)

@@ -248,10 +248,7 @@ def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]
         bound, i = heapq.heappop(bounds)
         if len(best) >= top and bound > max(c.time.seconds for c in best) * TIE:
             break
-        c = s.timed(fitting[i])
-        if c.gpu + c.time.queued > s.usable_gpu:  # its offload's queue would not fit
-            continue
-        best.append(c)
+        best.append(s.timed(fitting[i]))
         best.sort(key=_preference)
         best = best[:top]
     return best

@@ -84,17 +84,3 @@ def test_nothing_fits_says_the_nearest_and_what_would_help():
     assert not result.ranked and result.closest
     text = nothing_fits(result, 2)
     assert "nothing fits" in text and "GiB a GPU" in text and "more GPUs" in text
-
-
-def test_an_offload_whose_copies_queue_past_the_card_is_not_chosen():
-    """One GPU with room for the offloaded layout's peak and little more. With a link slower
-    than the backwards, each pass's fp32 chunks wait on the GPU for their copies
-    (:func:`parallax.plan.cost._offload`): that queue does not fit, so it is not ranked."""
-    model = toy([1e5] * 4, [None] * 4)
-    fixed = {"micro_batch_size": 1, "zero": 2, "offload": "optimizer", "tp": 1, "pp": 1}
-    lay = Layout(micro_batch_size=1, zero=2, offload=1.0)
-    gib = _need(model, lay, machine(80.0)) * 1.001 / (1 - MARGIN) / GIB
-    fast = search(model, machine(gib).with_(h2d_gbs=1.0), 1, fixed=fixed, top=10)
-    assert [c.time.queued for c in fast.ranked if c.layout == lay] == [0.0]
-    slow = search(model, machine(gib).with_(h2d_gbs=0.25), 1, fixed=fixed, top=10)
-    assert slow.fitting == fast.fitting and lay not in [c.layout for c in slow.ranked]
