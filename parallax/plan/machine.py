@@ -82,9 +82,9 @@ class Machine:
     attention_half_tokens: float = 512.0  # the sequence at which attention runs at half rate
     cuda_context_gib: float = 0.6  # the CUDA context and the kernels' workspaces per process
     # share of the peak the caching allocator cannot reuse. parallax.train runs with expandable
-    # segments (memory_limit.default_allocator), which leave little: on an H200 a 130.5 GiB
-    # peak ran (openvla_step, micro-batch 8) with 0.6 GiB of context on a 139.8 GiB card, so at
-    # most 6.7 % there. 3 % is a default, not a measurement.
+    # segments (memory_limit.default_allocator), which leave little: on an H200 the planner's
+    # five uncapped first choices reserved 0.15-0.33 GiB past peaks of 47-128 GiB (0.1-0.7 %;
+    # benchmarks/plan/plan_accuracy.py, 2026-12-04). 3 % is a default with room to spare.
     allocator_reserve: float = 0.03
     nodes: int = 1
     measured: bool = False  # False: a shipped default
