@@ -23,3 +23,27 @@ def test_passes_add_in_fp32_and_round_once_per_pass():
         for b in dtypes:
             assert sums.acc[b].dtype == dtypes[b]
             assert torch.equal(sums.acc[b], want[b]), (step, b)
+
+
+def test_the_host_waits_for_the_oldest_adds_past_the_bound(monkeypatch):
+    """On GPUs at most ``IN_FLIGHT`` adds wait for the link: the host synchronizes with the
+    oldest before it queues another (the events here stand in for the copies stream's)."""
+    from collections import deque
+
+    from parallax.optim import accumulate
+
+    waited = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            waited.append(self.name)
+
+    monkeypatch.setattr(accumulate, "IN_FLIGHT", 2)
+    sums = Accumulators([0], [3], {0: torch.float32}, torch.device("cpu"))
+    sums.queued = deque(Event(n) for n in ("a", "b", "c"))
+    sums.add(0, torch.ones(3), first=True)
+    assert waited == ["a", "b"] and [e.name for e in sums.queued] == ["c"]
+    assert torch.equal(sums.acc[0], torch.ones(3))
