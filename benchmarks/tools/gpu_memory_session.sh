@@ -11,7 +11,9 @@
 #    and profiles of LoRA under 16 GiB (micro-batch 1: host-bound?) and OpenVLA-7B's choice;
 # 2. benchmarks.zero.memory_fit: the new first choice under 32 GiB;
 # 3. benchmarks.plan.plan_accuracy: the other rows (LoRA at 64, LLaVA, SigLIP) at the 3 % margin.
-# 4. every row uncapped with the allocator's reserved peak, a LoRA profile, SigLIP under graphs.
+# 4. every row uncapped with the allocator's reserved peak, a LoRA profile, SigLIP under graphs;
+# 5. benchmarks.zero.memory_fit: the capped rows again with the allocator's retries (after the
+#    offload's queue was bounded, run this first: SKIP every other step).
 # Each list can be changed through PLAN_ROWS, FIT_ROWS and MORE_ROWS; SKIP="name ..." skips
 # steps already run (a second call of the same session).
 set -u
