@@ -230,16 +230,17 @@ def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -
 
     Under the passes: each pass's gradients go down to the host accumulator and, after the
     first, the accumulator comes up to be added to on the device (the model's bytes each way,
-    concurrent, beside the compute); once a bucket is whole the host's worker makes its fp32
-    gradient and norm. Only what exceeds the backwards shows. After them (under the last
-    backward when nothing clips): the fp32 gradient again, AdamW on the host and each bucket's
-    new weights converted for the upload, whose copies run beside the next bucket's step.
+    concurrent); once a bucket is whole the host's worker makes its fp32 gradient and norm.
+    After them (under the last backward when nothing clips): the fp32 gradient again, AdamW on
+    the host and each bucket's new weights converted for the upload, whose copies run beside
+    the next bucket's step.
 
     A pass's chunks come ready during its backward, so the copies hide under the backwards
-    only; where they take longer the step waits for the link (a few adds queue at most,
-    :mod:`parallax.optim.accumulate`). OpenVLA-7B under a 32 GiB cap at micro-batch 8, whose
-    copies take about 1.5 times its backwards, ran 23.4 s a step against 12.5 s at
-    micro-batch 32 (benchmarks/RESULTS.md, run 6a8fd6ee2dca; the queue was not bounded then).
+    only (the host's adds under the whole passes); where they take longer the step waits for
+    the link (a few adds queue at most, :mod:`parallax.optim.accumulate`). OpenVLA-7B under a
+    32 GiB cap at micro-batch 8, whose copies take about 1.5 times its backwards, ran 23.4 s a
+    step against 12.5 s at micro-batch 32 (benchmarks/RESULTS.md, run 6a8fd6ee2dca; the queue
+    was not bounded then).
     """
     if not layout.offload:
         return 0.0
@@ -250,7 +251,7 @@ def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -
     copies = m * node * model.e * share / (machine.h2d_gbs * 1e9)  # each way, per step
     gradient = (model.e + 4) * host  # the accumulator read, the fp32 gradient written
     window = m * last_backward  # the backwards, beside which the copies run
-    under = max(copies - window, gradient - compute)  # (the host's adds under every pass)
+    under = max(copies - window, gradient - compute)
     clipped = bool(model.run.grad_clip)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
     hidden = 0.0 if clipped else last_backward  # stepped during the backward
