@@ -17,8 +17,8 @@ tp and dp peers hold as much):
   checkpointed blocks keep their input), times the micro-batch, at the schedule's peak of
   microbatches in flight per stage (:func:`parallax.pipeline.simulate.peak_activations`, per
   stage for interleaved schedules), with the tensors a stage receives and sends;
-- **workspace**: the backward's transient: one piece's activations (twice for a piece that
-  recomputes: its saved tensors again and their gradients);
+- **workspace**: the backward's transient: the gradients in flight in one piece's backward
+  (a recomputed piece's saved tensors again first), less what the pieces after it have freed;
 - **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
 - **host**: with offload the fp32 masters, moments and the gradient accumulator in the model's
   dtype (2/dp bytes per parameter), one bucket's fp32 scratch and, on GPUs, the uploads' pinned
@@ -40,6 +40,12 @@ from parallax.plan.model import DEFAULT_BUCKET_NUMEL, STAGING_BYTES, Model, peak
 GIB = 2**30
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
 HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
+# The backward's transient, as a share of a piece's saved bytes: measured as the peak of live
+# tensors over what the forward left, on ViT blocks (0.26-0.27) and a Llama layer (0.29), and
+# on the same ViT blocks recomputed (1.19-1.20: their saved tensors again, then the gradients)
+# (tests/plan/test_activation_peak.py measures whole steps against it)
+GRADIENTS_IN_FLIGHT = 0.3
+RECOMPUTED = 1.2
 
 
 @dataclass(frozen=True)
@@ -270,12 +276,24 @@ def _per_sample(model: Model, layout: Layout, pp_rank: int) -> tuple[list[float]
         if s < last:  # what it sent, held until its gradient comes
             k += est[r[-1]].output_bytes
         kept.append(k)
-        for i in r:
-            for part in est[i].parts:
-                again = 2.0 if part.recomputes(ckpt) else 1.0
-                largest = max(largest, again * part.saved.at(tp))
+        parts = [part for i in r for part in est[i].parts]
+        largest = max(largest, _transient(parts, ckpt, compiled, tp))
     model.cache[key] = (kept, largest)
     return kept, largest
+
+
+def _transient(parts: list, ckpt: bool | str, compiled: bool, tp: int) -> float:
+    """The backward's transient above what a stage holds, per sample: the gradients in flight
+    while a piece's backward runs (:data:`GRADIENTS_IN_FLIGHT` of what it saved; a recomputed
+    piece rebuilds its saved tensors first, :data:`RECOMPUTED`), less what the pieces after it
+    kept and their backwards, which run first, have freed. A dual encoder's small text tower
+    runs last, so its transient, not the larger image tower's, sets the peak."""
+    worst, after = 0.0, 0.0
+    for part in reversed(parts):  # the backward's order
+        again = RECOMPUTED if part.recomputes(ckpt) else GRADIENTS_IN_FLIGHT
+        worst = max(worst, again * part.saved.at(tp) - after)
+        after += part.keeps(ckpt, compiled).at(tp)
+    return worst
 
 
 def plan_memory(model: Model, layout: Layout, overlap: bool = True) -> list[RankMemory]:
