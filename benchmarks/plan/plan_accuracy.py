@@ -71,7 +71,7 @@ HAND = {
     "openvla": (9487.0, "tokens/s", "openvla_step b16 micro 8 compile+cudagraphs (fa6172bbbe39)"),
     "lora-16": (16690.0, "tokens/s", "lora_step batch 16 compile+cudagraphs (585bc4700e5c)"),
     "lora-64": (15119.0, "tokens/s", "lora_step b64 micro 16 ac-vision budget0.8 (661b5fcdb84a)"),
-    "siglip": (749.0, "samples/s", "contrastive_step batch 512 cuda-graphs (e7b7b31262f9)"),
+    "siglip": (759.0, "samples/s", "contrastive_step batch 512 (3c219825f612)"),
 }  # fmt: skip
 
 

@@ -14,6 +14,8 @@
 # 4. every row uncapped with the allocator's reserved peak, a LoRA profile, SigLIP under graphs;
 # 5. benchmarks.zero.memory_fit: the capped rows again with the allocator's retries (after the
 #    offload's queue was bounded, run this first: SKIP every other step).
+# After the transient's and the reserve's change (stop 35): MORE_ROWS=siglip plan_more and
+# memory_fit_again first, then plan_reserved and FIT_ROWS=llava-24 memory_fit.
 # Each list can be changed through PLAN_ROWS, FIT_ROWS and MORE_ROWS; SKIP="name ..." skips
 # steps already run (a second call of the same session).
 set -u
