@@ -106,6 +106,8 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
     if args.pad_to_multiple_of > 1 and registry.find(row.model).pads_text:
         flags["pad_to_multiple_of"] = args.pad_to_multiple_of  # (the others' text is fixed)
+    if args.grad_clip is not None:
+        flags["grad_clip"] = args.grad_clip
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
     card = 1.0  # GiB: the CPU smoke plans the tiny presets for a small card
@@ -125,9 +127,11 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
 
 
 def described(best, run) -> str:
-    """The layout in words, and the text padding where the run pads."""
+    """The layout in words, the text padding where the run pads, and no clipping where a full
+    fine-tuning run (clipped by default) turned it off."""
     pad = run.pad_to_multiple_of
-    return best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
+    words = best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
+    return words + (", no clipping" if run.grad_clip == 0 and run.finetune == "full" else "")
 
 
 def batch_source(run, ctx):
@@ -252,6 +256,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--machine", help="plan with this profile (parallax.plan calibrate)")
     p.add_argument(
         "--pad-to-multiple-of", type=int, default=1, metavar="N", help="OpenVLA rows' text width"
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=float,
+        help="every run's --grad-clip (default: the trainer's for its finetune); the hand rows "
+        "of SigLIP and OpenVLA-7B full ran without clipping",
     )
     p.add_argument("--out", default="runs/plan_accuracy", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
