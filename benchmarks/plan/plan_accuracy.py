@@ -260,8 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--grad-clip",
         type=float,
-        help="every run's --grad-clip (default: the trainer's for its finetune); the hand rows "
-        "of SigLIP and OpenVLA-7B full ran without clipping",
+        help="every run's --grad-clip (default: the trainer's for its finetune); SigLIP's hand row "
+        "ran without clipping",
     )
     p.add_argument("--out", default="runs/plan_accuracy", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
