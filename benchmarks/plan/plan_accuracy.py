@@ -207,7 +207,8 @@ def run_row(row: Row, args, device: torch.device) -> dict:
         step = got["step_s"]
         rec.update(measured_s=step, measured_gib=got["peak_gib"], samples_per_s=row.batch / step)
         rec["tokens_per_s"] = got["tokens"] / step if got.get("tokens") else None
-        rec.update({k: got[k] for k in ("alloc_retries", "reserved_gib") if k in got})
+        kept = ("alloc_retries", "reserved_gib", "host_phases")
+        rec.update({k: got[k] for k in kept if k in got})
         rec["status"] = "ok"
     except torch.cuda.OutOfMemoryError as err:
         rec["status"] = f"out of memory: {str(err).splitlines()[0][:100]}"
