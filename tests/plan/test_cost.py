@@ -41,8 +41,9 @@ def test_copies_beyond_the_backwards_show():
     assert offload == pytest.approx((256 - 128) * MS + 50 * MS)
 
 
-def test_without_clipping_the_step_hides_under_the_last_backward():
-    """Not clipped, each bucket steps as its gradient completes: AdamW and the conversion (26
-    ms) run under the last backward (4 blocks x 4 ms), 10 ms shown."""
+def test_without_clipping_the_step_is_not_counted_as_hidden():
+    """Not clipped, each bucket steps as its gradient completes, during the last backward, but
+    on cores the backward's own thread needs (measured: it did not hide): AdamW and the
+    conversion (26 ms) all count; the fp32 gradient is not made twice."""
     offload, _ = _offloaded(clip=0.0, h2d_gbs=1.0)
-    assert offload == pytest.approx((26 - 16) * MS)
+    assert offload == pytest.approx(26 * MS)
