@@ -13,7 +13,8 @@ At most ``IN_FLIGHT`` adds are queued on the copies stream: the host waits for o
 it queues another. Without that bound a backward that makes chunks faster than the link carries
 them left them all waiting, freed but not reusable, until the allocator ran into a cap and
 flushed its cache (OpenVLA-7B under 24 GiB: 104 such retries a step; under 32 GiB at
-micro-batch 8: 211, and 23.4 s a step).
+micro-batch 8: 211, and 23.4 s a step). With the bound the capped rows retry no more
+(benchmarks/RESULTS.md, runs 8e51d12eab79 and later).
 """
 
 from __future__ import annotations
