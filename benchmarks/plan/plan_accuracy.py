@@ -106,7 +106,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
     if args.pad_to_multiple_of > 1 and registry.find(row.model).pads_text:
         flags["pad_to_multiple_of"] = args.pad_to_multiple_of  # (the others' text is fixed)
-    if getattr(args, "grad_clip", None) is not None:  # (memory_fit's rows keep the default)
+    if args.grad_clip is not None:
         flags["grad_clip"] = args.grad_clip
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)

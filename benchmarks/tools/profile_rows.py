@@ -138,6 +138,7 @@ def planned(argv: list[str]) -> str:
     p.add_argument("name", help="a row of plan_accuracy, or fit:ROW of memory_fit (fit:lora-16)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--pad-to-multiple-of", type=int, default=1)
+    p.add_argument("--grad-clip", type=float, help="the run's --grad-clip (default: the trainer's)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     args.out, args.machine = "runs/profile_rows", None

@@ -107,6 +107,7 @@ def child(row: Row, args) -> dict:
             out=args.out,
             machine=args.machine,
             pad_to_multiple_of=args.pad_to_multiple_of,
+            grad_clip=None,  # the trainer's default for the row's finetune
         )
         run, best, fits = plan_row(row, plan_args, device, closest=True)
         if best is None:

@@ -33,7 +33,9 @@ def test_where_nothing_fits_the_nearest_layout_is_planned_and_timed(tmp_path):
     from benchmarks.plan.plan_accuracy import Row, plan_row
 
     row = Row("tiny-too-small", "tiny", 8, limit=1e-6)
-    args = SimpleNamespace(compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=1)
+    args = SimpleNamespace(
+        compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=1, grad_clip=None
+    )
     cpu = torch.device("cpu")
     assert plan_row(row, args, cpu)[1:] == (None, False)
     _, nearest, fits = plan_row(row, args, cpu, closest=True)
@@ -45,10 +47,27 @@ def test_only_openvla_rows_pad_their_text(tmp_path):
 
     from benchmarks.plan.plan_accuracy import Row, plan_row
 
-    args = SimpleNamespace(compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=16)
+    args = SimpleNamespace(
+        compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=16, grad_clip=None
+    )
     cpu = torch.device("cpu")
     assert plan_row(Row("tiny", "tiny", 8), args, cpu)[0].pad_to_multiple_of == 16
     assert plan_row(Row("siglip-tiny", "siglip-tiny", 8), args, cpu)[0].pad_to_multiple_of == 1
+
+
+def test_grad_clip_runs_as_a_hand_row_ran(tmp_path):
+    """``--grad-clip 0`` reaches the planned run (the full fine-tuning default clips at 1)."""
+    import torch
+
+    from benchmarks.plan.plan_accuracy import Row, plan_row
+
+    args = SimpleNamespace(
+        compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=1, grad_clip=None
+    )
+    cpu = torch.device("cpu")
+    assert plan_row(Row("siglip-tiny", "siglip-tiny", 8), args, cpu)[0].grad_clip == 1.0
+    args.grad_clip = 0.0
+    assert plan_row(Row("siglip-tiny", "siglip-tiny", 8), args, cpu)[0].grad_clip == 0.0
 
 
 def test_against_hand_compares_in_the_hand_rows_unit():

@@ -19,7 +19,8 @@ from parallax.families.siglip.config import PRESETS
 from parallax.families.siglip.estimate import block_estimates
 from parallax.families.siglip.model import Siglip
 from parallax.plan.layout import Layout
-from parallax.plan.memory import _per_sample
+from parallax.plan.memory import rank_memory
+from parallax.plan.model import Model
 from parallax.train.config import TrainConfig
 from parallax.train.run import resolve
 
@@ -70,26 +71,16 @@ def _measured(config, checkpointing) -> int:
 def test_the_step_peak_is_what_the_model_predicts(checkpointing):
     config = _config()
     run = resolve(TrainConfig(model="siglip-tiny", precision="fp32", global_batch_size=BATCH))
-
-    class Estimated:  # the memory model's view of this config
-        def __init__(self) -> None:
-            self.estimates, self.cache = block_estimates(config, run), {}
-            self.run = run
-
-        def ranges(self, pp, chunks):
-            return [range(0, 1)]
-
-        def stages_of(self, layout, pp_rank):
-            return [0]
-
+    estimates = block_estimates(config, run)  # the planner's view of this config's one block
+    model = Model(run, estimates=estimates)
     layout = Layout(micro_batch_size=BATCH, checkpointing=checkpointing)
-    kept, transient = _per_sample(Estimated(), layout, 0)
+    rank = rank_memory(model, layout, 0)
     grads = 4 * sum(p.numel() for p in Siglip(config, device="meta").parameters())
-    predicted = BATCH * (kept[0] + transient) + grads
+    predicted = rank.activations + rank.workspace + grads
     got = _measured(config, checkpointing)
     assert got == pytest.approx(predicted, rel=0.1), (got, predicted)
     # the rule it replaces, the largest piece's saved bytes again (twice when recomputed),
     # misses this step by more than the tolerance
-    parts = Estimated().estimates[0].parts
+    parts = estimates[0].parts
     again = max((2 if p.recomputes(checkpointing) else 1) * p.saved.at(1) for p in parts)
-    assert abs(BATCH * (kept[0] + again) + grads - got) > 0.1 * got
+    assert abs(rank.activations + BATCH * again + grads - got) > 0.1 * got
