@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules as data, one executor, a simulator and a timeline.
 
-A schedule (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`) is a pure value: per
+A schedule (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`; by name,
+:func:`make_schedule`) is a pure value: per
 pipeline rank, the ordered compute actions. :func:`lower` adds the sends and receives,
 :func:`validate` and :func:`simulate` check it without processes, and :func:`run_schedule` runs
 any schedule with this rank's :class:`PipelineStage` chunks. :func:`split` balances a list of
@@ -12,11 +13,13 @@ from parallax.pipeline.executor import run_schedule
 from parallax.pipeline.lower import Batch, Program, lower
 from parallax.pipeline.p2p import TensorMeta
 from parallax.pipeline.schedule import (
+    SCHEDULES,
     Action,
     Schedule,
     format_schedule,
     gpipe,
     interleaved_1f1b,
+    make_schedule,
     one_f_one_b,
     theoretical_bubble,
 )
@@ -33,6 +36,7 @@ from parallax.pipeline.timeline import (
 from parallax.pipeline.validate import validate
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "Batch",
     "BlockChunk",
@@ -50,6 +54,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "lower",
+    "make_schedule",
     "measured_bubble",
     "merge_traces",
     "one_f_one_b",

@@ -227,3 +227,17 @@ def theoretical_bubble(schedule: Schedule) -> float:
     ``(p - 1) / (v * m + p - 1)`` (``v = 1`` for GPipe and 1F1B)."""
     p, m, v = schedule.num_ranks, schedule.num_microbatches, schedule.chunks_per_rank
     return (p - 1) / (v * m + p - 1)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Schedule:
+    """The schedule named by ``--schedule``; raises ``ValueError`` saying what would work."""
+    if name == "gpipe":
+        return gpipe(pp, num_microbatches)
+    if name == "1f1b":
+        return one_f_one_b(pp, num_microbatches)
+    if name == "interleaved":
+        return interleaved_1f1b(pp, num_microbatches, chunks)
+    raise ValueError(f"unknown schedule {name!r}: use {', '.join(SCHEDULES)}")

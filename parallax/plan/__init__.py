@@ -6,7 +6,3 @@ fastest first), :mod:`~parallax.plan.machine` (profiles, measured by
 :mod:`~parallax.plan.calibrate`), :mod:`~parallax.plan.auto` (``parallax.train --layout auto``)
 and the command line :mod:`~parallax.plan.cli` (``python -m parallax.plan``).
 """
-
-# parallax.train first, whole: its run resolution (--layout auto) uses this package's modules,
-# which in turn read the training options; entering here must not find either half-imported
-import parallax.train  # noqa: E402, F401

@@ -1,5 +1,5 @@
-"""``parallax.train --layout auto``: the planner's fastest layout that fits, chosen where the run
-is resolved (:func:`parallax.train.run.resolve`), for the world torchrun started.
+"""``parallax.train --layout auto``: the planner's fastest layout that fits, for the world
+torchrun started, chosen once the run is resolved (:func:`parallax.train.cli.resolve_run`).
 
 Every rank plans alike from what it sees alone (the world and node size from torchrun's
 environment, the GPU's memory, this host's memory, or a ``--machine`` profile), so all choose
@@ -19,7 +19,7 @@ from parallax.plan import report, search
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import GIB, Machine, target
 from parallax.plan.model import Model
-from parallax.train.config import TrainConfig
+from parallax.run import Run, TrainConfig
 
 log = logging.getLogger("parallax.train")
 
@@ -31,8 +31,8 @@ def given(flags: TrainConfig) -> set[str]:
         names = set(flags.layout_given.split(","))
     else:
         defaults = TrainConfig()
-        names = {k for k in LAYOUT_OPTIONS if getattr(flags, k, None) != getattr(defaults, k, None)}
-    return {k for k in LAYOUT_OPTIONS if k in names and hasattr(flags, k)}
+        names = {k for k in LAYOUT_OPTIONS if getattr(flags, k) != getattr(defaults, k)}
+    return {k for k in LAYOUT_OPTIONS if k in names}
 
 
 def _gpu_memory(flags: TrainConfig) -> tuple[float, bool]:
@@ -42,7 +42,7 @@ def _gpu_memory(flags: TrainConfig) -> tuple[float, bool]:
     if gib is None and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         gib = torch.cuda.get_device_properties(local).total_memory / GIB
-    limit = getattr(flags, "gpu_memory_limit", None)
+    limit = flags.gpu_memory_limit
     if gib is None and limit is None:
         raise ValueError("--layout auto on a machine without GPUs needs --gpu-memory GIB")
     if limit is not None and (gib is None or limit < gib):
@@ -67,14 +67,13 @@ def machine_of(flags: TrainConfig, world: int, per_node: int) -> Machine:
     return machine.with_(cuda_context_gib=0.0) if capped else machine
 
 
-def choose(run) -> TrainConfig:
-    """``run``'s options with the planner's first choice for this world filled in (``run``: the
-    resolved run as given); says what it chose, once."""
-    flags = run.flags
+def choose(run: Run) -> Run:
+    """``run`` with the planner's first choice for this world filled in; says what it chose,
+    once."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    machine = machine_of(flags, world, per_node)
-    fixed = {k: getattr(flags, k) for k in given(flags)}
+    machine = machine_of(run, world, per_node)
+    fixed = {k: getattr(run, k) for k in given(run)}
     result = search.search(Model(run), machine, world, fixed, top=1)
     if not result.ranked:
         why = report.nothing_fits(result, world, run.finetune == "lora")
@@ -93,4 +92,4 @@ def choose(run) -> TrainConfig:
             best.samples_per_s,
             " ".join(best.layout.argv()),
         )
-    return flags.replace(**best.layout.options())
+    return run.replace(**best.layout.options())

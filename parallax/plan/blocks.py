@@ -1,9 +1,10 @@
 """What each pipeline block holds on one tp rank: its parameters by dtype, trainable or frozen,
 per optimizer group, and its ZeRO-3 units; counted once per tp on the meta device.
 
-Each block is built alone (``recipe.build`` of a one-block range, shapes only) with the run's
-adapters and freezing, so any pipeline split's chunk is a sum of blocks and no layout needs a
-model of its own: the planner combines these numbers arithmetically. Element counts are padded
+Each block is built alone (:func:`parallax.recipe.adapt.build_chunk` of a one-block range,
+shapes only: the recipe's chunk with the run's adapters and freezing, as the Trainer builds
+it), so any pipeline split's chunk is a sum of blocks and no layout needs a model of its own:
+the planner combines these numbers arithmetically. Element counts are padded
 as ZeRO's flat buffers pad them (every parameter to a multiple of 16 elements,
 :mod:`parallax.optim.buckets`).
 """
@@ -18,7 +19,11 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.dims import ParallelDims
-from parallax.train import groups, lora
+from parallax.recipe.adapt import build_chunk
+from parallax.recipe.flags import option_classes
+from parallax.run import Run
+from parallax.run import param_groups as groups
+from parallax.run.option import options
 
 ALIGN = 16  # elements: ZeRO pads every parameter to a multiple of this
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -60,12 +65,13 @@ class BlockParams:
 _CACHE: dict[tuple, tuple[BlockParams, ...]] = {}
 
 
-def _key(run, tp: int) -> tuple:
-    """What the blocks' parameters depend on: the model and the options that adapt it."""
-    names = ("precision", "finetune", "lora_rank", "lora_targets", "train", "freeze")
-    options = tuple(str(getattr(run, n)) for n in names)
-    more = (str(run.freeze_vision), str(run.lr_groups), str(run.lr))
-    return (run.recipe.name, run.model_name, repr(run.model_config), options, more, tp)
+def _key(run: Run, tp: int) -> tuple:
+    """What the blocks' parameters depend on: the model and the options whose declarations say
+    they change its parameters (``params=True``), the family's own among them."""
+    values = run.to_dict()
+    declared = [f.name for cls in option_classes() for f, o in options(cls) if o.params]
+    changing = tuple((n, str(values.get(n))) for n in declared)
+    return (run.recipe.name, run.model_name, repr(run.model_config), changing, tp)
 
 
 def block_params(run, tp: int) -> tuple[BlockParams, ...]:
@@ -77,17 +83,13 @@ def block_params(run, tp: int) -> tuple[BlockParams, ...]:
     return _CACHE[key]
 
 
-def _count(run, tp: int) -> list[BlockParams]:
-    recipe, config = run.recipe, run.model_config
+def _count(run: Run, tp: int) -> list[BlockParams]:
     dtype = torch.bfloat16 if run.precision == "bf16" else torch.float32
     ctx = ParallelContext(dims=ParallelDims(tp=tp), rank=0, device=torch.device("meta"))
     out = []
-    for i, block in enumerate(recipe.blocks(config)):
-        chunk = recipe.build(
-            config, range(i, i + 1), ctx, cfg=run, dtype=dtype, device="meta", checkpoint=None
-        )
-        report = lora.prepare(chunk, run, recipe)
-        groups.apply_freeze([chunk], run, recipe)
+    for i, block in enumerate(run.recipe.model.blocks(run.model_config)):
+        blocks = range(i, i + 1)
+        chunk, report = build_chunk(run, blocks, ctx, dtype=dtype, device="meta", checkpoint=None)
         out.append(_block(block.name, chunk, run, report.adapters if report else 0))
     return out
 

@@ -125,7 +125,7 @@ def _shapes(model: str | None) -> tuple[int, int, int, int]:
     if model is None:
         return 4096, 11008, 32, 128
     recipe = registry.find(model)
-    config = recipe.resolve(registry.strip_family(model, recipe)).config
+    config = recipe.model.resolve(registry.strip_family(model, recipe)).config
     text = getattr(config, "text", config)
     hidden = getattr(text, "hidden_size", None) or text.width
     inner = getattr(text, "intermediate_size", None) or text.mlp_hidden

@@ -20,8 +20,8 @@ from parallax.plan.machine import LINKS, Machine, target
 from parallax.plan.model import Model
 from parallax.plan.report import command, layouts_table, nothing_fits
 from parallax.plan.search import MARGIN, Result, search
-from parallax.train.args import parse_args, train_parser
-from parallax.train.run import resolve
+from parallax.recipe import resolve
+from parallax.recipe.flags import parse_args, train_parser
 
 INTERCONNECTS = ("nvlink", "pcie", "pcie-no-p2p")
 
@@ -89,7 +89,7 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
         interconnect=args.interconnect,
         machine_file=args.machine,
     )
-    limit = getattr(cfg, "gpu_memory_limit", None)
+    limit = cfg.gpu_memory_limit
     if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
     model = Model(run)

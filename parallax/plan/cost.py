@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallax.models.estimate import Part
-from parallax.pipeline import simulate
+from parallax.pipeline import make_schedule, simulate
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Link, Machine
 from parallax.plan.model import Model
-from parallax.train.steps import make_schedule
 
 # element-wise bytes moved in an eager forward per byte kept for the backward, and the share
 # --compile leaves of them (fused kernels): fitted to OpenVLA-7B full fine-tuning, LoRA and

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from parallax.train.config import TrainConfig
+from parallax.run import TrainConfig
 
 OPTION_NAMES = {f.name for f in dataclasses.fields(TrainConfig)}
 # the options a layout decides (those of them this TrainConfig has)

@@ -10,25 +10,24 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from parallax.models.estimate import BlockEstimate
-from parallax.pipeline import split
+from parallax.pipeline import make_schedule, split
 from parallax.plan.blocks import BlockParams, block_params
 from parallax.plan.layout import Layout
-from parallax.train.steps import make_schedule
 
 DEFAULT_BUCKET_NUMEL = 25_000_000  # ZeroOptimizer's bucket size (elements)
 STAGING_BYTES = 2**29  # offload's upload staging per dtype (parallax.optim.staging)
 
 
 class Model:
-    """See the module docstring; ``run`` is a resolved :class:`~parallax.train.run.Run`."""
+    """See the module docstring; ``run`` is a resolved :class:`~parallax.run.Run`."""
 
     def __init__(self, run, blocks=None, estimates=None, params=None) -> None:
         """``blocks``, ``estimates`` and ``params`` (a function of tp) stand in for the
         recipe's (a model described by its numbers alone, as the tests do)."""
         self.run, self.recipe, self.config = run, run.recipe, run.model_config
-        self.blocks = blocks if blocks is not None else self.recipe.blocks(self.config)
+        self.blocks = blocks if blocks is not None else self.recipe.model.blocks(self.config)
         if estimates is None:
-            estimates = self.recipe.block_estimates(self.config, run)
+            estimates = self.recipe.model.block_estimates(run)
         self.estimates: list[BlockEstimate] = list(estimates)
         if len(self.estimates) != len(self.blocks):
             raise ValueError(
@@ -36,7 +35,8 @@ class Model:
                 f"{len(self.blocks)}"
             )
         self.e = 2 if run.precision == "bf16" else 4  # bytes per element of the model's dtype
-        self.step_objective = self.recipe.objective == "step"  # GradCache: one microbatch held
+        # GradCache: one microbatch held
+        self.step_objective = self.recipe.objective.kind == "step"
         self._count = params or (lambda tp: block_params(run, tp))
         self._ranges: dict[tuple[int, int], list[range]] = {}
         self._states: dict[tuple, tuple] = {}
@@ -61,7 +61,8 @@ class Model:
         key = (pp, chunks)
         if key not in self._ranges:
             costs = [b.cost for b in self.blocks]
-            self._ranges[key] = split(costs, pp, chunks, pin_first=self.recipe.pin_first)
+            pin = self.recipe.model.pin_first
+            self._ranges[key] = split(costs, pp, chunks, pin_first=pin)
         return self._ranges[key]
 
     def stages_of(self, layout: Layout, pp_rank: int) -> list[int]:

@@ -24,8 +24,8 @@ from parallax.plan.layout import OPTION_NAMES, Layout
 from parallax.plan.machine import Machine
 from parallax.plan.memory import GIB, RankMemory, node_host_bytes, plan_memory
 from parallax.plan.model import Model
-from parallax.train.options import needs_problems, problems
-from parallax.train.rules import RULES
+from parallax.run.option import needs_problems, problems
+from parallax.run.rules import RULES
 
 MARGIN = 0.03  # of the GPU's and the host's memory, kept free
 TIE = 1.005  # step times this close are a tie: the simpler layout goes first
@@ -62,7 +62,7 @@ class Result:
 
 
 def option_problems(cfg) -> list[str]:
-    """What the options' own rules say of ``cfg`` (:mod:`parallax.train.rules` without the
+    """What the options' own rules say of ``cfg`` (:mod:`parallax.run.rules` without the
     types, data and output checks, which no layout changes)."""
     return problems(cfg) + needs_problems(cfg) + [p for rule in RULES if (p := rule(cfg))]
 
@@ -171,10 +171,10 @@ class Searcher:
         run = self.model.run
         try:
             dims = ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp)
-            run.recipe.check_layout(run.model_config, run, dims)
+            run.recipe.model.check_layout(run, dims)
             self.model.ranges(layout.pp, layout.chunks)
             self.model.params(layout.tp)  # the blocks build at this tp (heads divide)
-            found = option_problems(run.flags.replace(**layout.options()))
+            found = option_problems(run.replace(**layout.options()))
         except ValueError as err:
             return str(err).split(";")[0]
         return found[0] if found else None

@@ -1,15 +1,16 @@
 """Training entry point: ``torchrun --nproc-per-node N -m parallax.train --tp T --pp P``.
 
 :func:`main` is the command. For scripts that drive steps themselves: :func:`parse_args` (the
-options, :class:`TrainConfig`), :func:`resolve` (the resolved :class:`Run`) and
+options, a :class:`~parallax.run.TrainConfig`), :func:`parallax.recipe.resolve` (the resolved
+:class:`~parallax.run.Run`; :func:`resolve_run` adds ``--layout auto``'s layout) and
 :class:`~parallax.train.trainer.Trainer` (one model of any registered family split over pp,
 sharded over tp, ZeRO over dp).
 """
 
-from parallax.train.args import parse_args
-from parallax.train.cli import main, run
-from parallax.train.config import TrainConfig
-from parallax.train.run import Run, resolve
+from parallax.recipe import resolve
+from parallax.recipe.flags import parse_args
+from parallax.run import Run, TrainConfig
+from parallax.train.cli import main, resolve_run, run
 from parallax.train.trainer import StepOutput, Trainer
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "main",
     "parse_args",
     "resolve",
+    "resolve_run",
     "run",
 ]

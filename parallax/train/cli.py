@@ -23,42 +23,49 @@ import torch.distributed as dist
 
 from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
 from parallax.dims import ParallelDims
+from parallax.plan import auto
+from parallax.recipe import resolve
+from parallax.recipe.flags import parse_args
+from parallax.run import Run, TrainConfig
 from parallax.train import sinks, state
 from parallax.train.agreement import USER_ERRORS, UserError, agree
-from parallax.train.args import parse_args
-from parallax.train.config import TrainConfig
+from parallax.train.dry_run import print_plan
 from parallax.train.failures import Ending, Preempted, Preemption, is_comm_failure, sigterm_held
 from parallax.train.lock import RunLock
 from parallax.train.memory_limit import default_allocator
-from parallax.train.plan import print_plan
-from parallax.train.run import Run, resolve
 from parallax.train.session import export_hf, train
 
 log = logging.getLogger("parallax.train")
 
-__all__ = ["USER_ERRORS", "UserError", "agree", "export_hf", "main", "run"]
+__all__ = ["USER_ERRORS", "UserError", "agree", "export_hf", "main", "resolve_run", "run"]
+
+
+def resolve_run(cfg: TrainConfig) -> Run:
+    """The run of ``cfg``, resolved once (:func:`parallax.recipe.resolve`), with the planner's
+    layout filled in for ``--layout auto`` (:func:`parallax.plan.auto.choose`)."""
+    resolved = resolve(cfg)
+    return auto.choose(resolved) if resolved.layout == "auto" else resolved
 
 
 def run(
-    cfg: TrainConfig | Run,
+    resolved: Run,
     ctx: ParallelContext,
     stop_after: int | None = None,
     preemption: Preemption | None = None,
 ) -> dict[str, float]:
-    """Train as ``cfg`` (the resolved run, or a config resolved here) says on this rank,
-    holding the lock of ``--out`` (one run at a time: :mod:`parallax.train.lock`); returns the
-    last step's metrics. ``preemption`` (the SIGTERM handler's, see
-    :mod:`parallax.train.failures`) makes a SIGTERM save and raise :class:`Preempted`."""
-    cfg = agree(ctx, "--model", lambda: resolve(cfg))
-    out = Path(cfg.out)
-    agree(ctx, "--out", lambda: state.check_out(out, cfg.resume, cfg.overwrite))
-    agree(ctx, "--log-to", lambda: sinks.check(cfg.log_to) if ctx.rank == 0 else None)
+    """Train as the ``resolved`` run says on this rank, holding the lock of ``--out`` (one run
+    at a time: :mod:`parallax.train.lock`); returns the last step's metrics. ``preemption``
+    (the SIGTERM handler's, see :mod:`parallax.train.failures`) makes a SIGTERM save and raise
+    :class:`Preempted`."""
+    out = Path(resolved.out)
+    agree(ctx, "--out", lambda: state.check_out(out, resolved.resume, resolved.overwrite))
+    agree(ctx, "--log-to", lambda: sinks.check(resolved.log_to) if ctx.rank == 0 else None)
     held = agree(ctx, "--out", lambda: RunLock.acquire(out) if ctx.rank == 0 else None)
     preemption = preemption or Preemption()
     if held is not None:
         preemption.cleanups.append(held.release)
     try:
-        return train(cfg, ctx, stop_after, preemption)
+        return train(resolved, ctx, stop_after, preemption)
     finally:
         preemption.armed = False
         if held is not None:
@@ -73,24 +80,24 @@ def main(argv: list[str] | None = None) -> int:
     default_allocator()
     ending = Ending(int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1))
     signal.signal(signal.SIGTERM, ending.on_sigterm)
-    cfg = ctx = None
+    resolved = ctx = None
     try:
         # what every rank checks alike, rank 0 says; a launcher's SIGTERM (a peer that already
         # failed on the same check) waits until it has been said
         with sigterm_held():
             try:
-                cfg = parse_args(argv)
-                if cfg.dry_run:
-                    print_plan(cfg, file=None if ending.rank == 0 else io.StringIO())
+                resolved = _resolved(parse_args(argv), ending)
+                if resolved.dry_run:
+                    print_plan(resolved, file=None if ending.rank == 0 else io.StringIO())
                     return ending.end(0)
-                ParallelDims.from_world(ending.world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-                cfg = resolve(cfg)  # once: every rank alike, before any process group
             except USER_ERRORS as err:
                 return ending.user_error(err, agreed=True)
-        ctx = init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, timeout=cfg.timeout)
+        ctx = init_parallel(
+            tp=resolved.tp, pp=resolved.pp, dp=resolved.dp, timeout=resolved.timeout
+        )
         if ctx.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        run(cfg, ctx, preemption=ending.preemption)
+        run(resolved, ctx, preemption=ending.preemption)
         return ending.end(0)
     except Preempted as err:
         return ending.preempted(err.step)
@@ -102,10 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         return ending.interrupted()
     except Exception as err:
         if is_comm_failure(err):
-            return ending.peer_failed(err, cfg.timeout if cfg else DEFAULT_TIMEOUT_S)
+            return ending.peer_failed(err, resolved.timeout if resolved else DEFAULT_TIMEOUT_S)
         return ending.crashed(traceback.format_exc())  # a bug: say where
     finally:
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a broken group cannot always be torn down
                 dist.destroy_process_group()
         ending.hold_on()
+
+
+def _resolved(cfg: TrainConfig, ending: Ending) -> Run:
+    """The run, once, every rank alike, before any process group: the layout checked against
+    the world torchrun started (a dry run plans for the layout given)."""
+    if not cfg.dry_run and cfg.layout != "auto":
+        ParallelDims.from_world(ending.world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    return resolve_run(cfg)

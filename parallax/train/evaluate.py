@@ -17,7 +17,8 @@ import torch
 
 from parallax import comm
 from parallax.data import BatchLoader
-from parallax.recipe.protocol import batch_args, metric_values
+from parallax.recipe import batch_args
+from parallax.recipe.objective import metric_values
 from parallax.train.inputs import InputError
 
 log = logging.getLogger("parallax.train")
@@ -37,11 +38,11 @@ class Evaluator:
     def __init__(self, trainer, dataset, collate, out: Path) -> None:
         self.trainer, self.dataset, self.collate = trainer, dataset, collate
         self.path = out / "eval.jsonl"
-        cfg, ctx = trainer.cfg, trainer.ctx
-        self.every, self.batches = cfg.eval_interval, cfg.eval_batches
+        run, ctx = trainer.run, trainer.ctx
+        self.every, self.batches = run.eval_interval, run.eval_batches
         BatchLoader(  # the batch sizes and the split's size, checked before the first step
             dataset,
-            **batch_args(cfg, ctx),
+            **batch_args(run, ctx),
         )
 
     def maybe_run(self, step: int, last: bool = False) -> dict[str, float] | None:
@@ -50,10 +51,10 @@ class Evaluator:
         return self.run(step)
 
     def run(self, step: int) -> dict[str, float]:
-        trainer, cfg, ctx = self.trainer, self.trainer.cfg, self.trainer.ctx
+        trainer, run, ctx = self.trainer, self.trainer.run, self.trainer.ctx
         loader = BatchLoader(
             self.dataset,
-            **batch_args(cfg, ctx),
+            **batch_args(run, ctx),
         )
         sums, units = None, 0
         for i in range(min(self.batches, loader.steps_per_epoch)):
@@ -66,12 +67,12 @@ class Evaluator:
             except InputError as err:
                 raise EvalDataError(step, i, err.found) from None
             sums = got if sums is None else sums + got
-            units += sum(int(trainer.recipe.loss_units(mb)) for mb in mbs)
+            units += sum(int(trainer.recipe.objective.loss_units(mb)) for mb in mbs)
         total = torch.tensor(float(units), device=ctx.device)
         comm.all_reduce(total, ctx.dp_group)
         values = sums.tolist()
         row = {"step": step, "eval_loss": values[0] / max(float(total), 1.0)}
-        metrics = metric_values(trainer.recipe, values, evaluation=True)
+        metrics = metric_values(trainer.recipe.objective, values, evaluation=True)
         row.update({f"eval_{k}": v for k, v in metrics.items()})
         if ctx.rank == 0:
             with open(self.path, "a") as f:

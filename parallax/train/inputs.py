@@ -9,7 +9,7 @@ other collective of the step, and a problem anywhere raises :class:`InputError` 
 from __future__ import annotations
 
 from parallax import comm
-from parallax.recipe.protocol import Microbatch
+from parallax.recipe import Microbatch
 
 
 class InputError(ValueError):
@@ -39,11 +39,12 @@ def check(
             f"{trainer.num_microbatches} (global batch / (micro batch x dp))"
         )
     for m, mb in enumerate(microbatches if problem is None else ()):
-        missing = [k for k in trainer.recipe.input_keys if not isinstance(mb, dict) or k not in mb]
+        keys = trainer.recipe.data.input_keys
+        missing = [k for k in keys if not isinstance(mb, dict) or k not in mb]
         if missing:
             problem = f"microbatch {m} lacks {', '.join(missing)}"
             break
-        problem = trainer.recipe.input_problem(trainer.model_config, mb, trainer.cfg)
+        problem = trainer.recipe.data.input_problem(trainer.run, mb)
         if problem:
             problem = f"microbatch {m}: {problem}"
             break

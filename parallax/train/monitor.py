@@ -35,13 +35,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from parallax.recipe.protocol import Recipe, metric_values
+from parallax.recipe.objective import Objective, metric_values
 from parallax.train.sinks import Sink
 from parallax.train.trainer import StepOutput
 
 log = logging.getLogger("parallax.train")
 PEAK_TFLOPS = 989.0  # dense bf16 of an H100/H200 SXM: the MFU denominator
-# metrics.jsonl keys of every family; the recipe's own metrics come right after "loss"
+# metrics.jsonl keys of every family; the objective's own metrics come right after "loss"
 METRIC_FIELDS = (
     "step",
     "loss",
@@ -69,10 +69,11 @@ BAR_WIDTH = 20
 ETA_WIDTH = 8  # rich's "h:mm:ss" up to 9 h, "mm:ss" below one
 
 
-def fields(row: dict[str, Any], recipe: Recipe | None = None) -> list[str]:
-    """The metrics of a step as short texts, most useful first (the recipe's after the loss)."""
+def fields(row: dict[str, Any], objective: Objective | None = None) -> list[str]:
+    """The metrics of a step as short texts, most useful first (the objective's after the
+    loss)."""
     mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-    own = [f"{m.label} {row[m.key]:{m.fmt}}" for m in (recipe.metrics if recipe else ())]
+    own = [f"{m.label} {row[m.key]:{m.fmt}}" for m in (objective.metrics if objective else ())]
     return [
         f"loss {row['loss']:.4f}",
         *own,
@@ -134,15 +135,15 @@ class Monitor:
         log_interval: int,
         total_steps: int,
         console=None,
-        recipe: Recipe | None = None,
+        objective: Objective | None = None,
         sinks: Sequence[Sink] = (),
     ) -> None:
         """``console``: where rank 0 displays (a ``rich.console.Console``; default: stdout);
-        ``recipe``: the model family, whose metrics join the row; ``sinks``: dashboards that
+        ``objective``: the family's, whose metrics join the row; ``sinks``: dashboards that
         get every row too (rank 0's; :mod:`parallax.train.sinks`), closed by :meth:`close`."""
         self.active = rank == 0
         self.sinks = list(sinks)
-        self.recipe = recipe
+        self.objective = objective
         self.world, self.device = world, device
         self.log_interval, self.total_steps = log_interval, total_steps
         self.path = out / "metrics.jsonl"
@@ -221,7 +222,7 @@ class Monitor:
         row = {
             "step": step,
             "loss": float(out.loss),
-            **(metric_values(self.recipe, m) if self.recipe else {}),
+            **(metric_values(self.objective, m) if self.objective else {}),
             "lr": out.lr,
             "grad_norm": float(out.grad_norm),
             "tokens_per_s": tokens / seconds,
@@ -245,9 +246,9 @@ class Monitor:
             steps = 2 * len(str(self.total_steps)) + 1
             room = width - (BAR_WIDTH + steps + ETA_WIDTH + 3)  # 3: spaces between columns
             self._progress.update(
-                self._task, completed=step, description=fit(fields(row, self.recipe), room)
+                self._task, completed=step, description=fit(fields(row, self.objective), room)
             )
         if step % self.log_interval == 0 or step == self.total_steps or step == 1:
             head = f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"
-            line = fit([head, *fields(row, self.recipe)], width)
+            line = fit([head, *fields(row, self.objective)], width)
             self._console.print(line, highlight=False, soft_wrap=True)

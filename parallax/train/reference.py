@@ -11,8 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parallax.train.config import TrainConfig
-from parallax.train.options import markdown
+from parallax.recipe import flags
 
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
@@ -20,11 +19,12 @@ BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 def reference() -> str:
     """Every flag, a table per ``--help`` group."""
     intro = (
-        "Generated from the option declarations (`parallax/train/options_*.py`) by "
+        "Generated from the option declarations (`parallax/run/options_*.py`, and each "
+        "family's own, such as `parallax/families/openvla/oft/options.py`) by "
         "`python -m parallax.train.reference docs/training.md`; every flag is also a key of a "
         "`--config` TOML file (`global-batch-size = 64` or `global_batch_size`).\n\n"
     )
-    return intro + markdown(TrainConfig)
+    return intro + flags.reference()
 
 
 def with_reference(text: str, where: str = "the file") -> str:

@@ -24,13 +24,13 @@ from parallax.checkpoint import CheckpointError
 from parallax.context import ParallelContext
 from parallax.data import write_statistics
 from parallax.data.episodes import STATISTICS
+from parallax.run import Run
 from parallax.train import lora, sinks, state
 from parallax.train.agreement import USER_ERRORS, UserError, agree
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Preempted, Preemption
 from parallax.train.memory_limit import out_of_memory_message
 from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
-from parallax.train.run import Run
 from parallax.train.trainer import InputError, Trainer
 
 log = logging.getLogger("parallax.train")
@@ -40,7 +40,7 @@ log = logging.getLogger("parallax.train")
 class Session:
     """What a session holds between its steps."""
 
-    cfg: Run
+    run: Run
     ctx: ParallelContext
     out: Path
     data: Any
@@ -53,11 +53,11 @@ class Session:
     monitor: Monitor | None = None
 
 
-def train(cfg: Run, ctx: ParallelContext, stop_after: int | None, preemption: Preemption):
-    """Train as ``cfg`` says on this rank; returns the last step's metrics. ``stop_after`` ends
+def train(run: Run, ctx: ParallelContext, stop_after: int | None, preemption: Preemption):
+    """Train as ``run`` says on this rank; returns the last step's metrics. ``stop_after`` ends
     this invocation after that many steps (after saving a checkpoint), as a preemption would: a
     later ``--resume`` carries on with the same schedule."""
-    s = open_session(cfg, ctx)
+    s = open_session(run, ctx)
     s.monitor = _monitor(s)
     preemption.armed, preempted = True, False
     try:
@@ -71,38 +71,36 @@ def train(cfg: Run, ctx: ParallelContext, stop_after: int | None, preemption: Pr
             s.loader.close()  # its worker processes
     if preempted:
         raise Preempted(s.saved)
-    if cfg.export_hf:
+    if run.export_hf:
         export_hf(s.trainer, s.out / "hf", getattr(s.data, "statistics", None))
     return s.monitor.last
 
 
-def open_session(cfg: Run, ctx: ParallelContext) -> Session:
+def open_session(run: Run, ctx: ParallelContext) -> Session:
     """The data, the loader, the trainer and the collator, every rank agreeing on each; the
     checkpoint resumed from (if any) loaded; ``--out`` prepared."""
-    recipe = cfg.recipe
-    data = open_data(ctx, recipe, cfg)
-    loader = agree(ctx, "--data and batch sizes", lambda: recipe.loader(data, cfg, ctx))
-    ckpt = agree(ctx, "--resume", lambda: _find_resume(cfg) if cfg.resume else None)
-    trainer = agree(ctx, "building the model", lambda: Trainer(cfg, ctx))
-    builder = agree(
-        ctx, "data and model", lambda: recipe.collator(cfg.model_config, data, cfg.checkpoint)
-    )
+    data_side = run.recipe.data
+    data = open_data(ctx, run)
+    loader = agree(ctx, "--data and batch sizes", lambda: data_side.loader(data, run, ctx))
+    ckpt = agree(ctx, "--resume", lambda: _find_resume(run) if run.resume else None)
+    trainer = agree(ctx, "building the model", lambda: Trainer(run, ctx))
+    builder = agree(ctx, "data and model", lambda: data_side.collator(run, data))
     evaluator = None
-    if cfg.eval_interval:
+    if run.eval_interval:
         evaluator = agree(
             ctx,
             "--eval-data",
             lambda: Evaluator(
-                trainer, recipe.eval_dataset(cfg.eval_data, cfg), builder, Path(cfg.out)
+                trainer, data_side.eval_dataset(run.eval_data, run), builder, Path(run.out)
             ),
         )
-    s = Session(cfg, ctx, Path(cfg.out), data, loader, trainer, builder, evaluator, 0, None)
+    s = Session(run, ctx, Path(run.out), data, loader, trainer, builder, evaluator, 0, None)
     if ckpt is not None:
         agree(ctx, f"checkpoint {ckpt.path}", lambda: state.check_resumable(ckpt, trainer))
         s.start = s.saved = agree(ctx, "--resume", lambda: state.load(trainer, ckpt, loader))
         where = ckpt.meta.get("layout")
         log.info("resumed from %s at step %d (written at %s)", ckpt.path, s.start, where)
-    elif cfg.resume:
+    elif run.resume:
         log.info("--resume: no checkpoint in %s yet, starting from scratch", s.out)
     _prepare_out(s)
     return s
@@ -112,7 +110,7 @@ def _prepare_out(s: Session) -> None:
     """Rank 0 makes ``--out``: metrics cut back to the resumed step (or removed), the data's
     statistics written (what ``predict_action`` un-normalises by)."""
     if s.ctx.rank == 0:
-        if s.cfg.overwrite:
+        if s.run.overwrite:
             state.clear_run(s.out)
         s.out.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "eval.jsonl"):
@@ -127,40 +125,40 @@ def _prepare_out(s: Session) -> None:
 
 
 def _monitor(s: Session) -> Monitor:
-    ctx, cfg = s.ctx, s.cfg
+    ctx, run = s.ctx, s.run
     layout = {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size}
     return Monitor(
         s.out,
         rank=ctx.rank,
         world=ctx.world_size,
         device=ctx.device,
-        log_interval=cfg.log_interval,
-        total_steps=cfg.steps,
-        recipe=cfg.recipe,
+        log_interval=run.log_interval,
+        total_steps=run.steps,
+        objective=run.recipe.objective,
         sinks=agree(
             ctx,
             "--log-to",
-            lambda: sinks.open_sinks(cfg, s.out, layout, s.start) if ctx.rank == 0 else [],
+            lambda: sinks.open_sinks(run, s.out, layout, s.start) if ctx.rank == 0 else [],
         ),
     )
 
 
 def _steps(s: Session, stop_after: int | None, preemption: Preemption) -> bool:
     """Run the steps after ``s.start``; whether a SIGTERM stopped them (after a checkpoint)."""
-    cfg = s.cfg
-    for step in range(s.start + 1, cfg.steps + 1):
+    run = s.run
+    for step in range(s.start + 1, run.steps + 1):
         output = _one_step(s, step, preemption)
         preemption.agreed = output.stop  # every rank saves after this step
-        preempted = output.stop and step < cfg.steps
+        preempted = output.stop and step < run.steps
         stopping = preempted or (stop_after is not None and step - s.start >= stop_after)
         if s.evaluator is not None:
             try:  # its batches are agreed on like the step's
-                evaluated = s.evaluator.maybe_run(step, last=step == cfg.steps)
+                evaluated = s.evaluator.maybe_run(step, last=step == run.steps)
             except EvalDataError as err:
                 raise UserError(str(err)) from None
             if evaluated:
                 s.monitor.log_eval(evaluated)
-        periodic = cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps)
+        periodic = run.save_interval and (step % run.save_interval == 0 or step == run.steps)
         if periodic or stopping:
             s.monitor.flush()  # every step since the last checkpoint is finite
             _save(s, step)
@@ -184,7 +182,7 @@ def _one_step(s: Session, step: int, preemption: Preemption):
         more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
         raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
     except torch.OutOfMemoryError as err:
-        raise UserError(out_of_memory_message(s.cfg, step, err)) from None
+        raise UserError(out_of_memory_message(s.run, step, err)) from None
     dp = s.ctx.dp_size
     tokens = s.trainer.tokens(microbatches) * dp
     flops = s.trainer.model_flops(microbatches) * dp  # what this step computes
@@ -209,14 +207,15 @@ def _kept(saved: int | None, out: Path) -> str:
     return f"the latest checkpoint, {path}, is the last good one"
 
 
-def open_data(ctx: ParallelContext, recipe, cfg: Run):
+def open_data(ctx: ParallelContext, run: Run):
     """The recipe's dataset on every rank: rank 0 opens it first (scanning robot data and
     writing its index), then the others (reading that index). An error on any rank, such as
     bad data found by the scan, is raised on all of them."""
-    data = agree(ctx, "--data", lambda: recipe.dataset(cfg.data, cfg) if ctx.rank == 0 else None)
+    side = run.recipe.data
+    data = agree(ctx, "--data", lambda: side.dataset(run.data, run) if ctx.rank == 0 else None)
     if ctx.world_size == 1:
         return data
-    return agree(ctx, "--data", lambda: data if ctx.rank == 0 else recipe.dataset(cfg.data, cfg))
+    return agree(ctx, "--data", lambda: data if ctx.rank == 0 else side.dataset(run.data, run))
 
 
 def next_microbatches(loader, builder) -> tuple[list, str | None]:
@@ -228,10 +227,10 @@ def next_microbatches(loader, builder) -> tuple[list, str | None]:
         return [], str(err)
 
 
-def _find_resume(cfg: Run):
-    ckpt = state.find_resume(cfg.out)
+def _find_resume(run: Run):
+    ckpt = state.find_resume(run.out)
     if ckpt is not None:
-        state.check_steps_left(ckpt, cfg.steps)
+        state.check_steps_left(ckpt, run.steps)
     return ckpt
 
 
@@ -252,7 +251,7 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     with trainer.optimizer.gathered():  # the weights as updated (whole at --zero 3)
-        trainer.recipe.export(trainer.chunks[0], path, statistics)  # merged, each its slice
+        trainer.recipe.model.export(trainer.chunks[0], path, statistics)  # merged, each its slice
         if trainer.base_identity is not None:
             lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
     if trainer.ctx.rank == 0:

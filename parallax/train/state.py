@@ -10,10 +10,10 @@ A ``--finetune lora`` run's checkpoints hold only what trains (adapters, ``--tra
 their optimizer state) and the frozen base's fingerprint, checked on resume
 (:mod:`parallax.train.lora`).
 
-A resumed run follows its own learning-rate flags from the step it resumes at (the schedule is
-a pure function of the step and the flags; :mod:`parallax.train.steps` says why), saying in one
-line which differ from the saved run's; a model that differs from the saved one is refused
-naming both (:func:`check_same_model`).
+A resumed run follows its own learning-rate flags from the step it resumes at (the schedule
+is a pure function of the step and the flags; :mod:`parallax.train.lr_schedule` says why),
+saying in one line which differ from the saved run's; a model that differs from the saved one
+is refused naming both (:func:`check_same_model`).
 
 At ``--zero 3`` the weights are sharded over dp as well: every dp rank takes part in gathering
 each tensor for the writer (one tensor at a time, never a whole block), and a resume writes each
@@ -49,6 +49,7 @@ from parallax.recipe import registry
 from parallax.tensor import logical_shape
 from parallax.tensor.sharding import unshard_tensor
 from parallax.train import lora
+from parallax.train.lr_schedule import schedule_changes
 from parallax.train.names import SeparateView, model_meta, separate_meta, split_fused
 from parallax.train.outdir import (
     check_out,
@@ -58,7 +59,6 @@ from parallax.train.outdir import (
     find_resume,
     metrics_path,
 )
-from parallax.train.steps import schedule_changes
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def _merge_optim_meta(metas: list[dict]) -> dict:
 
 def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint of step ``step`` (collective: every rank calls it)."""
-    ctx, cfg = trainer.ctx, trainer.cfg
+    ctx, run = trainer.ctx, trainer.run
     trainer.optimizer.wait_params()  # the weights as updated, not mid-all-gather
     optim_meta = trainer.optimizer.state_meta()  # collective
     stage_metas = comm.all_gather_object(optim_meta, ctx.pp_group)
@@ -135,7 +135,7 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
     sources = split_fused(sources)  # the separate tensors of fused projections
     meta = {
         "step": step,
-        "config": cfg.to_dict(),
+        "config": run.to_dict(),
         "family": trainer.recipe.name,
         "model_config": trainer.model_config.to_dict(),
         "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size},
@@ -147,12 +147,12 @@ def save(trainer, step: int, loader, extra_meta: dict[str, Any] | None = None) -
         **(extra_meta or {}),
     }
     return save_checkpoint(
-        checkpoint_root(cfg.out),
+        checkpoint_root(run.out),
         step,
         sources,
         meta,
         group=ctx.world_group,
-        keep_last=cfg.keep_last,
+        keep_last=run.keep_last,
     )
 
 
@@ -259,7 +259,7 @@ def check_same_model(ckpt: Checkpoint, trainer, params: list[tuple[str, torch.Te
         )
     raise CheckpointError(
         "the model differs from the one saved: the checkpoint was written by a run of --model "
-        f"{saved} and this run builds --model {trainer.cfg.model} ({detail}); resume with "
+        f"{saved} and this run builds --model {trainer.run.model} ({detail}); resume with "
         f"--model {saved}, or start afresh with another --out"
     )
 
@@ -270,7 +270,7 @@ def load(trainer, ckpt: Checkpoint, loader) -> int:
     Each rank reads (and verifies the checksums of) only what it holds; the ranks then agree,
     so damage any rank finds raises the same :class:`CheckpointError` on every rank."""
     step = read_agreed(trainer.ctx.world_group, lambda: _load(trainer, ckpt, loader))
-    for line in schedule_changes(ckpt.meta.get("config") or {}, trainer.cfg, step):
+    for line in schedule_changes(ckpt.meta.get("config") or {}, trainer.run, step):
         log.info(line)
     return step
 
@@ -278,7 +278,8 @@ def load(trainer, ckpt: Checkpoint, loader) -> int:
 def follow_schedule(trainer, step: int, weight_decay: list[float]) -> None:
     """Set every group's lr to this run's schedule at ``step`` (what the step after it trains
     with) and its weight decay to this run's, over what the loaded optimizer state holds:
-    the schedule is a pure function of the step and the flags (:mod:`parallax.train.steps`)."""
+    the schedule is a pure function of the step and the flags
+    (:mod:`parallax.train.lr_schedule`)."""
     sched = trainer.scheduler
     sched.last_epoch = step
     lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]

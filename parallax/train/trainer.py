@@ -1,9 +1,9 @@
 """The composition: one model, split over pp, sharded over tp, trained with ZeRO 1-3 over dp.
 
 :class:`Trainer` builds this rank's model chunks through the model family's recipe
-(:mod:`parallax.recipe.protocol`), the pipeline schedule, the optimizer (with the run's parameter
-groups and frozen parameters, :mod:`parallax.train.groups`) and the learning-rate schedule from a
-:class:`~parallax.train.config.TrainConfig`, and runs one optimizer step per
+(:mod:`parallax.recipe`), the pipeline schedule, the optimizer (with the run's parameter groups
+and frozen parameters, :mod:`parallax.run.param_groups`) and the learning-rate schedule from a
+resolved :class:`~parallax.run.Run`, and runs one optimizer step per
 :meth:`Trainer.train_step` without waiting for the device: the one agreement of a step (every
 rank's inputs are well-formed) is a small all-reduce over the host group.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,21 +26,20 @@ from torch.profiler import record_function
 from parallax import comm
 from parallax.context import ParallelContext
 from parallax.models.compile import memory_budget
-from parallax.optim import ZeroOptimizer
-from parallax.pipeline import TensorMeta, Timeline, lower, run_schedule, split
+from parallax.pipeline import TensorMeta, Timeline, lower, make_schedule, run_schedule, split
 from parallax.pipeline.forward import run_forward
-from parallax.recipe.protocol import Microbatch, Recipe
+from parallax.recipe import Microbatch
+from parallax.recipe.adapt import lora_enabled, whole_model
+from parallax.run import Run
 from parallax.tensor.sharding import unshard_tensor
 from parallax.train import inputs, lora
-from parallax.train.build import build_stages, checked_whole_model, compile_options
-from parallax.train.config import TrainConfig
+from parallax.train.build import build_stages, compile_options
 from parallax.train.inputs import InputError
+from parallax.train.lr_schedule import lr_lambda
 from parallax.train.memory_limit import apply_gpu_memory_limit
 from parallax.train.optimizer import build_optimizer
-from parallax.train.run import Run, resolve
-from parallax.train.steps import lr_lambda, make_schedule, num_microbatches
 
-__all__ = ["InputError", "StepOutput", "Trainer", "lr_lambda", "make_schedule", "num_microbatches"]
+__all__ = ["InputError", "StepOutput", "Trainer"]
 
 
 @dataclass
@@ -59,48 +57,38 @@ class StepOutput:
 class Trainer:
     """This rank's share of the model, the schedule and the optimizer; see the module doc."""
 
-    def __init__(
-        self,
-        cfg: TrainConfig | Run,
-        ctx: ParallelContext,
-        model_config: Any | None = None,
-        checkpoint_dir: Path | None = None,
-        compile_options: dict | None = None,
-        recipe: Recipe | None = None,
-    ) -> None:
-        """``cfg``: the resolved run, or a config to resolve here (``model_config`` and
-        ``recipe`` then override what ``cfg.model`` names); ``compile_options`` go to
-        ``torch.compile`` when ``cfg.compile``."""
-        run = resolve(cfg, recipe=recipe, model_config=model_config, checkpoint=checkpoint_dir)
-        self.run = self.cfg = run  # the run reads like its options: self.cfg.lr
-        self.ctx, self.recipe = ctx, run.recipe
-        self.model_config, self.checkpoint_dir = run.model_config, run.checkpoint
-        recipe, cfg = run.recipe, run
-        apply_gpu_memory_limit(cfg, ctx)
-        recipe.check_layout(self.model_config, cfg, ctx.dims)
-        self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.num_microbatches = num_microbatches(cfg, ctx.dp_size)
+    def __init__(self, run: Run, ctx: ParallelContext, compile_options: dict | None = None) -> None:
+        """``run``: the resolved run (:func:`parallax.recipe.resolve`); ``compile_options`` go to
+        ``torch.compile`` when ``run.compile``."""
+        if not isinstance(run, Run):
+            raise TypeError(
+                f"Trainer takes a resolved Run (parallax.recipe.resolve(config)), not "
+                f"{type(run).__name__}"
+            )
+        self.run, self.ctx, self.recipe = run, ctx, run.recipe
+        self.model_config = run.model_config
+        apply_gpu_memory_limit(run, ctx)
+        self.recipe.model.check_layout(run, ctx.dims)
+        self.dtype = torch.bfloat16 if run.precision == "bf16" else torch.float32
+        self.num_microbatches = run.num_microbatches(ctx.dp_size)
         # the schedule first: it validates pp, microbatches and chunks before anything is built
-        self.schedule = make_schedule(cfg.schedule, ctx.pp_size, self.num_microbatches, cfg.chunks)
+        self.schedule = make_schedule(run.schedule, ctx.pp_size, self.num_microbatches, run.chunks)
         self.program = lower(self.schedule)
-        blocks = recipe.blocks(self.model_config)
+        blocks = self.recipe.model.blocks(self.model_config)
         self.block_names = [b.name for b in blocks]
-        self.ranges = split(
-            [b.cost for b in blocks], ctx.pp_size, cfg.chunks, pin_first=recipe.pin_first
-        )
+        pin = self.recipe.model.pin_first
+        self.ranges = split([b.cost for b in blocks], ctx.pp_size, run.chunks, pin_first=pin)
         # the whole model (meta: shapes only) as this run adapts it: adapters, frozen parameters
-        self.whole, self.lora_report = checked_whole_model(
-            recipe, self.model_config, cfg, self.dtype
-        )
+        self.whole, self.lora_report = whole_model(run, self.dtype)
         self.chunks, self.stages = build_stages(self, compile_options)
         self.base_identity = None  # the frozen base's fingerprint, for LoRA checkpoints
-        if lora.enabled(cfg):
-            lora.load_init(self.chunks, cfg, ctx)
+        if lora_enabled(run):
+            lora.load_init(self.chunks, run, ctx)
             self.base_identity = lora.base_identity(self.chunks, ctx)
-        self.optimizer = self._build_optimizer()
-        if cfg.overlap_param_gather and ctx.dp_size > 1 and cfg.zero < 3:
+        self.optimizer = build_optimizer(self)
+        if run.overlap_param_gather and ctx.dp_size > 1 and run.zero < 3:
             self.optimizer.overlap_param_gather(*self.chunks)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(run))
         self._metrics: list[torch.Tensor] = []
         self._units: torch.Tensor | None = None
         self._units_work = None  # the unit count's all-reduce, waited for where it is used
@@ -132,23 +120,20 @@ class Trainer:
 
     def _compile_options(self, given: dict | None) -> dict:
         """``torch.compile`` options: those given, and with ``cuda_graphs`` reduce-overhead."""
-        return compile_options(self.cfg, given)
-
-    def _build_optimizer(self) -> ZeroOptimizer:
-        return build_optimizer(self)
+        return compile_options(self.run, given)
 
     # -- one step ----------------------------------------------------------------------------
     def _loss_fn(self, out: Any, target: Any) -> torch.Tensor:
         """This microbatch's loss sum over the global batch's unit count, times dp (ZeRO
         averages gradients over dp); metrics are kept on the side."""
-        ce, sums = self.recipe.loss(self.chunks[-1], out, target, self.ctx, self.cfg)
+        ce, sums = self.recipe.objective.loss(self.chunks[-1], out, target, self.ctx, self.run)
         self._metrics.append(torch.cat([ce.detach().float().reshape(1), sums.float()]))
         return ce * (self.ctx.dp_size / self._units_ready())
 
     def _global_units(self, microbatches: list[Microbatch]) -> torch.Tensor:
         """Supervised units of the global batch (a collective over dp, left in flight: see
         :meth:`_units_ready`); counted on the host."""
-        count = sum(int(self.recipe.loss_units(mb)) for mb in microbatches)
+        count = sum(int(self.recipe.objective.loss_units(mb)) for mb in microbatches)
         total = torch.full((), float(count), device=self.ctx.device)  # a fill, not a copy
         self._units_work = comm.all_reduce_async(total, self.ctx.dp_group)
         return total
@@ -165,7 +150,7 @@ class Trainer:
     def _recv_metas(self, microbatches: list[Microbatch]):
         """What every later stage receives, from the batch's host shapes (the same on every
         pipeline rank)."""
-        metas = [self.recipe.stage_metas(self.model_config, mb, self.dtype) for mb in microbatches]
+        metas = [self.recipe.data.stage_metas(self.run, mb, self.dtype) for mb in microbatches]
 
         def of(stage: int, m: int) -> list[TensorMeta]:
             return metas[m]
@@ -175,7 +160,7 @@ class Trainer:
     def _inputs(self, microbatches: list[Microbatch]) -> list[tuple]:
         dev = self.ctx.device
         return [
-            tuple(x.to(dev, non_blocking=True) for x in self.recipe.stage_inputs(mb))
+            tuple(x.to(dev, non_blocking=True) for x in self.recipe.data.stage_inputs(mb))
             for mb in microbatches
         ]
 
@@ -204,19 +189,19 @@ class Trainer:
         ``stop``: this rank was asked to stop; the output says whether any rank was (the same
         agreement), so that every rank saves after the same step."""
         slowest, stopping = self._check_inputs(microbatches, problem, data_wait_s, stop)
-        if self.cfg.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
+        if self.run.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
-        with memory_budget(self.cfg.activation_memory_budget):  # blocks compile in the step
+        with memory_budget(self.run.activation_memory_budget):  # blocks compile in the step
             output = self._train_step(microbatches, timeline, slowest)
         output.stop = stopping
         return output
 
     def _train_step(self, microbatches, timeline, slowest: float) -> StepOutput:
         self.optimizer.zero_grad()
-        if self.recipe.objective == "step":
+        if self.recipe.objective.kind == "step":
             with record_function("parallax.forward_backward"):
-                loss, metrics = self.recipe.forward_backward(
-                    self.chunks, microbatches, self.ctx, self.cfg
+                loss, metrics = self.recipe.objective.forward_backward(
+                    self.chunks, microbatches, self.ctx, self.run
                 )
         else:
             self._run_pipeline(microbatches, timeline)
@@ -225,8 +210,8 @@ class Trainer:
                 metrics = self._reduce_metrics()
             loss = None
         with record_function("parallax.grad_norm"):
-            if self.cfg.grad_clip > 0:
-                grad_norm = self.optimizer.clip_grad_norm_(self.cfg.grad_clip)
+            if self.run.grad_clip > 0:
+                grad_norm = self.optimizer.clip_grad_norm_(self.run.grad_clip)
             else:
                 grad_norm = self.optimizer.grad_norm()
         lr = self.optimizer.param_groups[-1]["lr"]  # the default group ("*")
@@ -240,8 +225,9 @@ class Trainer:
     def _run_pipeline(self, microbatches: list[Microbatch], timeline: Timeline | None) -> None:
         self._units = self._global_units(microbatches)
         self._metrics = []
-        targets = [self.recipe.loss_target(self.model_config, mb, self.cfg) for mb in microbatches]
-        syncs = self.cfg.pipeline_syncs
+        objective = self.recipe.objective
+        targets = [objective.loss_target(self.run, mb) for mb in microbatches]
+        syncs = self.run.pipeline_syncs
         # the phases are named for profiles (benchmarks/openvla/profile_step.py); free otherwise
         with record_function("parallax.schedule"):
             run_schedule(
@@ -265,7 +251,7 @@ class Trainer:
         if self._metrics:
             local = torch.stack(self._metrics).sum(0)
         else:
-            local = torch.zeros(1 + len(self.recipe.metric_sums), device=self.ctx.device)
+            local = torch.zeros(1 + len(self.recipe.objective.metric_sums), device=self.ctx.device)
         comm.all_reduce(local, self.ctx.dp_group)
         if self.ctx.pp_size > 1:
             last = self.ctx.pp_peer(self.schedule.rank_of(self.schedule.num_stages - 1))
@@ -280,14 +266,13 @@ class Trainer:
         in :meth:`train_step`: a ``problem`` on one rank is :class:`InputError` on all."""
         self._check_inputs(microbatches, problem)
         self.optimizer.wait_params()
-        if self.recipe.objective == "step":
-            return self.recipe.evaluate_step(self.chunks, microbatches, self.ctx, self.cfg)
-        mc = self.model_config
+        objective = self.recipe.objective
+        if objective.kind == "step":
+            return objective.evaluate_step(self.chunks, microbatches, self.ctx, self.run)
 
         def last(out: Any, m: int) -> torch.Tensor:
-            target = self.recipe.loss_target(mc, microbatches[m], self.cfg)
-            target = _to(target, self.ctx.device)
-            ce, sums = self.recipe.loss(self.chunks[-1], out, target, self.ctx, self.cfg)
+            target = _to(objective.loss_target(self.run, microbatches[m]), self.ctx.device)
+            ce, sums = objective.loss(self.chunks[-1], out, target, self.ctx, self.run)
             return torch.cat([ce.float().reshape(1), sums.float()])
 
         self._metrics = run_forward(
@@ -302,11 +287,11 @@ class Trainer:
 
     def model_flops(self, microbatches: list[Microbatch]) -> float:
         """Model FLOPs of one step over these microbatches (the recipe's formula)."""
-        return self.recipe.flops(self.model_config, microbatches, self.cfg, self.whole)
+        return self.recipe.model.flops(self.run, microbatches, self.whole)
 
     def tokens(self, microbatches: list[Microbatch]) -> int:
         """Tokens these microbatches process (image and text)."""
-        return self.recipe.tokens(self.model_config, microbatches)
+        return self.recipe.model.tokens(self.run, microbatches)
 
 
 def _to(value: Any, device: torch.device) -> Any:

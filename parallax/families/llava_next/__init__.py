@@ -7,23 +7,17 @@ layouts), ``template`` and ``processor`` (prompts, tokenizers, images), ``object
 ``predict``, ``flops``, and the trainer's side: ``recipe`` and ``batches``.
 """
 
-from parallax.families.llava_next import anyres
-from parallax.families.llava_next.config import LlavaNextConfig
-from parallax.families.llava_next.model import LlavaNext
-from parallax.families.llava_next.predict import answer, generate
-from parallax.families.llava_next.processor import LlavaNextProcessor
-from parallax.families.llava_next.recipe import LlavaRecipe
-from parallax.families.llava_next.template import LlavaTinyTokenizer
-from parallax.families.llava_next.vision import llava_init_fn
+from parallax.families import lazy_exports
 
-__all__ = [
-    "LlavaNext",
-    "LlavaNextConfig",
-    "LlavaNextProcessor",
-    "LlavaRecipe",
-    "LlavaTinyTokenizer",
-    "answer",
-    "anyres",
-    "generate",
-    "llava_init_fn",
-]
+EXPORTS = {
+    "LlavaNext": "model",
+    "LlavaNextConfig": "config",
+    "LlavaNextProcessor": "processor",
+    "LlavaRecipe": "recipe",
+    "LlavaTinyTokenizer": "template",
+    "answer": "predict",
+    "generate": "predict",
+    "llava_init_fn": "vision",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

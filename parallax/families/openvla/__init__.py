@@ -13,55 +13,32 @@ FLOPs), ``oft_data`` (what the data gives), ``oft_predict`` (``predict_action_ch
 ``oft_export`` and ``oft_policy`` (a policy from a checkpoint or an export).
 """
 
-from parallax.families.openvla.action_tokenizer import (
-    ActionTokenizer,
-    normalize_actions,
-    unnormalize_actions,
-)
-from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.model import OpenVLA, openvla_init_fn
-from parallax.families.openvla.objectives import (
-    action_metrics,
-    expand_labels,
-    loss_token_count,
-    vla_loss,
-)
-from parallax.families.openvla.oft_config import OFTConfig
-from parallax.families.openvla.oft_policy import load_policy
-from parallax.families.openvla.oft_predict import predict_action_chunk
-from parallax.families.openvla.predict import generate, predict_action
-from parallax.families.openvla.preprocess import pixel_values, preprocess_image
-from parallax.families.openvla.prompt import (
-    TinyTokenizer,
-    build_prompt,
-    get_tokenizer,
-    prompt_ids,
-    training_example,
-)
-from parallax.families.openvla.recipe import OpenVLARecipe
+from parallax.families import lazy_exports
 
-__all__ = [
-    "ActionTokenizer",
-    "OFTConfig",
-    "OpenVLA",
-    "OpenVLAConfig",
-    "OpenVLARecipe",
-    "TinyTokenizer",
-    "action_metrics",
-    "build_prompt",
-    "expand_labels",
-    "generate",
-    "get_tokenizer",
-    "load_policy",
-    "loss_token_count",
-    "normalize_actions",
-    "openvla_init_fn",
-    "pixel_values",
-    "predict_action",
-    "predict_action_chunk",
-    "preprocess_image",
-    "prompt_ids",
-    "training_example",
-    "unnormalize_actions",
-    "vla_loss",
-]
+EXPORTS = {
+    "ActionTokenizer": "action_tokenizer",
+    "OFTConfig": "oft_config",
+    "OpenVLA": "model",
+    "OpenVLAConfig": "config",
+    "OpenVLARecipe": "recipe",
+    "TinyTokenizer": "prompt",
+    "action_metrics": "objectives",
+    "build_prompt": "prompt",
+    "expand_labels": "objectives",
+    "generate": "predict",
+    "get_tokenizer": "prompt",
+    "load_policy": "oft_policy",
+    "loss_token_count": "objectives",
+    "normalize_actions": "action_tokenizer",
+    "openvla_init_fn": "model",
+    "pixel_values": "preprocess",
+    "predict_action": "predict",
+    "predict_action_chunk": "oft_predict",
+    "preprocess_image": "preprocess",
+    "prompt_ids": "prompt",
+    "training_example": "prompt",
+    "unnormalize_actions": "action_tokenizer",
+    "vla_loss": "objectives",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

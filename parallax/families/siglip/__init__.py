@@ -8,8 +8,15 @@ preprocessing), ``step`` (a step's forwards and backwards with the loss over the
 ``data``.
 """
 
-from parallax.families.siglip.config import SiglipConfig, TextConfig
-from parallax.families.siglip.model import Siglip, SiglipOutput, siglip_init_fn
-from parallax.families.siglip.recipe import SiglipRecipe
+from parallax.families import lazy_exports
 
-__all__ = ["Siglip", "SiglipConfig", "SiglipOutput", "SiglipRecipe", "TextConfig", "siglip_init_fn"]
+EXPORTS = {
+    "Siglip": "model",
+    "SiglipConfig": "config",
+    "SiglipOutput": "model",
+    "SiglipRecipe": "recipe",
+    "TextConfig": "config",
+    "siglip_init_fn": "model",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

@@ -1,7 +1,7 @@
 """Freezing and learning-rate groups, named once for every recipe by globs of global names.
 
 ``--freeze GLOB,...`` stops training every parameter whose global name matches a glob (or an
-alias the recipe defines, such as ``vision``); ``--lr-groups`` gives matching parameters their
+alias the family defines, such as ``vision``); ``--lr-groups`` gives matching parameters their
 own peak learning rate (``"vision_tower.*=2e-6,*=2e-5"``, a TOML file of ``glob = lr`` pairs, or a
 ``[lr_groups]`` table in ``--config``). The first matching glob decides; parameters that match
 none get ``--lr``. A fused projection (``qkv_proj``, ``gate_up_proj``) matches when its own name
@@ -16,13 +16,14 @@ no weight-gradient matmul for them.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from torch import nn
 
 from parallax.models.hf_io import fused_parts
-from parallax.train.values import load_toml_table
+from parallax.run.config import TrainConfig
+from parallax.run.values import load_toml_table
 
 
 def split_globs(value: str | Sequence[str] | None) -> list[str]:
@@ -33,14 +34,15 @@ def split_globs(value: str | Sequence[str] | None) -> list[str]:
     return [g.strip() for g in items if str(g).strip()]
 
 
-def freeze_globs(cfg, recipe) -> list[str]:
-    """The globs ``--freeze`` and ``--freeze-vision`` stand for, aliases expanded."""
+def freeze_globs(cfg: TrainConfig, aliases: Mapping[str, Sequence[str]]) -> list[str]:
+    """The globs ``--freeze`` and ``--freeze-vision`` stand for, the family's ``aliases``
+    expanded."""
     globs = split_globs(cfg.freeze)
     if cfg.freeze_vision:
         globs.append("vision")
     out: list[str] = []
     for g in globs:
-        out += list(recipe.freeze_aliases.get(g, (g,)))
+        out += list(aliases.get(g, (g,)))
     return out
 
 
@@ -68,16 +70,18 @@ def _first_match(name: str, globs: Sequence[str]) -> int | None:
     return None
 
 
-def frozen_matcher(cfg, recipe) -> Callable[[str], bool]:
+def frozen_matcher(cfg: TrainConfig, aliases: Mapping[str, Sequence[str]]) -> Callable[[str], bool]:
     """A predicate on global names: frozen by this run's flags."""
-    globs = freeze_globs(cfg, recipe)
+    globs = freeze_globs(cfg, aliases)
     return lambda name: _first_match(name, globs) is not None
 
 
-def apply_freeze(modules: Iterable[nn.Module], cfg, recipe) -> int:
+def apply_freeze(
+    modules: Iterable[nn.Module], cfg: TrainConfig, aliases: Mapping[str, Sequence[str]]
+) -> int:
     """Set ``requires_grad=False`` on every parameter the flags freeze; returns how many
     elements this rank froze."""
-    frozen, count = frozen_matcher(cfg, recipe), 0
+    frozen, count = frozen_matcher(cfg, aliases), 0
     for module in modules:
         for name, p in module.named_parameters():
             if frozen(name):
@@ -86,11 +90,13 @@ def apply_freeze(modules: Iterable[nn.Module], cfg, recipe) -> int:
     return count
 
 
-def check_freeze_globs(cfg, recipe, names: Iterable[str]) -> None:
+def check_freeze_globs(
+    cfg: TrainConfig, aliases: Mapping[str, Sequence[str]], names: Iterable[str]
+) -> None:
     """Every ``--freeze`` glob must match some parameter of the whole model (a typo would
     otherwise train what the user meant to freeze)."""
     names = list(names)
-    for glob in freeze_globs(cfg, recipe):
+    for glob in freeze_globs(cfg, aliases):
         if not any(_matches(n, glob) for n in names):
             raise ValueError(f"--freeze {glob!r} matches no parameter of the model")
 
@@ -127,7 +133,7 @@ def parse_lr_groups(value) -> list[tuple[str, float]]:
     return out
 
 
-def check_lr_group_globs(cfg, names: Iterable[str]) -> None:
+def check_lr_group_globs(cfg: TrainConfig, names: Iterable[str]) -> None:
     """Every ``--lr-groups`` glob must match some parameter of the whole model (adapters
     included), as ``--freeze`` globs must: a typo would silently train at ``--lr``."""
     names = list(names)
@@ -136,7 +142,7 @@ def check_lr_group_globs(cfg, names: Iterable[str]) -> None:
             raise ValueError(f"--lr-groups {glob!r} matches no parameter of the model")
 
 
-def param_groups(named: Sequence[tuple[str, nn.Parameter]], cfg) -> list[dict]:
+def param_groups(named: Sequence[tuple[str, nn.Parameter]], cfg: TrainConfig) -> list[dict]:
     """ZeRO-1 parameter groups of the trainable ``named`` parameters: one per (lr group, decay),
     in a fixed order (so every rank of every layout builds the same groups, empty ones
     included: checkpoints index groups by position). Weight decay applies to matrices only."""
@@ -155,7 +161,7 @@ def param_groups(named: Sequence[tuple[str, nn.Parameter]], cfg) -> list[dict]:
     return groups
 
 
-def group_labels(cfg) -> list[str]:
+def group_labels(cfg: TrainConfig) -> list[str]:
     """A label per group of :func:`param_groups`, for ``--dry-run``."""
     globs = [g for g, _ in parse_lr_groups(cfg.lr_groups)] + ["*"]
     return [f"{g} {kind}" for g in globs for kind in ("(decay)", "(no decay)")]

@@ -2,55 +2,50 @@
 
 A field's declaration is its flag (``--global-batch-size``), its TOML key (``global_batch_size``
 or ``global-batch-size`` in a ``--config`` file; flags given on the command line win), its
-default, help text, ``--help`` group and checks (:mod:`parallax.train.options`). Cross-option
-rules are :data:`RULES` in :mod:`parallax.train.rules`. Defaults do not depend on the layout, so
-the same command trains the same model at every ``dp x tp x pp``. ``None`` means "the family
-decides" (the learning rate, its schedule, the lr groups): :func:`parallax.train.run.resolve`
-fills those in, once, into the frozen :class:`~parallax.train.run.Run` the rest of a run reads.
+default, help text, ``--help`` group and checks (:mod:`parallax.run.option`). Cross-option rules
+are :data:`~parallax.run.rules.RULES`. Defaults do not depend on the layout, so the same command
+trains the same model at every ``dp x tp x pp``. ``None`` means "the family decides" (the
+learning rate, its schedule, the lr groups): :func:`parallax.recipe.resolve` fills those in,
+once, into the frozen :class:`~parallax.run.Run` the rest of a run reads.
 
-The declarations live by meaning in ``parallax/train/options_*.py``, one base class per
-``--help`` group; :class:`TrainConfig` gathers them, in the order ``--help`` shows them.
+The core declarations live by meaning in ``parallax/run/options_*.py``, one base class per
+``--help`` group; :class:`TrainConfig` gathers them, in the order ``--help`` shows them. A
+family's own options (OpenVLA-OFT's action head, say) are declared in its package; their values
+ride along in ``family_values`` until the run is resolved for that family.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from parallax.train.options_layout import (
+from parallax.data import check_batch_sizes
+from parallax.run.options_layout import (
     INTERCONNECTS,
     LAYOUTS,
     SCHEDULES,
     LayoutOptions,
     ScheduleOptions,
 )
-from parallax.train.options_memory import (
+from parallax.run.options_memory import (
     LOGITS,
     OFFLOADS,
     ZERO_STAGES,
     MemoryOptions,
     SpeedOptions,
 )
-from parallax.train.options_model import (
-    ACTION_HEADS,
-    FINETUNES,
-    PRECISIONS,
-    ActionOptions,
-    DataOptions,
-    LoraOptions,
-)
-from parallax.train.options_optim import LR_SCHEDULES, OptimOptions
-from parallax.train.options_run import ConfigFileOption, EvalOptions, RunOptions
-from parallax.train.rules import config_problems
+from parallax.run.options_model import FINETUNES, PRECISIONS, DataOptions, LoraOptions
+from parallax.run.options_optim import LR_SCHEDULES, OptimOptions
+from parallax.run.options_run import ConfigFileOption, EvalOptions, RunOptions
+from parallax.run.rules import config_problems
 
 # what ``None`` means for the optimisation flags: full fine-tuning's defaults, and OpenVLA's LoRA
-# recipe (5e-4 constant, no warm-up, no clipping; ``lr`` from the recipe, Recipe.default_lr)
+# recipe (5e-4 constant, no warm-up, no clipping; ``lr`` from the recipe's default_lr)
 FULL_DEFAULTS = {"warmup_steps": 20, "lr_schedule": "cosine", "grad_clip": 1.0}
 LORA_DEFAULTS = {"warmup_steps": 0, "lr_schedule": "constant", "grad_clip": 0.0}
 
 __all__ = [
-    "ACTION_HEADS",
     "FINETUNES",
     "FULL_DEFAULTS",
     "INTERCONNECTS",
@@ -77,13 +72,16 @@ class TrainConfig(
     MemoryOptions,
     OptimOptions,
     ScheduleOptions,
-    ActionOptions,
     LoraOptions,
     DataOptions,
     LayoutOptions,
     ConfigFileOption,
 ):
     """Everything a training run is told; saved into every checkpoint (``to_dict``)."""
+
+    # the family's own options given (flag name -> value), checked against the family's
+    # declarations when the run is resolved for it
+    family_values: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise one ``ValueError`` naming every problem no layout could run: the types, each
@@ -99,8 +97,19 @@ class TrainConfig(
             return False
         return True if self.checkpoint_scope == "all" else self.checkpoint_scope
 
+    def num_microbatches(self, dp: int) -> int:
+        """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""
+        check_batch_sizes(self.global_batch_size, self.micro_batch_size, dp)
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+    def core_options(self) -> dict[str, Any]:
+        """The core options by name (what ``TrainConfig(**...)`` takes back)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option by name, the family's among them (as checkpoints save them)."""
+        out = self.core_options()
+        return {**{k: v for k, v in out.items() if k != "family_values"}, **self.family_values}
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` (the config is frozen)."""

@@ -1,12 +1,12 @@
 """The ``TrainConfig`` options of the run around the steps: the ``--config`` file, seed, output,
-checkpoints, logging and evaluation; :mod:`parallax.train.config` gathers them.
+checkpoints, logging and evaluation; :mod:`parallax.run.config` gathers them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.train.options import ONE, at_least, opt, positive
+from parallax.run.option import ONE, at_least, opt, positive
 
 RUN, EVAL = "run", "evaluation"
 

@@ -1,10 +1,10 @@
 """Every check of a training config, in one pass: types, each option's own checks, the options
-that need another (both declared with the option, :mod:`parallax.train.options`), and the
+that need another (both declared with the option, :mod:`parallax.run.option`), and the
 few rules between options that a declaration cannot say (:data:`RULES`).
 
 Checks see the config alone (no processes, no data, no weights), so every rank reaches the same
 verdict before any collective; the layout's own checks come with the model
-(``Recipe.check_layout``) and the schedule.
+(``ModelSide.check_layout``) and the schedule.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from parallax.train.options import needs_problems, options, problems
-from parallax.train.values import convert, field_kinds, out_problems, show
+from parallax.run.option import needs_problems, options, problems
+from parallax.run.values import convert, field_kinds, out_problems, show
 
 
-def _type_problems(cfg: Any) -> list[str]:
-    """Each simple field's value against its annotation (an int is a fine float)."""
+def type_problems(cfg: Any) -> list[str]:
+    """Each simple option's value against its annotation (an int is a fine float)."""
 
     choices = {f.name: o.choices for f, o in options(type(cfg)) if o.choices}
     found = []
@@ -113,7 +113,7 @@ RULES: tuple[Callable[[Any], str | None], ...] = (
 def config_problems(cfg: Any) -> list[str]:
     """Every problem of ``cfg`` (empty: it can run at some layout). Types first: the other
     checks compare values."""
-    found = _type_problems(cfg)
+    found = type_problems(cfg)
     if found:
         return found
     found += problems(cfg)

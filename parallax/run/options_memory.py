@@ -1,6 +1,6 @@
 """The ``TrainConfig`` options that change what a step costs, not what it computes: where the
 memory goes (ZeRO, offload, recomputation) and how fast it runs (fusion, compilation, overlap);
-:mod:`parallax.train.config` gathers them.
+:mod:`parallax.run.config` gathers them.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.models.compile import CHECKPOINT_SCOPES
-from parallax.train.options import opt, positive, within
+from parallax.run.option import opt, positive, within
 
 ZERO_STAGES = (1, 2, 3)
 OFFLOADS = ("none", "optimizer")

@@ -19,17 +19,15 @@ from rich.table import Table
 
 from parallax.data.workers import auto_workers
 from parallax.dims import ParallelDims
-from parallax.pipeline import format_schedule, simulate
+from parallax.pipeline import format_schedule, make_schedule, simulate
 from parallax.plan.advice import fit_advice
 from parallax.plan.layout import Layout
 from parallax.plan.machine import target
 from parallax.plan.memory import GIB, RankMemory, plan_memory
 from parallax.plan.model import Model
-from parallax.recipe.protocol import whole_model
-from parallax.train import groups, lora
-from parallax.train.config import TrainConfig
-from parallax.train.run import Run, resolve
-from parallax.train.steps import make_schedule, num_microbatches
+from parallax.recipe.adapt import lora_enabled, whole_model
+from parallax.run import Run, TrainConfig
+from parallax.run import param_groups as groups
 
 
 def _size(nbytes: float) -> str:
@@ -44,21 +42,21 @@ def _dims(cfg: TrainConfig) -> ParallelDims:
     return ParallelDims(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or 1)
 
 
-def check_run(cfg: Run, dims: ParallelDims):
+def check_run(run: Run, dims: ParallelDims):
     """Everything a run checks before it builds: the family's layout rules, the batch sizes,
     the schedule and (LoRA) the globs against the whole model; returns the schedule."""
-    cfg.recipe.check_layout(cfg.model_config, cfg, dims)
-    m = num_microbatches(cfg, dims.dp)
-    schedule = make_schedule(cfg.schedule, dims.pp, m, cfg.chunks)
-    if lora.enabled(cfg):
-        lora.check_globs(whole_model(cfg.recipe, cfg.model_config, cfg), cfg, cfg.recipe)
+    run.recipe.model.check_layout(run, dims)
+    m = run.num_microbatches(dims.dp)
+    schedule = make_schedule(run.schedule, dims.pp, m, run.chunks)
+    if lora_enabled(run):
+        whole_model(run)  # checks the globs
     return schedule
 
 
-def memory_plan(cfg: Run, dims: ParallelDims) -> list[RankMemory]:
+def memory_plan(run: Run, dims: ParallelDims) -> list[RankMemory]:
     """Every pipeline rank's memory at ``dims`` (the run checked first, as a run would)."""
-    check_run(cfg, dims)
-    return plan_memory(Model(cfg), Layout.of(cfg, dims.dp), cfg.overlap_grad_reduce)
+    check_run(run, dims)
+    return plan_memory(Model(run), Layout.of(run, dims.dp), run.overlap_grad_reduce)
 
 
 def _blocks_text(names: tuple[str, ...]) -> str:
@@ -84,19 +82,19 @@ def launch_note(cfg: TrainConfig, dims: ParallelDims) -> str | None:
     )
 
 
-def _groups_table(cfg: Run, plans: list[RankMemory]) -> Table:
+def _groups_table(run: Run, plans: list[RankMemory]) -> Table:
     """Trainable parameters per optimizer group (peak lr) and pipeline rank, and what the
     freeze flags leave untrained."""
-    rates = [lr for _, lr in groups.parse_lr_groups(cfg.lr_groups)] + [cfg.lr]
+    rates = [lr for _, lr in groups.parse_lr_groups(run.lr_groups)] + [run.lr]
     table = Table(title="optimizer groups (trainable parameters per rank of each pp rank)")
     table.add_column("group (first matching glob)")
     table.add_column("peak lr")
     for p in range(len(plans)):
         table.add_column(f"pp {p}")
-    for i, label in enumerate(groups.group_labels(cfg)):
+    for i, label in enumerate(groups.group_labels(run)):
         table.add_row(label, f"{rates[i // 2]:g}", *(f"{pl.groups[i]:,}" for pl in plans))
     table.add_row(
-        f"frozen ({', '.join(groups.freeze_globs(cfg, cfg.recipe)) or '-'})",
+        f"frozen ({', '.join(groups.freeze_globs(run, run.recipe.model.freeze_aliases)) or '-'})",
         "-",
         *(f"{pl.params - pl.trainable:,}" for pl in plans),
     )
@@ -143,8 +141,8 @@ def memory_table(plans: list[RankMemory], machine, title: str) -> Table:
     return table
 
 
-def _memory_words(cfg: Run) -> str:
-    layout = Layout.of(cfg, 1)
+def _memory_words(run: Run) -> str:
+    layout = Layout.of(run, 1)
     words = [f"zero {layout.zero}"]
     if layout.offload:
         words.append(f"optimizer offloaded ({layout.offload:.0%} of it)")
@@ -154,11 +152,10 @@ def _memory_words(cfg: Run) -> str:
     return ", ".join(words)
 
 
-def print_plan(cfg: TrainConfig | Run, file=None) -> None:
+def print_plan(cfg: Run, file=None) -> None:
     """Print (to ``file``, default stdout) the layout, the blocks and memory of each pipeline
-    rank, whether it fits a memory cap, and the schedule table; raises ``ValueError`` for
-    anything a real run would refuse."""
-    cfg = resolve(cfg)
+    rank of the resolved run ``cfg``, whether it fits a memory cap, and the schedule table;
+    raises ``ValueError`` for anything a real run would refuse."""
     dims = _dims(cfg)
     schedule = check_run(cfg, dims)
     model = Model(cfg)
@@ -172,7 +169,7 @@ def print_plan(cfg: TrainConfig | Run, file=None) -> None:
     note = launch_note(cfg, dims)
     if note:
         console.print(note, highlight=False)
-    m = num_microbatches(cfg, dims.dp)
+    m = cfg.num_microbatches(dims.dp)
     console.print(
         f"[bold]parallax plan[/bold]: model {cfg.model}, {dims} = {dims.world_size} "
         f"rank{'s' if dims.world_size > 1 else ''}; "
@@ -190,7 +187,7 @@ def print_plan(cfg: TrainConfig | Run, file=None) -> None:
     advice = fit_advice(model, cfg, dims, plans, machine)
     if advice:
         console.print(advice, highlight=False)
-    if lora.enabled(cfg):
+    if lora_enabled(cfg):
         counts = ", ".join(f"{pl.adapters:,}" for pl in plans)
         console.print(
             f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "

@@ -1,15 +1,15 @@
 """The ``TrainConfig`` options that say how a run is split over the GPUs: the ``dp x tp x pp``
 layout (or ``--layout auto``, the planner's) and the pipeline schedule. None of them changes
-what is computed; :mod:`parallax.train.config` gathers them.
+what is computed; :mod:`parallax.run.config` gathers them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.train.options import ONE, opt, positive
+from parallax.pipeline import SCHEDULES
+from parallax.run.option import ONE, opt, positive
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LAYOUTS = ("manual", "auto")
 INTERCONNECTS = ("nvlink", "pcie", "pcie-no-p2p")
 LAYOUT, SCHEDULE = "layout", "schedule"

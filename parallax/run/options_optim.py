@@ -1,12 +1,12 @@
 """The ``TrainConfig`` options of the optimiser: AdamW, its learning-rate schedule, clipping and
-when gradients are reduced; :mod:`parallax.train.config` gathers them.
+when gradients are reduced; :mod:`parallax.run.config` gathers them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.train.options import ONE, at_least, opt, positive, within
+from parallax.run.option import ONE, at_least, opt, positive, within
 
 LR_SCHEDULES = ("constant", "cosine", "step")
 OPTIM = "optimisation"

@@ -1,5 +1,6 @@
-"""The ``TrainConfig`` options that say what is trained on what: the model and its data, LoRA
-adapters, and OpenVLA-OFT's action head; :mod:`parallax.train.config` gathers them.
+"""The ``TrainConfig`` options that say what is trained on what: the model and its data, and
+LoRA adapters; :mod:`parallax.run.config` gathers them (a family's own options, such as
+OpenVLA-OFT's action head, live in the family's package).
 """
 
 from __future__ import annotations
@@ -8,13 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallax.recipe.registry import preset_names
-from parallax.train.options import ONE, at_least, opt, positive, within
+from parallax.run.option import ONE, at_least, opt, positive, within
 
 PRECISIONS = ("fp32", "bf16")
-ACTION_HEADS = ("tokens", "l1")
 FINETUNES = ("full", "lora")
-DATA, LORA, ACTIONS = "model and data", "LoRA", "actions"
+DATA, LORA = "model and data", "LoRA"
 LORA_ONLY = {"needs": ("finetune", "lora")}  # the LoRA options mean nothing without it
 
 
@@ -32,8 +31,8 @@ class DataOptions:
 
     model: str = opt(
         "tiny",
-        f"a preset ({', '.join(preset_names())}), a checkpoint directory (its family found from "
-        "its config.json), or FAMILY:SPEC",
+        "a preset ({presets}), a checkpoint directory (its family found from its config.json), "
+        "or FAMILY:SPEC",
         DATA,
     )
     data: Any = opt(
@@ -78,9 +77,10 @@ class DataOptions:
         "GLOB,...: freeze the parameters whose global names match (or a family's alias, such as "
         "'vision'): no gradients, no optimizer state, no reduction",
         DATA,
+        params=True,
     )
     freeze_vision: bool = opt(
-        False, "freeze the vision tower(s): --freeze vision", DATA, switch="on"
+        False, "freeze the vision tower(s): --freeze vision", DATA, switch="on", params=True
     )
     lr_groups: Any = opt(
         None,
@@ -89,9 +89,14 @@ class DataOptions:
         DATA,
         table=True,
         default_text="the family's (LLaVA-NeXT: the vision tower at lr/10)",
+        params=True,  # the parameters of each optimizer group
     )
     precision: str = opt(
-        "fp32", "bf16: bf16 weights and compute, fp32 masters", DATA, choices=PRECISIONS
+        "fp32",
+        "bf16: bf16 weights and compute, fp32 masters",
+        DATA,
+        choices=PRECISIONS,
+        params=True,
     )
 
 
@@ -105,8 +110,9 @@ class LoraOptions:
         "(lr 5e-4 constant, no warm-up, no clipping unless given)",
         LORA,
         choices=FINETUNES,
+        params=True,
     )
-    lora_rank: int = opt(32, "adapter rank r", LORA, check=ONE, **LORA_ONLY)
+    lora_rank: int = opt(32, "adapter rank r", LORA, check=ONE, params=True, **LORA_ONLY)
     lora_alpha: float = opt(16.0, "adapter scale alpha / r", LORA, check=positive, **LORA_ONLY)
     lora_dropout: float = opt(
         0.0, "dropout on the adapters' input", LORA, check=within(0, 1, "[)"), **LORA_ONLY
@@ -117,6 +123,7 @@ class LoraOptions:
         "or the HF checkpoint's, whole or as a dotted tail",
         LORA,
         check=_nonempty_globs,
+        params=True,
         **LORA_ONLY,
     )
     train: str | None = opt(
@@ -124,6 +131,7 @@ class LoraOptions:
         "GLOB,...: modules (or parameters) trained fully beside the adapters, e.g. "
         "projector,*norm (PEFT's modules_to_save)",
         LORA,
+        params=True,
         **LORA_ONLY,
     )
     lora_init: str | None = opt(
@@ -132,34 +140,4 @@ class LoraOptions:
         LORA,
         check=_adapter_dir,
         **LORA_ONLY,
-    )
-
-
-@dataclass(frozen=True)
-class ActionOptions:
-    """The ``actions`` group (OpenVLA-OFT): the action head and its chunk."""
-
-    action_head: str = opt(
-        "tokens",
-        "tokens: OpenVLA's discrete action tokens, decoded one by one; l1: OpenVLA-OFT's "
-        "parallel decoding (bidirectional attention, empty action slots) with an L1 regression "
-        "head on action chunks, the wrist camera and proprio state as the data's key config "
-        "gives them",
-        ACTIONS,
-        choices=ACTION_HEADS,
-    )
-    action_chunk: int | None = opt(
-        None,
-        "actions predicted per forward pass (the action dimension comes from the data)",
-        ACTIONS,
-        check=ONE,
-        needs=("action_head", "l1"),
-        default_text="8 with --action-head l1 (OFT's LIBERO chunk), else 1",
-    )
-    film: bool = opt(
-        False,
-        "FiLM every ViT block of both towers with the mean language embedding (OFT+)",
-        ACTIONS,
-        switch="on",
-        needs=("action_head", "l1"),
     )

@@ -1,4 +1,4 @@
-"""One flag value checked against the type its ``TrainConfig`` field declares.
+"""One flag value checked against the type its option's field declares.
 
 The field annotations are the one source of truth, so a new flag is checked without more code:
 ``int``, ``float`` (an int is fine), ``bool``, ``str`` (some with a fixed set of choices), each

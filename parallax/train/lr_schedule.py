@@ -1,5 +1,4 @@
-"""How many microbatches a step runs, which schedule runs them, and the learning-rate factor of
-each step: pure functions of the flags, shared by the Trainer and ``--dry-run``.
+"""The learning-rate factor of each step: a pure function of the step and the flags.
 
 The learning rate of step ``s`` is a pure function of ``s`` and the flags (``--lr``,
 ``--lr-groups``, ``--min-lr``, ``--warmup-steps``, ``--lr-schedule``, ``--steps``; and
@@ -16,28 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from parallax.data import check_batch_sizes
-from parallax.pipeline import Schedule, gpipe, interleaved_1f1b, one_f_one_b
-from parallax.train.config import TrainConfig
-from parallax.train.groups import parse_lr_groups
-
-
-def make_schedule(name: str, pp: int, num_microbatches: int, chunks: int) -> Schedule:
-    """The schedule named by ``--schedule``; raises ``ValueError`` saying what would work."""
-    if name == "gpipe":
-        return gpipe(pp, num_microbatches)
-    if name == "1f1b":
-        return one_f_one_b(pp, num_microbatches)
-    if name == "interleaved":
-        return interleaved_1f1b(pp, num_microbatches, chunks)
-    raise ValueError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved")
-
-
-def num_microbatches(cfg: TrainConfig, dp: int) -> int:
-    """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""
-
-    check_batch_sizes(cfg.global_batch_size, cfg.micro_batch_size, dp)
-    return cfg.global_batch_size // (cfg.micro_batch_size * dp)
+from parallax.run import TrainConfig
+from parallax.run.param_groups import parse_lr_groups
 
 
 def lr_lambda(cfg: TrainConfig):
