@@ -8,8 +8,8 @@ from parallax.families.siglip.config import SiglipConfig
 from parallax.models.estimate import BlockEstimate, Part, Split, embedding, vit_blocks, vit_stem
 
 
-def block_estimates(config: SiglipConfig, cfg) -> list[BlockEstimate]:
-    e = 2 if cfg.precision == "bf16" else 4
+def block_estimates(config: SiglipConfig, run) -> list[BlockEstimate]:
+    e = 2 if run.precision == "bf16" else 4
     v, t = config.vision, config.text
     tokens = v.num_patches + v.num_prefix_tokens
     # SigLIP: the trunk's final LayerNorm (input and output kept), the pool's keys and values

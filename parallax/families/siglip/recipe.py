@@ -20,12 +20,12 @@ Layouts: tp shards both towers, dp with ZeRO-1 (``logit_scale`` and ``logit_bias
 parameters in the flat buffers); **pp > 1 is refused**: the towers are two parallel branches, not
 a chain, and the largest preset (652M parameters) fits one GPU.
 
-Training metrics: the temperature ``t = exp(logit_scale)``, the bias, and the shares of
-captions truncated and images resized (:mod:`parallax.families.siglip.data`). Evaluation
-(``--eval-interval``): the loss, zero-shot top-1/top-5 accuracy (one class-name prompt per
-class; the synthetic task's 18 colour-shape classes, or 0 for data without labels) and
-image->text / text->image recall@1/5/10, where each evaluation batch's ``--global-batch-size``
-pairs are the candidates (the same pool the loss contrasts), summed over ``--eval-batches``.
+Metrics (:mod:`parallax.families.siglip.objective`): the temperature, the bias, the shares of
+captions truncated and images resized; evaluation (``--eval-interval``): the loss, zero-shot
+top-1/top-5 accuracy (one class-name prompt per class; the synthetic task's 18 colour-shape
+classes, or 0 for data without labels) and image->text / text->image recall@1/5/10, where each
+evaluation batch's ``--global-batch-size`` pairs are the candidates (the same pool the loss
+contrasts), summed over ``--eval-batches``.
 """
 
 from __future__ import annotations
@@ -38,17 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallax import comm
 from parallax.data import PairLoader
 from parallax.families.siglip.config import PRESETS, SiglipConfig
 from parallax.families.siglip.data import IndexedPairs, PairCollator, open_pairs
 from parallax.families.siglip.estimate import block_estimates
-from parallax.families.siglip.evaluate import evaluate_batch
 from parallax.families.siglip.model import Siglip
-from parallax.families.siglip.step import contrastive_step
+from parallax.families.siglip.objective import ContrastiveObjective
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
-from parallax.recipe.protocol import MetricSpec, Microbatch, ModelSpec, Recipe, batch_args
+from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, Recipe, batch_args
+from parallax.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -61,40 +60,14 @@ FAMILY_PRESETS = (
 )
 DEFAULT_LR = {"siglip-tiny": 1e-3, "clip-tiny": 1e-3}
 DEFAULT_LR_LARGE = 1e-4
-KS = (1, 5, 10)
 
 
-class SiglipRecipe(Recipe):
-    name = "siglip"
-    objective = "step"
-    metric_sums = ("scale_sum", "bias_sum", "truncated", "resized", "pairs")
-    metrics = (
-        MetricSpec("temperature", "scale_sum", "pairs", "t", ".2f"),
-        MetricSpec("logit_bias", "bias_sum", "pairs", "b", ".2f"),
-        MetricSpec("truncated", "truncated", "pairs", "trunc", ".2f"),
-        MetricSpec("resized", "resized", "pairs", "resized", ".2f"),
-    )
-    eval_metric_sums = (
-        *(f"{d}_r{k}" for d in ("i2t", "t2i") for k in KS),
-        "queries",
-        "zs_top1",
-        "zs_top5",
-        "zs_images",
-    )
-    eval_metrics = (
-        *(
-            MetricSpec(f"{name}_r@{k}", f"{d}_r{k}", "queries", f"{d} r@{k}")
-            for d, name in (("i2t", "image_to_text"), ("t2i", "text_to_image"))
-            for k in KS
-        ),
-        MetricSpec("zero_shot_top1", "zs_top1", "zs_images", "zs@1"),
-        MetricSpec("zero_shot_top5", "zs_top5", "zs_images", "zs@5"),
-    )
+class SiglipModel(ModelSide):
+    """The two towers, one pipeline block (pp = 1)."""
+
     freeze_aliases = {"vision": ("vision.*",), "text": ("text.*",)}
-    input_keys = ("pixel_values", "input_ids")
     pin_first = 0
 
-    # -- model ---------------------------------------------------------------------------------
     def presets(self) -> Sequence[str]:
         return FAMILY_PRESETS
 
@@ -115,93 +88,109 @@ class SiglipRecipe(Recipe):
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_LARGE)
 
-    def check_layout(self, config: SiglipConfig, cfg, dims) -> None:
+    def check_layout(self, run: Run, dims) -> None:
+        config: SiglipConfig = run.model_config
         if dims.pp > 1:
             raise ValueError(
                 f"--pp {dims.pp}: dual encoders (SigLIP, CLIP) do not support pipeline "
                 "parallelism: the two towers are parallel branches, not a chain; use --tp and "
                 "--dp with --pp 1"
             )
-        for name, width in (("vision", config.vision.width), ("text", config.text.width)):
-            heads = (config.vision if name == "vision" else config.text).num_heads
-            if heads % dims.tp:
+        for name, tower in (("vision", config.vision), ("text", config.text)):
+            if tower.num_heads % dims.tp:
                 raise ValueError(
-                    f"--tp {dims.tp} does not divide the {name} tower's {heads} attention heads "
-                    f"(width {width})"
+                    f"--tp {dims.tp} does not divide the {name} tower's {tower.num_heads} "
+                    f"attention heads (width {tower.width})"
                 )
-        unit = cfg.micro_batch_size * dims.dp
-        if cfg.global_batch_size % unit:
-            return  # the trainer says why
-        m = cfg.global_batch_size // unit
-        log.info(
-            "negatives: every step scores each of its %d images against all %d captions of "
-            "the global batch (dp %d x %d microbatch(es) of %d; embeddings cached across "
-            "microbatches), %s loss",
-            cfg.global_batch_size,
-            cfg.global_batch_size,
-            dims.dp,
-            m,
-            cfg.micro_batch_size,
-            config.loss,
-        )
+        _log_negatives(run, dims)
 
     def blocks(self, config: SiglipConfig) -> list[StageBlock]:
         return [StageBlock("towers", config.vision_flops() + config.text_flops())]
 
-    def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint) -> nn.Module:
-        ac = cfg.checkpointing
+    def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
+        ac = run.checkpointing
         if checkpoint is not None and torch.device(device).type != "meta":
             return Siglip.from_pretrained(
                 checkpoint, ctx, dtype=dtype, device=device, activation_checkpointing=ac
             )
-        seed = None if torch.device(device).type == "meta" else cfg.seed  # shapes only
+        seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
         return Siglip(
-            config, ctx, dtype=dtype, device=device, activation_checkpointing=ac, seed=seed
-        )
+            run.model_config, ctx, dtype=dtype, device=device, activation_checkpointing=ac,
+            seed=seed,
+        )  # fmt: skip
 
     def export(self, chunk: Siglip, path: Path, statistics: Mapping | None) -> None:
         chunk.save_pretrained(path)
 
-    # -- data ----------------------------------------------------------------------------------
-    def _image_size(self, cfg) -> int:
-        family, sep, rest = cfg.model.partition(":")
-        spec = rest if sep and family == self.name else cfg.model
-        return self.resolve(spec).config.image_size
+    def flops(self, run: Run, microbatches: Sequence[Microbatch], model=None) -> float:
+        """``SiglipConfig.flops_per_sample``: 3 x (both towers' forward + the loss's logits
+        against the global batch) per pair; GradCache's extra forward not counted."""
+        n = sum(mb["pixel_values"].shape[0] for mb in microbatches)
+        return n * run.model_config.flops_per_sample(run.global_batch_size)
 
-    def dataset(self, spec: str, cfg) -> Any:
+    def block_estimates(self, run: Run) -> list[BlockEstimate]:
+        """:func:`parallax.families.siglip.estimate.block_estimates`; GradCache keeps one
+        microbatch's activations at a time, whatever the microbatches of a step."""
+        return block_estimates(run.model_config, run)
 
-        return open_pairs(spec, self._image_size(cfg), cfg.seed)
+    def tokens(self, run: Run, microbatches: Sequence[Microbatch]) -> int:
+        patches = run.model_config.vision.num_patches
+        return sum(
+            mb["input_ids"].numel() + mb["input_ids"].shape[0] * patches for mb in microbatches
+        )
 
-    def eval_dataset(self, spec: str | None, cfg) -> Any:
+
+def _log_negatives(run: Run, dims) -> None:
+    """Say which negatives a step scores (every pair of the global batch)."""
+    unit = run.micro_batch_size * dims.dp
+    if run.global_batch_size % unit:
+        return  # the trainer says why
+    log.info(
+        "negatives: every step scores each of its %d images against all %d captions of "
+        "the global batch (dp %d x %d microbatch(es) of %d; embeddings cached across "
+        "microbatches), %s loss",
+        run.global_batch_size,
+        run.global_batch_size,
+        dims.dp,
+        run.global_batch_size // unit,
+        run.micro_batch_size,
+        run.model_config.loss,
+    )
+
+
+class SiglipData(DataSide):
+    """Image-text pairs (folders, WebDataset tar shards, the synthetic task)."""
+
+    input_keys = ("pixel_values", "input_ids")
+
+    def dataset(self, spec: str, run: Run) -> Any:
+        return open_pairs(spec, run.model_config.image_size, run.seed)
+
+    def eval_dataset(self, spec: str | None, run: Run) -> Any:
         """``--eval-data``, or for the synthetic task its ``eval`` split (pairs drawn apart from
         the training ones), ``--eval-batches`` global batches of it."""
-
         if spec is None:
-            if not cfg.data.startswith("synthetic"):
+            if not run.data.startswith("synthetic"):
                 raise ValueError(
                     "--eval-interval: give the held-out pairs with --eval-data (a folder or tar "
                     "shards)"
                 )
-            size = cfg.eval_batches * cfg.global_batch_size
-            spec = f"synthetic:{size}"
-        return IndexedPairs(open_pairs(spec, self._image_size(cfg), cfg.seed, split="eval"))
+            spec = f"synthetic:{run.eval_batches * run.global_batch_size}"
+        size = run.model_config.image_size
+        return IndexedPairs(open_pairs(spec, size, run.seed, split="eval"))
 
-    def loader(self, dataset: Any, cfg, ctx) -> Any:
+    def loader(self, dataset: Any, run: Run, ctx) -> Any:
+        return PairLoader(dataset, **batch_args(run, ctx))
 
-        return PairLoader(
-            dataset,
-            **batch_args(cfg, ctx),
-        )
+    def collator(self, run: Run, dataset: Any):
+        return PairCollator(run.model_config, dataset, run.checkpoint)
 
-    def collator(self, config: SiglipConfig, dataset: Any, checkpoint: Path | None):
-
-        return PairCollator(config, dataset, checkpoint)
-
-    def input_problem(self, config: SiglipConfig, mb: Microbatch, cfg) -> str | None:
+    def input_problem(self, run: Run, mb: Microbatch) -> str | None:
         """Shapes that would fail inside the towers or unbalance the ring (all ranks exchange
         blocks of ``--micro-batch-size`` rows)."""
+        config: SiglipConfig = run.model_config
         px, ids, s = mb["pixel_values"], mb["input_ids"], config.image_size
-        m, limit = cfg.micro_batch_size, config.text.max_length
+        m, limit = run.micro_batch_size, config.text.max_length
         if px.dim() != 4 or tuple(px.shape[1:]) != (3, s, s):
             return (
                 f"pixel_values must be (b, 3, {s}, {s}) for this model, got {tuple(px.shape)} "
@@ -219,58 +208,9 @@ class SiglipRecipe(Recipe):
             )
         return None
 
-    def loss_units(self, mb: Microbatch) -> int:
-        return int(mb["pixel_values"].shape[0])
 
-    # -- objective -----------------------------------------------------------------------------
-    def backward_passes(self, num_microbatches: int) -> int:
-        return num_microbatches  # the towers: one backward per microbatch (GradCache)
+class SiglipRecipe(Recipe):
+    name = "siglip"
 
-    def forward_backward(self, chunks, microbatches, ctx, cfg):
-
-        (model,) = chunks
-        dev = ctx.device
-        pairs = [(mb["pixel_values"].to(dev), mb["input_ids"].to(dev)) for mb in microbatches]
-        result = contrastive_step(model, pairs)
-        b = float(result.samples)
-        bias = model.logit_bias.detach().float() if model.logit_bias is not None else None
-        local = [
-            result.local_loss.float() * b,
-            model.logit_scale.detach().float().exp().reshape(()) * b,
-            (bias.reshape(()) * b) if bias is not None else torch.zeros((), device=dev),
-            torch.tensor(float(sum(int(mb.get("truncated", 0)) for mb in microbatches))),
-            torch.tensor(float(sum(int(mb.get("resized", 0)) for mb in microbatches))),
-            torch.tensor(b),
-        ]
-        sums = torch.stack([x.to(dev) for x in local])
-        comm.all_reduce(sums, ctx.dp_group)
-        return sums[0] / sums[-1], sums
-
-    @torch.no_grad()
-    def evaluate_step(self, chunks, microbatches, ctx, cfg) -> torch.Tensor:
-
-        return evaluate_batch(chunks[0], microbatches, ctx, KS)
-
-    # -- reporting -----------------------------------------------------------------------------
-    def flops(
-        self,
-        config: SiglipConfig,
-        microbatches: Sequence[Microbatch],
-        cfg,
-        model: nn.Module | None = None,
-    ) -> float:
-        """``SiglipConfig.flops_per_sample``: 3 x (both towers' forward + the loss's logits
-        against the global batch) per pair; GradCache's extra forward not counted."""
-        n = sum(mb["pixel_values"].shape[0] for mb in microbatches)
-        return n * config.flops_per_sample(cfg.global_batch_size)
-
-    def block_estimates(self, config: SiglipConfig, cfg) -> list[BlockEstimate]:
-        """:func:`parallax.families.siglip.estimate.block_estimates`; GradCache keeps one
-        microbatch's activations at a time, whatever the microbatches of a step."""
-        return block_estimates(config, cfg)
-
-    def tokens(self, config: SiglipConfig, microbatches: Sequence[Microbatch]) -> int:
-        return sum(
-            mb["input_ids"].numel() + mb["input_ids"].shape[0] * config.vision.num_patches
-            for mb in microbatches
-        )
+    def __init__(self) -> None:
+        super().__init__(SiglipModel(), SiglipData(), ContrastiveObjective())
