@@ -1,5 +1,6 @@
-"""Data: the built-in synthetic robot task, the on-disk episode format, and the loader; the
-LLaVA conversation format, a synthetic visual question task and length-grouped batching.
+"""Data: the built-in synthetic robot task, the on-disk episode format, the loaders and
+length-grouped batching (a family's own formats, such as LLaVA's conversations, live in its
+package).
 
 Everything here produces *raw* samples ``{"image": (H, W, 3) uint8, "instruction": str,
 "action": (7,) float32}`` plus OpenVLA-style ``norm_stats``; the model side tokenises and
@@ -22,7 +23,6 @@ from parallax.data.length_grouped import (
     length_grouped_order,
     padding_fraction,
 )
-from parallax.data.llava_format import LlavaConversationDataset, conversation_turns
 from parallax.data.loader import BatchLoader, Dataset, check_batch_sizes, load_dataset
 from parallax.data.mixture import Mixture, load_mixture, open_source, parse_data_spec
 from parallax.data.pair_loader import PairLoader
@@ -37,7 +37,6 @@ from parallax.data.stream import StreamLoader
 from parallax.data.synthetic import SyntheticConfig, SyntheticTask
 from parallax.data.synthetic_pairs import SyntheticPairs
 from parallax.data.tar_shards import TarShards, write_tar_shards
-from parallax.data.vqa_synthetic import SyntheticVQA, VQAConfig
 
 __all__ = [
     "AugmentConfig",
@@ -47,7 +46,6 @@ __all__ = [
     "Episode",
     "EpisodeDataset",
     "LengthGroupedLoader",
-    "LlavaConversationDataset",
     "KeyConfig",
     "Mixture",
     "PairFolder",
@@ -59,13 +57,10 @@ __all__ = [
     "SyntheticConfig",
     "SyntheticPairs",
     "SyntheticTask",
-    "SyntheticVQA",
-    "VQAConfig",
     "TarShards",
     "check_batch_sizes",
     "collate",
     "compute_statistics",
-    "conversation_turns",
     "length_grouped_order",
     "padding_fraction",
     "load_dataset",

@@ -3,7 +3,7 @@ Vicuna (Llama-2) language model (see ``docs/families.md`` and ``shared/models.md
 
 Files: ``config`` (presets, the three published config.json forms), ``model``, ``vision`` (the
 projector and the image features), ``anyres``, ``checkpoint`` and ``vocab`` (the published
-layouts), ``template`` and ``processor`` (prompts, tokenizers, images), ``objectives``,
+layouts), ``template`` and ``processor`` (prompts, tokenizers, images), ``objective``,
 ``predict``, ``flops``, and the trainer's side: ``recipe`` and ``batches``.
 """
 

@@ -1,6 +1,6 @@
 """The LLaVA recipe's data side: ``--data`` specs, the collator and the length-grouped loader.
 
-``--data synthetic`` is the built-in visual question task (:class:`~parallax.data.SyntheticVQA`,
+``--data synthetic`` is the built-in visual question task (:class:`.synthetic.SyntheticVQA`,
 its images scaled to the model's tiles); ``--data FILE.json`` (or ``.jsonl``) is a LLaVA
 conversation file whose image paths are relative to the file's folder, and
 ``--data FILE.json:IMAGE_FOLDER`` names the image folder (LLaVA's ``--image_folder``).
@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from parallax.data import LlavaConversationDataset, SyntheticVQA
 from parallax.data.stats import DatasetError
 from parallax.families.llava_next import anyres
 from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.families.llava_next.conversations import LlavaConversationDataset
 from parallax.families.llava_next.processor import LlavaNextProcessor
+from parallax.families.llava_next.synthetic import SyntheticVQA
 from parallax.families.llava_next.template import LlavaTinyTokenizer, llava_tokenizer
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ def sequence(config: LlavaNextConfig) -> int:
     return min(config.max_length, config.max_image_tokens + TYPICAL_TEXT_TOKENS)
 
 
-def block_estimates(config: LlavaNextConfig, cfg) -> list[BlockEstimate]:
-    e = 2 if cfg.precision == "bf16" else 4
+def block_estimates(config: LlavaNextConfig, run) -> list[BlockEstimate]:
+    e = 2 if run.precision == "bf16" else 4
     v, text, tiles = config.vision, config.text, config.max_tiles
     seq, h = sequence(config), text.hidden_size
     hidden = seq * h * e  # (t, h): what every stage hands on
@@ -41,7 +41,7 @@ def block_estimates(config: LlavaNextConfig, cfg) -> list[BlockEstimate]:
         linears("projector", tiles * v.num_patches, projector, e),
         embedding(seq, h, e),
     )
-    rows = TYPICAL_ANSWER_TOKENS if cfg.logits == "labelled" else seq
+    rows = TYPICAL_ANSWER_TOKENS if run.logits == "labelled" else seq
     return (
         [BlockEstimate(vision, hidden)]
         + [BlockEstimate((llama_layer(text, seq, e),), hidden)] * text.num_hidden_layers

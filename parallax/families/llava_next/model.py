@@ -31,7 +31,7 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.families.llava_next import anyres
-from parallax.families.llava_next import objectives as llava_objectives
+from parallax.families.llava_next import objective as llava_objectives
 from parallax.families.llava_next.checkpoint import LLAVA_HF, CheckpointLayout, load_llava
 from parallax.families.llava_next.config import LlavaNextConfig
 from parallax.families.llava_next.flops import vision_forward_flops

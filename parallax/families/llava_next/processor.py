@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parallax.data.llava_format import conversation_turns
 from parallax.families.llava_next import anyres
 from parallax.families.llava_next.config import LlavaNextConfig
+from parallax.families.llava_next.conversations import conversation_turns
 from parallax.families.llava_next.template import encode_conversation, llava_tokenizer, prompt_ids
 from parallax.models.images import as_chw_float
 from parallax.models.tokenizer import IGNORE_INDEX

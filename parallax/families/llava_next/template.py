@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from parallax.data.llava_format import IMAGE_TAG
+from parallax.families.llava_next.conversations import IMAGE_TAG
 from parallax.models.tokenizer import IGNORE_INDEX, HFTokenizer
 
 SYSTEMS = {

@@ -15,10 +15,14 @@ i.e. exact-match accuracy of the answers under teacher forcing).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parallax.models import next_token as objectives
 from parallax.models.tokenizer import IGNORE_INDEX
+from parallax.recipe import MetricSpec, Microbatch, TokenObjective
+from parallax.run import Run
 from parallax.tensor.layers import TPLike
 from parallax.tensor.loss import tp_argmax
 
@@ -96,3 +100,38 @@ def rows_answer_metrics(
     with torch.no_grad():
         pred = tp_argmax(logits, ctx, vocab_size)  # (n,)
         return _sums(pred == targets, torch.div(rows, seq_len, rounding_mode="floor"), batch)
+
+
+class AnswerObjective(TokenObjective):
+    """The next-token loss over the supervised (answer) tokens; the teacher-forced answer and
+    token accuracies. With ``--logits labelled`` the last stage returns hidden states and the
+    loss applies the head to the labelled rows only (found on the host)."""
+
+    metric_sums = ("token_correct", "tokens", "answers_correct", "answers")
+    metrics = (
+        MetricSpec("answer_accuracy", "answers_correct", "answers", "acc"),
+        MetricSpec("token_accuracy", "token_correct", "tokens", "tok"),
+    )
+
+    def loss_units(self, mb: Microbatch) -> int:
+        return int(loss_token_count(mb["labels"]))
+
+    def loss_target(self, run: Run, mb: Microbatch) -> Any:
+        if run.logits != "labelled":
+            return mb["labels"]
+        rows, targets = labelled_rows(mb["labels"])  # found on the host
+        b, t = mb["labels"].shape
+        return rows, targets, t, b
+
+    def loss(self, chunk, output, target, ctx, run: Run):
+        vocab = chunk.config.vocab_size
+        if run.logits == "labelled":
+            rows, row_targets, t, b = target
+            hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
+            logits = chunk.head(hidden)  # (n, V/tp)
+            ce = rows_loss(logits, row_targets, ctx, vocab_size=vocab)
+            m = rows_answer_metrics(logits, row_targets, rows, t, b, ctx, vocab_size=vocab)
+        else:
+            ce = llava_loss(output, target, ctx, vocab_size=vocab, reduction="sum")
+            m = answer_metrics(output, target, ctx, vocab_size=vocab)
+        return ce, torch.stack([m[k] for k in self.metric_sums])

@@ -8,7 +8,7 @@ have no image ("Repeat the colour: blue." -> "blue"): their answer is in the tex
 must also read the question to tell the two kinds apart. Sample ``i`` comes from its own
 generator seeded by ``(seed, i)``: any sample is computed on demand, the same seed always gives
 the same data, and :meth:`SyntheticVQA.meta` tells a sample's image size and text without
-drawing it. Items are raw LLaVA-format samples (:mod:`parallax.data.llava_format`).
+drawing it. Items are raw LLaVA-format samples (:mod:`parallax.families.llava_next.conversations`).
 
 Measured on a CPU with AdamW at 3e-3 and 16 samples per step: with the full ``vicuna_v1`` system
 prompt (40 words before every question) ``llava-tiny`` answers about half of the questions after
