@@ -27,7 +27,7 @@ Rows (one invocation, one table):
 
 Figures: training samples/s, peak memory (``torch.cuda.max_memory_allocated``, reset per row),
 MFU = model FLOPs / (step time x 989 TFLOP/s), the FLOPs of the recipe per sample from
-:func:`parallax.families.openvla.oft_objective.oft_flops_per_sample` (LoRA: 2 x the frozen
+:func:`parallax.families.openvla.oft.objective.oft_flops_per_sample` (LoRA: 2 x the frozen
 base's forward, 3 x the head's; bidirectional attention counts the full square; the peer's
 extra lm_head over every position is not counted: the same useful work for both rows). The
 table goes to ``RESULTS.md`` and each row to ``results.jsonl`` (hardware, date, commit,
@@ -58,7 +58,7 @@ from benchmarks.tools.common import (
     time_it,
 )
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.oft_config import OFTConfig
+from parallax.families.openvla.oft.config import OFTConfig
 from parallax.train.memory_limit import default_allocator
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
@@ -291,7 +291,7 @@ def _train_plan(args) -> list[tuple[str, str, bool, str]]:
 
 
 def _run(args, device, dtype) -> list[dict]:
-    from parallax.families.openvla.oft_objective import oft_flops_per_sample
+    from parallax.families.openvla.oft.objective import oft_flops_per_sample
 
     info, config, records = env_info(), oft_config(args), []
     text = args.prompt_tokens + config.oft.slots + 1

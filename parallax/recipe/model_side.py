@@ -105,8 +105,9 @@ class ModelSide:
         writes apart from the PEFT adapter; none by default."""
         return ()
 
-    def export(self, chunk: nn.Module, path: Path, statistics: Mapping | None) -> None:
-        """Write the chunk's part of the HF checkpoint (collective over the whole world)."""
+    def export(self, run: Run, chunk: nn.Module, path: Path, statistics: Mapping | None) -> None:
+        """Write the chunk's part of the HF checkpoint (collective over the whole world), with
+        the training data's ``statistics`` where the family keeps them."""
         raise ValueError("--export-hf: this family has no export")
 
     # -- costs -------------------------------------------------------------------------------------

@@ -251,7 +251,8 @@ def export_hf(trainer: Trainer, path: Path, statistics: dict | None = None) -> N
     if len(trainer.chunks) != 1:
         raise UserError("--export-hf needs one model chunk per pipeline rank (not interleaved)")
     with trainer.optimizer.gathered():  # the weights as updated (whole at --zero 3)
-        trainer.recipe.model.export(trainer.chunks[0], path, statistics)  # merged, each its slice
+        model = trainer.recipe.model
+        model.export(trainer.run, trainer.chunks[0], path, statistics)  # merged, each its slice
         if trainer.base_identity is not None:
             lora.export_adapter(trainer, path / lora.ADAPTER_DIR, trainer.lora_report)
     if trainer.ctx.rank == 0:

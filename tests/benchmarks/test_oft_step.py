@@ -6,7 +6,7 @@ import math
 
 from benchmarks.openvla.oft_step import main, oft_config, parse_args
 from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
-from parallax.families.openvla.oft_objective import forward_parts, oft_flops_per_sample
+from parallax.families.openvla.oft.objective import forward_parts, oft_flops_per_sample
 
 
 def _size(path) -> int:

@@ -68,7 +68,7 @@ def test_readers_give_wrist_state_and_chunks(data, fmt):
         assert torch.equal(s["wrist_image"], torch.from_numpy(ep.wrist[t]))  # upright again
         assert torch.equal(s["image"], torch.from_numpy(ep.images[t]))
         np.testing.assert_allclose(s["state"].numpy(), ep.states[t], rtol=1e-6)
-    from parallax.families.openvla.oft_data import data_shape
+    from parallax.families.openvla.oft.data import data_shape
 
     assert tuple(vars(data_shape(mix)).values()) == (7, 8, 2)
     assert "proprio" in next(iter(mix.statistics.values()))
@@ -76,7 +76,7 @@ def test_readers_give_wrist_state_and_chunks(data, fmt):
 
 def test_key_config_decides_cameras_and_proprio(data, tmp_path):
     from parallax.data.keys import load_key_configs
-    from parallax.families.openvla.oft_data import data_shape
+    from parallax.families.openvla.oft.data import data_shape
 
     toml = tmp_path / "keys.toml"
     toml.write_text('[arm_rlds]\nformat = "rlds"\nprimary = "observation/image"\nstate = []\n')

@@ -32,7 +32,7 @@ from torch import nn
 
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.model import OpenVLA
-from parallax.families.openvla.objectives import vla_loss
+from parallax.families.openvla.objective import vla_loss
 from parallax.pipeline import split
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 

@@ -37,7 +37,7 @@ from benchmarks.openvla.native.base import (
     make_adamw,
 )
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.objectives import expand_labels
+from parallax.families.openvla.objective import expand_labels
 
 
 def interleave_qkv(t: torch.Tensor, tp: int) -> torch.Tensor:

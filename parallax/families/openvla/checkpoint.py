@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.oft_export import load_oft_modules
-from parallax.families.openvla.oft_head import is_oft_name
+from parallax.families.openvla.oft.export import load_oft_modules
+from parallax.families.openvla.oft.head import is_oft_name
 from parallax.models.hf_io import CheckpointReader, fit_problems, hf_names, read_param
 from parallax.models.meta import materialize
 from parallax.models.vit import checkpoint_only_tensors
@@ -33,7 +33,7 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor a whole ``model`` (built on meta, tp=1) reads, with its shape."""
     out: dict[str, tuple[int, ...]] = {}
     for name, p in model.named_parameters():
-        if not is_oft_name(name):  # OFT's modules live in files of their own (oft_export)
+        if not is_oft_name(name):  # OFT's modules live in files of their own (oft/export.py)
             out.update(hf_names(name, tuple(p.shape)))
     return out
 
@@ -94,7 +94,7 @@ def load_pretrained(
     (``activation_checkpointing``, ``freeze_vision``). An OpenVLA-OFT model (``config.oft``)
     reads its head, projector and FiLM from the files an OFT export wrote beside the
     checkpoint, or, for a plain OpenVLA checkpoint, starts them from ``seed``'s layout-free
-    init (:mod:`.oft_export`).
+    init (:mod:`.oft.export`).
     """
     t0 = time.perf_counter()
     config = config or OpenVLAConfig.from_pretrained(path)

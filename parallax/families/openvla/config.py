@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from parallax.families.openvla.oft_config import OFTConfig
+from parallax.families.openvla.oft.config import OFTConfig
 from parallax.families.openvla.towers import (
     DINOV2_L_REG4,
     IMAGENET_MEAN,
@@ -65,7 +65,7 @@ class OpenVLAConfig:
     norm_stats: dict = field(default_factory=dict)
     hf_config: dict = field(default_factory=dict, repr=False)
     source: str | None = None
-    oft: OFTConfig | None = None  # OpenVLA-OFT's head, cameras and proprio (oft_config.py)
+    oft: OFTConfig | None = None  # OpenVLA-OFT's head, cameras and proprio (oft/config.py)
     text_multiple: int = 1  # the collated text's width rounds up to this (--pad-to-multiple-of)
 
     def __post_init__(self) -> None:

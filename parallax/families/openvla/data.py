@@ -23,7 +23,8 @@ from parallax.data.mixture import Mixture, detect_format, load_mixture, parse_da
 from parallax.data.stats import DatasetError
 from parallax.data.stream import StreamLoader
 from parallax.data.workers import auto_workers
-from parallax.recipe.protocol import batch_args
+from parallax.recipe import batch_args
+from parallax.run import Run
 
 STREAMED = ("rlds", "lerobot", "libero")
 
@@ -49,31 +50,31 @@ def is_streamed(data: Any) -> bool:
         return False
 
 
-def index_dir(cfg) -> Path:
-    return Path(cfg.out) / "data_index"
+def index_dir(run: Run) -> Path:
+    return Path(run.out) / "data_index"
 
 
-def open_mixture(cfg) -> Mixture:
-    """Every dataset of ``cfg.data`` opened and scanned (or its scan read from the index),
+def open_mixture(run: Run) -> Mixture:
+    """Every dataset of ``run.data`` opened and scanned (or its scan read from the index),
     with the per-dataset key configs of ``--data-config``."""
     user = None
-    if cfg.data_config:
-        if not Path(cfg.data_config).is_file():
-            raise DatasetError(f"--data-config {cfg.data_config}: no such file")
-        user = load_key_configs(cfg.data_config)
-    return load_mixture(cfg.data, user_configs=user, seed=cfg.seed, cache_dir=index_dir(cfg))
+    if run.data_config:
+        if not Path(run.data_config).is_file():
+            raise DatasetError(f"--data-config {run.data_config}: no such file")
+        user = load_key_configs(run.data_config)
+    return load_mixture(run.data, user_configs=user, seed=run.seed, cache_dir=index_dir(run))
 
 
-def stream_loader(mixture: Mixture, cfg, ctx, image_size: int, **oft):
+def stream_loader(mixture: Mixture, run: Run, ctx, image_size: int, **oft):
     """The streaming loader of one rank (see the module doc); ``oft``: OpenVLA-OFT's cameras,
-    state and action chunks (:func:`~.oft_data.stream_kwargs`)."""
+    state and action chunks (:func:`~.oft.data.stream_kwargs`)."""
 
-    augment = True if cfg.augment is None else cfg.augment
+    augment = True if run.augment is None else run.augment
     return StreamLoader(
         mixture,
-        **batch_args(cfg, ctx),
+        **batch_args(run, ctx),
         images="train" if augment else "none",
         image_size=image_size,
-        workers=auto_workers() if cfg.workers is None else cfg.workers,
+        workers=auto_workers() if run.workers is None else run.workers,
         **oft,
     )

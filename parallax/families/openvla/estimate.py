@@ -32,27 +32,32 @@ LABELLED = 8  # the 7 action tokens and EOS carry the loss
 _SYNTHETIC: dict[tuple, int] = {}  # the synthetic task's token ids per sample, per tokenizer
 
 
-def text_tokens(recipe, config: OpenVLAConfig, cfg) -> int:
-    """Token ids per sample (BOS, prompt, actions or OFT's slots and stop): see the module
+def text_tokens(data, run) -> int:
+    """Token ids per sample (BOS, prompt, actions or OFT's slots and stop) of ``run``'s model,
+    the synthetic task's as ``data`` (the recipe's data side) makes them: see the module
     docstring."""
-    if cfg.data != "synthetic":  # a typical width, rounded up as --pad-to-multiple-of asks
+    config: OpenVLAConfig = run.model_config
+    if run.data != "synthetic":  # a typical width, rounded up as --pad-to-multiple-of asks
         oft = config.oft
         typical = TEXT_TOKENS if oft is None else TEXT_TOKENS - LABELLED + oft.slots + 1
         return padded_width(typical, config.text_multiple)
     key = (repr(config.oft), config.image_size, config.tokenizer, config.text.vocab_size)
-    key += (cfg.seed, cfg.checkpoint, config.text_multiple)
+    key += (run.seed, run.checkpoint, config.text_multiple)
     if key not in _SYNTHETIC:
-        data = recipe.dataset("synthetic", cfg)
-        batch = recipe.collator(config, data, cfg.checkpoint)
-        _SYNTHETIC[key] = int(batch([data[i] for i in range(8)])["input_ids"].shape[1])
+        dataset = data.dataset("synthetic", run)
+        batch = data.collator(run, dataset)
+        _SYNTHETIC[key] = int(batch([dataset[i] for i in range(8)])["input_ids"].shape[1])
     return _SYNTHETIC[key]
 
 
-def block_estimates(recipe, config: OpenVLAConfig, cfg) -> list[BlockEstimate]:
-    e = 2 if cfg.precision == "bf16" else 4
+def block_estimates(model, run) -> list[BlockEstimate]:
+    """What one sample keeps and computes per block of ``run``'s model (``model``: the
+    recipe's model side, whose data side makes the synthetic task's samples)."""
+    config: OpenVLAConfig = run.model_config
+    e = 2 if run.precision == "bf16" else 4
     text, oft = config.text, config.oft
     images = 1 if oft is None else oft.num_images
-    tokens = text_tokens(recipe, config, cfg)
+    tokens = text_tokens(model.data, run)
     seq = config.prefix_tokens + tokens
     hidden = seq * text.hidden_size * e  # (prefix + t, h): what every stage hands on
     parts = []
@@ -73,7 +78,7 @@ def block_estimates(recipe, config: OpenVLAConfig, cfg) -> list[BlockEstimate]:
     return (
         [BlockEstimate(tuple(parts), hidden)]
         + [BlockEstimate((layer,), hidden)] * text.num_hidden_layers
-        + [BlockEstimate((_head(recipe, config, cfg, seq, e),), 0.0)]
+        + [BlockEstimate((_head(model, run, seq, e),), 0.0)]
     )
 
 
@@ -81,12 +86,13 @@ def _bidirectional(layer: Part) -> Part:
     return dataclasses.replace(layer, attention_flops=2 * layer.attention_flops)
 
 
-def _head(recipe, config: OpenVLAConfig, cfg, seq: int, e: int) -> Part:
+def _head(model, run, seq: int, e: int) -> Part:
     """The lm_head over the labelled rows (or all), or OFT's L1 head over the action slots:
     the final norm and its MLP-ResNet keep a few activations of the slots' width."""
+    config: OpenVLAConfig = run.model_config
     if config.oft is None:
-        return lm_head(config.text, LABELLED if cfg.logits == "labelled" else seq, e)
+        return lm_head(config.text, LABELLED if run.logits == "labelled" else seq, e)
     rows, h = config.oft.slots, config.text.hidden_size
     saved = Split(0.0, rows * h * e * (2 + 2 * config.oft.head_blocks) + rows * h * 4)
-    flops = recipe.blocks(config)[-1].cost  # its forward, as the pipeline split counts it
+    flops = model.blocks(config)[-1].cost  # its forward, as the pipeline split counts it
     return Part("L1 action head", saved=saved, gemm_flops=flops, tokens=rows)

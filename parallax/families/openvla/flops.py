@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.objectives import loss_token_count
+from parallax.families.openvla.objective import loss_token_count
 from parallax.models.flops import Component, llama_layer_params, vit_components
 
 

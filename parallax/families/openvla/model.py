@@ -22,19 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.families.openvla import objectives
+from parallax.families.openvla import objective as objectives
 from parallax.families.openvla.action_tokenizer import ActionTokenizer
 from parallax.families.openvla.checkpoint import OpenVLATensors, load_pretrained
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.oft_config import first_inputs as oft_first_inputs
-from parallax.families.openvla.oft_head import (
+from parallax.families.openvla.oft.config import first_inputs as oft_first_inputs
+from parallax.families.openvla.oft.head import (
     L1ActionHead,
     ProprioProjector,
     is_oft_name,
     oft_init_fn,
 )
-from parallax.families.openvla.oft_model import oft_embed
-from parallax.families.openvla.oft_predict import predict_action_chunk
+from parallax.families.openvla.oft.model import oft_embed
+from parallax.families.openvla.oft.predict import predict_action_chunk
 from parallax.families.openvla.predict import predict_action
 from parallax.families.openvla.prompt import get_tokenizer
 from parallax.init import InitFn
@@ -94,7 +94,7 @@ class FusedMLPProjector(nn.Module):
 def openvla_init_fn(config: OpenVLAConfig, std: float = 0.02) -> InitFn:
     """OpenVLA's layout-free init: N(0, std) for matrices and embeddings, zeros for biases, ones
     for norm weights, LayerScale at its configured value; OFT's modules as ``nn.Linear`` and
-    ``nn.LayerNorm`` initialise themselves (:func:`~.oft_head.oft_init_fn`)."""
+    ``nn.LayerNorm`` initialise themselves (:func:`~.oft.head.oft_init_fn`)."""
     scales = {
         "vision_backbone.featurizer.": config.vision[0].layer_scale,
         "vision_backbone.fused_featurizer.": config.vision[1].layer_scale,
@@ -196,7 +196,7 @@ class OpenVLA(VisionLanguageModel):
     def embed(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, *oft_inputs):
         """Image patches inserted right after BOS: ``(b, 1 + P + t - 1, h)``; with OFT
         (``oft_inputs``: proprio, attention and action masks) the hidden states and the key
-        mask of :func:`~.oft_model.oft_embed`."""
+        mask of :func:`~.oft.model.oft_embed`."""
         if self.config.oft is not None:
             return oft_embed(self, pixel_values, input_ids, *oft_inputs)
         self.check_inputs(pixel_values, input_ids)
@@ -270,7 +270,7 @@ class OpenVLA(VisionLanguageModel):
 
     def predict_action_chunk(self, images, instruction: str, proprio=None, **kwargs):
         """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` from one forward pass
-        (:func:`.oft_predict.predict_action_chunk`)."""
+        (:func:`.oft.predict.predict_action_chunk`)."""
         return predict_action_chunk(self, images, instruction, proprio, **kwargs)
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):

@@ -101,7 +101,7 @@ def test_lora_trains_ofts_modules_whole_beside_the_adapters():
 def test_an_oft_model_cannot_train_on_tokens_and_options_must_agree():
     import dataclasses
 
-    from parallax.families.openvla.oft_config import OFTConfig
+    from parallax.families.openvla.oft.config import OFTConfig
     from parallax.train.trainer import Trainer
 
     tiny = _trainer().model_config

@@ -10,7 +10,7 @@ import torch
 
 from parallax import ParallelContext
 from parallax.families.openvla.action_tokenizer import normalize_actions
-from parallax.families.openvla.oft_data import synthetic_task
+from parallax.families.openvla.oft.data import synthetic_task
 from parallax.train.config import TrainConfig
 
 FLAGS = (

@@ -32,7 +32,7 @@ def _cfg(kind: str, **kw) -> TrainConfig:
 
 def _data(cfg) -> SyntheticTask:
     """The recipe's synthetic OFT task, small: 6 episodes of 32 px."""
-    from parallax.families.openvla.oft_data import synthetic_task
+    from parallax.families.openvla.oft.data import synthetic_task
 
     task = synthetic_task(cfg, cfg.seed)
     return SyntheticTask(task.config, num_episodes=6, image_size=32)

@@ -12,8 +12,8 @@ import torch
 
 from parallax.families.openvla.action_tokenizer import unnormalize_actions
 from parallax.families.openvla.model import OpenVLA
-from parallax.families.openvla.oft_config import OFTConfig, head_rows
-from parallax.families.openvla.oft_predict import predict_action_chunk
+from parallax.families.openvla.oft.config import OFTConfig, head_rows
+from parallax.families.openvla.oft.predict import predict_action_chunk
 from parallax.testing import context, run_ranks
 from tests.families.openvla.helpers import SEED, perturbed_init, tiny_config
 from tests.families.openvla.test_oft_reference import _batch, _samples, _stats
@@ -43,7 +43,7 @@ def _predict(model, sample) -> np.ndarray:
 
 
 def test_one_forward_is_the_training_forward():
-    from parallax.families.openvla.oft_batches import stage_inputs
+    from parallax.families.openvla.oft.batches import stage_inputs
 
     model = _model()
     samples = _samples(model.config)
@@ -107,7 +107,7 @@ def _train(out: str) -> bool:
 
 def _policy_actions(path: str, tp: int) -> list:
     from parallax.data import SyntheticTask
-    from parallax.families.openvla.oft_policy import load_policy
+    from parallax.families.openvla.oft.policy import load_policy
 
     model = load_policy(path, context(tp=tp) if tp > 1 else None)
     task = SyntheticTask(camera="static", wrist_image=True, state=True, chunk=2, episode_length=6)
@@ -125,9 +125,9 @@ def _policy_actions(path: str, tp: int) -> list:
 def test_a_checkpoint_and_an_export_reload_and_give_the_same_actions(tmp_path):
     from safetensors import safe_open
 
-    from parallax.families.openvla.oft_export import read_oft_files
-    from parallax.families.openvla.oft_head import oft_key
-    from parallax.families.openvla.oft_policy import load_policy
+    from parallax.families.openvla.oft.export import read_oft_files
+    from parallax.families.openvla.oft.head import oft_key
+    from parallax.families.openvla.oft.policy import load_policy
 
     out = tmp_path / "run"
     assert run_ranks(_train, 2, str(out)) == [True, True]  # LoRA at tp 2, exported

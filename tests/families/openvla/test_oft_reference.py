@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from parallax.families.openvla.model import OpenVLA
-from parallax.families.openvla.oft_batches import OFTBatchBuilder
-from parallax.families.openvla.oft_config import OFTConfig, head_rows
+from parallax.families.openvla.oft.batches import OFTBatchBuilder
+from parallax.families.openvla.oft.config import OFTConfig, head_rows
 from parallax.families.openvla.prompt import TinyTokenizer, prompt_ids
 from tests.families.openvla.helpers import (
     SEED,
@@ -201,7 +201,7 @@ def setup():
 
 
 def _model_actions(model, mb):
-    from parallax.families.openvla.oft_batches import stage_inputs
+    from parallax.families.openvla.oft.batches import stage_inputs
 
     hidden = model(*stage_inputs(model.config, mb))  # (b, S, h)
     cfg = model.config

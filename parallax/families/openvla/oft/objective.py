@@ -3,7 +3,7 @@
 The loss is OFT's: the mean absolute error between the predicted and the true normalised
 action chunks ``(B, K, D)``, over the whole global batch (the trainer divides this sum by the
 batch's ``B x K x D``). The head reads the last stage's hidden states at the rows
-:func:`~.oft_config.head_rows` lists (found on the host from the prompt lengths), the same on
+:func:`~.config.head_rows` lists (found on the host from the prompt lengths), the same on
 every tp rank. Metrics are OFT's logged ones: the L1 error of the chunk's first action
 (``curr_action_l1_loss``) and of the rest (``next_actions_l1_loss``).
 
@@ -28,15 +28,30 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.families.openvla.oft_config import head_rows
+from parallax.families.openvla.oft.config import head_rows
 from parallax.models.flops import llama_layer_params, vit_components
-from parallax.recipe.protocol import MetricSpec
+from parallax.recipe import MetricSpec, TokenObjective
 
 METRIC_SUMS = ("current_l1_sum", "current_count", "next_l1_sum", "next_count")
 METRICS = (
     MetricSpec("l1_current", "current_l1_sum", "current_count", "l1 now", ".4f"),
     MetricSpec("l1_next", "next_l1_sum", "next_count", "l1 next", ".4f"),
 )
+
+
+class L1Objective(TokenObjective):
+    """OFT's L1 loss over every action element of the global batch (see the module doc)."""
+
+    metric_sums, metrics = METRIC_SUMS, METRICS
+
+    def loss_units(self, mb: Mapping) -> int:
+        return int(mb["actions"].numel())  # every action element
+
+    def loss_target(self, run, mb: Mapping):
+        return loss_target(run.model_config, mb)  # found on the host
+
+    def loss(self, chunk, output, target, ctx, run):
+        return l1_loss(chunk, output, target)
 
 
 def loss_target(config: OpenVLAConfig, mb: Mapping) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from parallax import comm
 from parallax.atomic import atomic_write_bytes
-from parallax.families.openvla.oft_head import is_oft_name, oft_key, parallax_name
+from parallax.families.openvla.oft.head import is_oft_name, oft_key, parallax_name
 from parallax.init import init_parameters
 from parallax.tensor import logical_shape, shard_tensor, unshard_tensor
 

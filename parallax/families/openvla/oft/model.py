@@ -1,5 +1,5 @@
 """The first stage of an OpenVLA-OFT model: images, prompt, proprio and empty action slots ->
-the hidden states and the key mask the bidirectional layers take (``oft_config`` has the
+the hidden states and the key mask the bidirectional layers take (``config`` has the
 sequence's layout).
 
 As OFT's ``PrismaticForConditionalGeneration.forward``: the token embeddings at the action

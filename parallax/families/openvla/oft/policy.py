@@ -5,7 +5,7 @@
   from ``--model``: a preset's seeded init or the checkpoint it read; LoRA adapters as the
   run put them), then every tensor the checkpoint holds is read (a LoRA run's: the adapters
   and the fully trained modules). The statistics come from ``OUT/dataset_statistics.json``.
-- An **export** (``OUT/hf``: :mod:`.oft_export`) is read by :meth:`OpenVLA.from_pretrained`
+- An **export** (``OUT/hf``: :mod:`.export`) is read by :meth:`OpenVLA.from_pretrained`
   (its ``config.json`` names the OFT options; the head, projector and FiLM files beside it).
 
 Either loads at any tp and pp (``ctx``): each rank reads only its stage's tensors, sliced.
@@ -14,10 +14,8 @@ Either loads at any tp and pp (``ctx``): each rank reads only its stage's tensor
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -26,14 +24,18 @@ from parallax.context import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.model import OpenVLA
 from parallax.models.stages import partition
-from parallax.recipe import registry
-from parallax.tensor.lora_apply import apply_lora, is_adapter_name
+from parallax.recipe import registry, resolve
+from parallax.recipe.adapt import build_chunk
+from parallax.run import Run, TrainConfig
 
 # the run's flags this needs, and their defaults when an old checkpoint lacks them
 FLAGS = {
     "model": "tiny", "seed": 0, "finetune": "full", "lora_rank": 32, "lora_alpha": 16.0,
-    "lora_dropout": 0.0, "lora_targets": "all-linear", "train": None, "action_head": "l1",
+    "lora_dropout": 0.0, "lora_targets": "all-linear", "train": None, "freeze": None,
+    "freeze_vision": False, "pad_to_multiple_of": 1, "action_head": "l1", "action_chunk": None,
+    "film": False,
 }  # fmt: skip
+OWN = ("action_head", "action_chunk", "film")  # the family's own options among them
 
 
 def load_policy(
@@ -64,28 +66,19 @@ def _checkpoint_dir(path: Path) -> tuple[Path, Path]:
 def _from_training_checkpoint(path: Path, ctx: ParallelContext, dtype: torch.dtype) -> OpenVLA:
     step_dir, out = _checkpoint_dir(path)
     ckpt = Checkpoint(step_dir)
-    run = SimpleNamespace(**{k: ckpt.meta["config"].get(k, v) for k, v in FLAGS.items()})
-    run.checkpointing, run.logits = False, "labelled"
-    recipe = registry.recipe(ckpt.meta.get("family", "openvla"))
-    # separate q/k/v and gate/up: the names the checkpoint stores
-    config = OpenVLAConfig.from_dict(ckpt.meta["model_config"])
-    config = config.with_options(fused_projections=False)
-    family, sep, rest = run.model.partition(":")
-    base = recipe.resolve(rest if sep and family == recipe.name else run.model).checkpoint
-    blocks = range(len(recipe.blocks(config)))
+    run = _saved_run(ckpt, out)
+    config = run.model_config
+    blocks = range(len(run.recipe.model.blocks(config)))
     if ctx.pp_size > 1:
-        blocks = partition([b.cost for b in recipe.blocks(config)], ctx.pp_size)[ctx.pp_rank]
-    model = recipe.build(
-        config, blocks, ctx, cfg=run, dtype=dtype, device=ctx.device, checkpoint=base
+        costs = [b.cost for b in run.recipe.model.blocks(config)]
+        blocks = partition(costs, ctx.pp_size)[ctx.pp_rank]
+    # the base as the run built it (a preset's seeded init or the checkpoint it read), adapted
+    # as the run adapted it: what trained is what the checkpoint holds
+    model, report = build_chunk(
+        run, blocks, ctx, dtype=dtype, device=ctx.device, checkpoint=run.checkpoint
     )
     only = None
-    if run.finetune == "lora":  # the adapters as the run put them, the base as it built it
-        apply_lora(
-            model, run.lora_targets, rank=run.lora_rank, alpha=run.lora_alpha,
-            dropout=run.lora_dropout, seed=run.seed, exclude=recipe.lora_exclude,
-        )  # fmt: skip
-        globs = [*(run.train.split(",") if run.train else ()), *recipe.fully_trained(run)]
-        _train_whole(model, globs)
+    if report is not None:
         only = {n for n, p in model.named_parameters() if p.requires_grad}.__contains__
     load_module(model, ckpt, only=only)
     stats = out / "dataset_statistics.json"
@@ -94,17 +87,21 @@ def _from_training_checkpoint(path: Path, ctx: ParallelContext, dtype: torch.dty
     return model.eval()
 
 
-def _train_whole(model: OpenVLA, globs: list[str]) -> None:
-    """Mark the parameters of the modules ``globs`` select (the module or any module above
-    it, whole or as a dotted tail: ``--train``'s rule) as trained: what the checkpoint holds."""
-
-    def hit(owner: str) -> bool:
-        return any(
-            fnmatch.fnmatchcase(owner, g) or fnmatch.fnmatchcase(owner, "*." + g) for g in globs
-        )
-
-    for name, p in model.named_parameters():
-        parts = name.split(".")
-        owners = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-        if not is_adapter_name(name) and any(hit(o) for o in owners):
-            p.requires_grad_(True)
+def _saved_run(ckpt: Checkpoint, out: Path) -> Run:
+    """The run that wrote ``ckpt``, resolved again from its saved flags and model config: the
+    separate q/k/v and gate/up the checkpoint stores, no recomputation, the head on the
+    labelled rows."""
+    saved = {k: ckpt.meta["config"].get(k, v) for k, v in FLAGS.items()}
+    own = {k: saved.pop(k) for k in OWN}
+    cfg = TrainConfig(
+        **saved,
+        out=str(out),
+        logits="labelled",
+        fused_projections=False,
+        family_values=own,
+    )
+    recipe = registry.recipe(ckpt.meta.get("family", "openvla"))
+    name = registry.strip_family(cfg.model, recipe)
+    base = recipe.model.resolve(name).checkpoint
+    config = OpenVLAConfig.from_dict(ckpt.meta["model_config"])
+    return resolve(cfg, recipe=recipe, model_config=config, checkpoint=base)

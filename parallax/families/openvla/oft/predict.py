@@ -4,7 +4,7 @@ As OFT's ``predict_action``: the prompt ``In: What action should the robot take 
 {instruction}?\\nOut: ▁`` is followed by ``K x D`` empty action slots and the stop token,
 attention is bidirectional, no KV cache is kept, and the L1 head reads the final-norm hidden
 states one position before each slot. The same sequence as in training
-(:func:`~.oft_batches.oft_prompt`), so the forward is the training forward at the same
+(:func:`~.batches.oft_prompt`), so the forward is the training forward at the same
 positions. Under tensor parallelism every tp rank runs it with the same inputs; under a
 pipeline every rank calls it (collective), each stage runs its blocks, and the last one's
 actions reach every pipeline rank.
@@ -19,12 +19,12 @@ import torch
 
 from parallax import comm
 from parallax.families.openvla.action_tokenizer import unnormalize_actions
-from parallax.families.openvla.oft_batches import (
+from parallax.families.openvla.oft.batches import (
     normalized_proprio,
     oft_pixel_values,
     oft_prompt,
 )
-from parallax.families.openvla.oft_config import head_rows
+from parallax.families.openvla.oft.config import head_rows
 from parallax.families.openvla.predict import config_with_statistics
 from parallax.pipeline import TensorMeta, gpipe
 from parallax.pipeline.forward import run_forward

@@ -18,7 +18,8 @@ from typing import Any
 from parallax.data.mixture import Mixture
 from parallax.data.stats import DatasetError
 from parallax.data.synthetic import SyntheticTask
-from parallax.families.openvla.oft_config import OFTConfig
+from parallax.families.openvla.oft.config import OFTConfig
+from parallax.families.openvla.oft.options import OFTOptions
 
 SYNTHETIC_EXTRA_STEPS = 4  # the synthetic OFT episodes: chunk + 4 steps (5 samples each)
 
@@ -32,11 +33,11 @@ class DataShape:
     num_images: int  # primary camera (+ wrist)
 
 
-def synthetic_task(cfg, seed: int):
+def synthetic_task(options: OFTOptions, seed: int):
     """The synthetic task's OFT form (:mod:`parallax.data.synthetic`): a static third-person
     camera, the wrist camera, the gripper's position as state, chunks of ``--action-chunk``
     actions, episodes a few steps longer than a chunk."""
-    chunk = chunk_size(cfg)
+    chunk = options.chunk
     return SyntheticTask(
         seed=seed,
         camera="static",
@@ -45,11 +46,6 @@ def synthetic_task(cfg, seed: int):
         chunk=chunk,
         episode_length=chunk + SYNTHETIC_EXTRA_STEPS,
     )
-
-
-def chunk_size(cfg) -> int:
-    """``--action-chunk`` (default 8, OFT's LIBERO chunk, for ``--action-head l1``)."""
-    return cfg.action_chunk or 8
 
 
 def data_shape(dataset: Any) -> DataShape:
@@ -75,32 +71,33 @@ def _source_shape(source) -> DataShape:
     return DataShape(int(source.action_dim), int(source.state_dim or 0), images)
 
 
-def stream_kwargs(cfg, shape: DataShape) -> dict[str, Any]:
+def stream_kwargs(options: OFTOptions, shape: DataShape) -> dict[str, Any]:
     """The :class:`~parallax.data.StreamLoader` arguments of an OFT run: the cameras and the
     state the model takes, and chunks of ``--action-chunk``."""
     cameras = ("primary", "wrist")[: shape.num_images]
-    return {"cameras": cameras, "state": shape.proprio_dim > 0, "chunk": chunk_size(cfg)}
+    return {"cameras": cameras, "state": shape.proprio_dim > 0, "chunk": options.chunk}
 
 
-def with_oft(config, cfg, shape: Callable[[], DataShape]):
+def with_oft(config, run, shape: Callable[[], DataShape]):
     """``config`` with the OFT options of an ``--action-head l1`` run: the flags' chunk and
     FiLM, the data's sizes and cameras (``shape()``, called only when needed). A config that
     has them already (an OFT checkpoint's) keeps them, if the flags agree; its data is then
-    checked batch by batch (:class:`~.oft_batches.OFTBatchBuilder`)."""
+    checked batch by batch (:class:`~.batches.OFTBatchBuilder`)."""
+    options: OFTOptions = run.family_options
     if config.oft is not None:
-        asked = (chunk_size(cfg), bool(cfg.film))
+        asked = (options.chunk, options.film)
         if (config.oft.chunk, config.oft.film) != asked:
             raise ValueError(
-                f"--model {cfg.model} is an OFT model for {config.oft}; this run's flags ask "
+                f"--model {run.model} is an OFT model for {config.oft}; this run's flags ask "
                 f"for chunks of {asked[0]}, FiLM {'on' if asked[1] else 'off'}"
             )
         return config
     got = shape()
     oft = OFTConfig(
-        chunk=chunk_size(cfg),
+        chunk=options.chunk,
         action_dim=got.action_dim,
         proprio_dim=got.proprio_dim,
         num_images=got.num_images,
-        film=bool(cfg.film),
+        film=options.film,
     )
     return dataclasses.replace(config, oft=oft)

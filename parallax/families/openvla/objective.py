@@ -14,6 +14,8 @@ sums as :func:`vla_loss` / :func:`action_metrics` from the logits of those rows 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parallax.families.openvla.action_tokenizer import ActionTokenizer
@@ -24,6 +26,8 @@ from parallax.models.next_token import (
     rows_loss,
     vla_loss,
 )
+from parallax.recipe import MetricSpec, Microbatch, TokenObjective
+from parallax.run import Run
 from parallax.tensor.layers import TPLike
 from parallax.tensor.loss import tp_argmax
 
@@ -79,3 +83,43 @@ def _action_sums(
     dist = (action_tokenizer.decode_torch(pred) - action_tokenizer.decode_torch(gt)).abs()
     l1 = (dist * mask).sum()
     return {"action_correct": correct, "action_l1_sum": l1, "action_tokens": mask.sum().float()}
+
+
+class ActionTokenObjective(TokenObjective):
+    """OpenVLA's next-token loss over the labelled tokens (the 7 action tokens and EOS of each
+    sample); its action-token accuracy and the L1 error of the decoded actions. With
+    ``--logits labelled`` the last stage returns hidden states and the loss applies the final
+    norm and lm_head to the labelled rows only."""
+
+    metric_sums = ("action_correct", "action_l1_sum", "action_tokens")
+    metrics = (
+        MetricSpec("action_accuracy", "action_correct", "action_tokens", "acc"),
+        MetricSpec("l1", "action_l1_sum", "action_tokens", "l1"),
+    )
+
+    def loss_units(self, mb: Microbatch) -> int:
+        return int(loss_token_count(mb["labels"]))
+
+    def loss_target(self, run: Run, mb: Microbatch) -> Any:
+        if run.logits != "labelled":
+            return mb["labels"]
+        return labelled_rows(mb["labels"], run.model_config.num_patches)  # found on the host
+
+    def loss(self, chunk, output, target, ctx, run: Run):
+        mc = chunk.config
+        vocab, tok = mc.text.vocab_size, chunk.action_tokenizer
+        if run.logits == "labelled":
+            rows, row_targets = target
+            hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
+            logits = chunk.head(hidden)  # (n, V/tp)
+            ce = rows_loss(logits, row_targets, ctx, vocab_size=vocab)
+            m = rows_action_metrics(
+                logits, row_targets, ctx, vocab_size=vocab, action_tokenizer=tok
+            )
+        else:
+            p = mc.num_patches
+            ce = vla_loss(output, target, ctx, num_patches=p, vocab_size=vocab, reduction="sum")
+            m = action_metrics(
+                output, target, ctx, num_patches=p, vocab_size=vocab, action_tokenizer=tok
+            )
+        return ce, torch.stack([m[k] for k in self.metric_sums])
