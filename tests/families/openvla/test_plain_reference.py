@@ -24,7 +24,7 @@ from parallax.testing import context, run_ranks
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.families.openvla.helpers import ref_openvla
-from tests.train.test_trainer import separate
+from tests.families.openvla.test_trainer import separate
 
 STEPS, DP = 2, 2
 LR, WARMUP, WEIGHT_DECAY, CLIP = 3e-3, 2, 0.1, 1.0

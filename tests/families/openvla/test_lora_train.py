@@ -15,7 +15,7 @@ from parallax.checkpoint import Checkpoint, latest_checkpoint
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import TrainConfig, resolve
-from tests.train.test_trainer import _batches, separate
+from tests.families.openvla.test_trainer import _batches, separate
 
 STEPS = 3
 LORA = dict(finetune="lora", lora_rank=4, lora_alpha=8.0, train="projector.fc1")
@@ -300,7 +300,7 @@ def _custom(out: str, tp: int, pp: int) -> list[float]:
     """The README's own model (examples/custom_recipe.py: no HF checkpoint layout, a fused
     qkv) with --finetune lora: adapters named after its own modules."""
     from parallax.train import cli, parse_args
-    from tests.train.test_custom_recipe import _example
+    from tests.recipe.test_custom_recipe import _example
 
     _example()
     ctx = ParallelContext.local() if tp * pp == 1 else context(tp=tp, pp=pp)

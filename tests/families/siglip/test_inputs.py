@@ -11,7 +11,7 @@ from parallax.families.siglip.recipe import SiglipRecipe
 from parallax.testing import run_ranks
 from parallax.train.trainer import Trainer
 from tests.families.siglip.helpers import tiny
-from tests.train.test_siglip_train import _batch, _cfg, _ctx, _local
+from tests.families.siglip.test_train import _batch, _cfg, _ctx, _local
 
 
 def _bad_inputs(dp: int) -> list[str]:

@@ -19,7 +19,7 @@ from parallax.testing import context, run_ranks
 from parallax.train import parse_args, state
 from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
-from tests.train.test_trainer import _cfg, _run, separate
+from tests.families.openvla.test_trainer import _cfg, _run, separate
 
 BASE = dict(logits="all", fused_projections=False, pipeline_syncs=True)  # every option off
 
