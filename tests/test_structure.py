@@ -7,13 +7,12 @@ run asks for them, and tests that mirror the package (a test of one family under
 import ast
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 # lowest first: a module may import its own layer and those below it
 LAYERS = [
-    ("parallax._moved", "parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile"),
+    ("parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile"),
     ("parallax.comm",),
     ("parallax.context",),
     ("parallax.tensor", "parallax.init"),
@@ -160,22 +159,6 @@ def test_families_are_imported_only_when_asked_for():
     assert not helped, f"--help imported {sorted(helped)}"
     # a run of one family (which imports the family's package) loads no other family
     assert {m.split(".")[2] for m in planned if m.count(".") >= 2} == {"siglip"}, planned
-
-
-def test_old_import_paths_still_work_with_a_warning():
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        from parallax.recipes.siglip import SiglipRecipe
-        from parallax.train.recipe import Recipe as Old
-
-        from parallax.models import OpenVLA
-
-    from parallax import Recipe
-    from parallax.families.openvla import OpenVLA as New
-    from parallax.families.siglip.recipe import SiglipRecipe as NewRecipe
-
-    assert (OpenVLA, SiglipRecipe, Old) == (New, NewRecipe, Recipe)
-    assert len([w for w in seen if issubclass(w.category, FutureWarning)]) >= 3
 
 
 FAMILIES = sorted(p.parent.name for p in (ROOT / "parallax" / "families").glob("*/__init__.py"))
