@@ -242,7 +242,7 @@ class Trainer:
         self._metrics = []
         targets = [self.recipe.loss_target(self.model_config, mb, self.cfg) for mb in microbatches]
         syncs = self.cfg.pipeline_syncs
-        # the phases are named for profiles (benchmarks/openvla/profile_step.py); free otherwise
+        # the phases are named for profiles (benchmarks/step/openvla_profile.py); free otherwise
         with record_function("parallax.schedule"):
             run_schedule(
                 self.program,

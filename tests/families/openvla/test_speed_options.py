@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from benchmarks.openvla.native import synthetic_batch
+from benchmarks.step.native import synthetic_batch
 from parallax import ParallelContext
 from parallax.checkpoint import Checkpoint
 from parallax.data import BatchLoader, SyntheticTask
