@@ -1,6 +1,5 @@
 """parallax: hybrid dp x tp x pp training on raw torch.distributed."""
 
-from parallax import _moved
 from parallax.context import ParallelContext, init_parallel
 from parallax.dims import ParallelDims
 from parallax.init import init_parameters, param_seed
@@ -17,5 +16,3 @@ __all__ = [
     "param_seed",
     "register",
 ]
-
-_moved.install()  # old module paths (parallax.models.openvla, ...) as aliases until 0.2

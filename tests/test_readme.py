@@ -181,7 +181,7 @@ def test_commands_are_planned_as_the_module_doc_says():
     assert plan("pip install -e '.[test]'", False) is None
     assert plan("python3 -m venv .venv && . .venv/bin/activate", False) is None
     assert plan("hf download openvla/openvla-7b --local-dir ckpt", False) is None
-    assert plan("torchrun --nproc-per-node 2 -m benchmarks.openvla.openvla_step", False) is None
+    assert plan("torchrun --nproc-per-node 2 -m benchmarks.step.openvla", False) is None
     got = plan("torchrun --nproc-per-node 2 -m parallax.train --out a", False)
     assert got[-4:] == ["--out", "a", "--steps", "2"] and "--standalone" in got
     got = plan("torchrun --nproc-per-node 8 -m parallax.train --precision bf16", False)

@@ -1,20 +1,18 @@
 """The package's shape, as the structure issue left it: layers that import only downward, no
 circles between files, no private names taken from another module, in-function imports only
-where a comment says why (an optional dependency, the compiler), and families imported only
-when a run asks for them."""
+where a comment says why (an optional dependency, the compiler), families imported only when a
+run asks for them, and tests that mirror the package (a test of one family under
+``tests/families/<family>/``)."""
 
 import ast
 import subprocess
 import sys
-import warnings
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).parents[1]
 # lowest first: a module may import its own layer and those below it
 LAYERS = [
-    ("parallax._moved", "parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile"),
+    ("parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile"),
     ("parallax.comm",),
     ("parallax.context",),
     ("parallax.tensor", "parallax.init"),
@@ -163,39 +161,59 @@ def test_families_are_imported_only_when_asked_for():
     assert {m.split(".")[2] for m in planned if m.count(".") >= 2} == {"siglip"}, planned
 
 
-def test_the_registry_lists_each_familys_own_presets_and_every_recipe_is_complete():
-    from parallax.recipe import missing_methods, registry
-
-    for name, family in registry.FAMILIES.items():
-        recipe = registry.recipe(name)
-        assert sorted(recipe.presets()) == sorted(family.presets), name
-        assert missing_methods(recipe) == [], name
-
-
-def test_an_incomplete_recipe_is_refused_when_registered():
-    from parallax import Recipe, register
-
-    class Half(Recipe):
-        name = "half"
-
-        def resolve(self, spec):
-            raise NotImplementedError
-
-    with pytest.raises(TypeError, match="does not define blocks, build, dataset, collator"):
-        register("half", Half())
+FAMILIES = sorted(p.parent.name for p in (ROOT / "parallax" / "families").glob("*/__init__.py"))
+# tests of something else than the package, which keep their own place whatever they import
+ELSEWHERE = {
+    "tests/benchmarks": "the benchmarks' tests mirror benchmarks/",
+    "tests/test_readme.py": "runs the code blocks of README.md and docs/",
+}
 
 
-def test_old_import_paths_still_work_with_a_warning():
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        from parallax.recipes.siglip import SiglipRecipe
-        from parallax.train.recipe import Recipe as Old
+def _families_imported(path: Path) -> set[str]:
+    """The families that ``path`` imports itself (``parallax.families.<name>...``), anywhere in
+    the file (in a function too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] == ["parallax", "families"] and len(parts) > 2 and parts[2] in FAMILIES:
+                found.add(parts[2])
+    return found
 
-        from parallax.models import OpenVLA
 
-    from parallax import Recipe
-    from parallax.families.openvla import OpenVLA as New
-    from parallax.families.siglip.recipe import SiglipRecipe as NewRecipe
+def _data_folder(path: Path) -> bool:
+    """Under a folder of fixtures or data files (not a test package such as tests/data/)."""
+    folders = path.relative_to(ROOT / "tests").parents
+    return any(
+        d.name in ("fixtures", "data") and not (ROOT / "tests" / d / "__init__.py").is_file()
+        for d in folders
+    )
 
-    assert (OpenVLA, SiglipRecipe, Old) == (New, NewRecipe, Recipe)
-    assert len([w for w in seen if issubclass(w.category, FutureWarning)]) >= 3
+
+def test_a_test_that_imports_one_family_lives_under_it():
+    """Tests mirror the package: a test module (or helper) that imports exactly one family lives
+    under ``tests/families/<that family>/``; one that imports several families or none stays
+    with the part of parallax it tests."""
+    assert FAMILIES, "no family packages found under parallax/families/"
+    misplaced = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if _data_folder(path) or any(rel == e or rel.startswith(e + "/") for e in ELSEWHERE):
+            continue
+        families = _families_imported(path)
+        if len(families) != 1:
+            continue
+        (family,) = families
+        home = ROOT / "tests" / "families" / family
+        if not path.is_relative_to(home):
+            misplaced.append(
+                f"{rel} imports only parallax.families.{family}: move it under "
+                f"tests/families/{family}/"
+            )
+    assert not misplaced, "\n".join(misplaced)

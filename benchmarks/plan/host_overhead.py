@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.plan.plan_accuracy import batch_source
+from benchmarks.plan.accuracy import batch_source
 from benchmarks.tools.common import median, print_table
 from parallax.context import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig

@@ -7,7 +7,7 @@
 #
 # OUT_DIR receives three files: RESULTS.md and results.jsonl as updated, and logs.tgz (every
 # script's log and the training runs' metrics.jsonl).
-# The throughput comparison with PyTorch's own tools is benchmarks/openvla/openvla_step.py.
+# The throughput comparison with PyTorch's own tools is benchmarks/step/openvla.py.
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [NGPUS]}
 n=${2:-2}
@@ -33,11 +33,11 @@ save() {  # after every script, so a run cut short still returns what it measure
 }
 tr="torchrun --nproc-per-node $n"
 
-run 60 tp_layers $tr -m benchmarks.layers.tp_layers
-run 120 pipeline_bubble $tr -m benchmarks.pipeline.pipeline_bubble --out "$scratch/traces" \
+run 60 tp_layers $tr -m benchmarks.layers.tp
+run 120 pipeline_bubble $tr -m benchmarks.pipeline.bubble --out "$scratch/traces" \
   --microbatches 4,8,16 --iters 5
-run 100 zero_memory $tr -m benchmarks.zero.zero_memory
-run 150 openvla_load $tr -m benchmarks.openvla.openvla_load --out "$scratch/openvla-7b-random"
+run 100 zero_memory $tr -m benchmarks.zero.memory
+run 150 openvla_load $tr -m benchmarks.checkpoint.load --out "$scratch/openvla-7b-random"
 rm -rf "$scratch/openvla-7b-random"
 
 # issue 6: the default tiny run, and openvla-7b (random weights, bf16) at tp2, pp2, dp2

@@ -1,11 +1,11 @@
 """Where a benchmark row spends its GPU time: one LoRA or SigLIP row under torch.profiler.
 
-Builds the row as its benchmark does (``lora``: :class:`benchmarks.lora.lora_step.Row` from
-``lora_step``'s own flags; ``siglip``: a system of :mod:`benchmarks.siglip.contrastive_systems`),
+Builds the row as its benchmark does (``lora``: :class:`benchmarks.step.lora.Row` from
+``lora_step``'s own flags; ``siglip``: a system of :mod:`benchmarks.step.siglip_systems`),
 warms it up, times three steps unprofiled, profiles two and writes: the step time, the peak
 memory, GPU time per kernel kind (gemm, attention, compiled element-wise, norm, copy, adam), the
 top kernels, and the compute stream's idle time
-(:func:`benchmarks.openvla.profile_step.timeline_report`)::
+(:func:`benchmarks.step.openvla_profile.timeline_report`)::
 
     python -m benchmarks.tools.profile_rows --out lora.txt lora --compile --cuda-graphs --batch 16
     python -m benchmarks.tools.profile_rows --out siglip.txt siglip parallax 512
@@ -33,7 +33,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.openvla.profile_step import kind, timeline_report
+from benchmarks.step.openvla_profile import kind, timeline_report
 from benchmarks.tools.common import sync
 
 PROFILED = 2  # steps under the profiler
@@ -86,8 +86,8 @@ def _peak(device: torch.device) -> float:
 
 
 def lora(argv: list[str]) -> str:
-    from benchmarks.lora import lora_step
-    from benchmarks.openvla.native import synthetic_batch
+    from benchmarks.step import lora as lora_step
+    from benchmarks.step.native import synthetic_batch
     from parallax import ParallelContext
     from parallax.families.openvla.config import OpenVLAConfig
 
@@ -103,8 +103,8 @@ def lora(argv: list[str]) -> str:
 
 
 def siglip(argv: list[str]) -> str:
-    from benchmarks.siglip import contrastive_step
-    from benchmarks.siglip.contrastive_systems import SYSTEMS, make_batch
+    from benchmarks.step import siglip as contrastive_step
+    from benchmarks.step.siglip_systems import SYSTEMS, make_batch
     from parallax.families.siglip.config import SiglipConfig
     from parallax.families.siglip.model import Siglip
 
@@ -128,7 +128,7 @@ def siglip(argv: list[str]) -> str:
 def planned(argv: list[str]) -> str:
     """A row of ``plan_accuracy`` or ``memory_fit`` as they run it: the planner's layout (under
     the row's cap), the trainer, the trainer's synthetic data."""
-    from benchmarks.plan.plan_accuracy import ROWS, SMOKE, batch_source, described, plan_row
+    from benchmarks.plan.accuracy import ROWS, SMOKE, batch_source, described, plan_row
     from benchmarks.zero.memory_fit import ROWS as FIT_ROWS
     from parallax import ParallelContext
     from parallax.train.memory_limit import cap_gpu_memory

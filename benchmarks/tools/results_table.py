@@ -42,12 +42,12 @@ PEAK = ("peak GiB", "peak_mem_gib", "g")
 MFU = ("MFU", "mfu", "pct")
 SPECS: dict[str, Spec] = {
     "tp_layers": Spec(
-        "layers.tp_layers",
+        "layers.tp",
         ("block", "framework", "layout"),
         (STEP, ("TFLOP/s/GPU", "tflops_per_gpu", "g"), ("x dense", "ratio_to_dense", "g")),
     ),
     "pipeline_bubble": Spec(
-        "pipeline.pipeline_bubble",
+        "pipeline.bubble",
         ("schedule", "framework", "layout", "microbatches", "known_shapes"),
         (
             STEP,
@@ -57,12 +57,12 @@ SPECS: dict[str, Spec] = {
         ),
     ),
     "zero_memory": Spec(
-        "zero.zero_memory",
+        "zero.memory",
         ("framework", "layout", "layers", "tokens"),
         (STEP, ("B/param", "bytes_per_param", "g"), ("formula", "formula_bytes_per_param", "g")),
     ),
     "openvla_step": Spec(
-        "openvla.openvla_step",
+        "step.openvla",
         (
             "layout",
             "framework",
@@ -74,7 +74,7 @@ SPECS: dict[str, Spec] = {
         (STEP, ("tokens/s/GPU", "tokens_per_s_per_gpu", "int"), MFU, PEAK),
     ),
     "oft_step": Spec(
-        "openvla.oft_step",
+        "step.oft",
         ("model", "row", "stack", "batch"),
         (
             ("s per step/call", "step_s", "g"),
@@ -85,7 +85,7 @@ SPECS: dict[str, Spec] = {
         ),
     ),
     "openvla_load": Spec(
-        "openvla.openvla_load",
+        "checkpoint.load",
         ("preset", "dtype", "layout", "rank"),
         (
             ("save s", "save_s", "g"),
@@ -100,12 +100,12 @@ SPECS: dict[str, Spec] = {
         (STEP, ("tokens/s/GPU", "tokens_per_s_per_gpu", "int"), MFU, PEAK),
     ),
     "llava_step": Spec(
-        "llava.llava_step",
+        "step.llava",
         ("framework", "variant", "global_batch", "micro_batch"),
         (STEP, ("samples/s", "samples_per_s", "g"), MFU, PEAK),
     ),
     "contrastive_step": Spec(
-        "siglip.contrastive_step",
+        "step.siglip",
         ("model", "framework", "batch", "cuda_graphs"),
         (
             ("step s", "step s", "g"),
@@ -115,7 +115,7 @@ SPECS: dict[str, Spec] = {
         ),  # fmt: skip
     ),
     "contrastive_memory": Spec(
-        "siglip.contrastive_memory",
+        "layers.contrastive_memory",
         ("loss", "dp", "local b"),
         (
             ("largest logits", "largest logits", "int"),
@@ -124,12 +124,12 @@ SPECS: dict[str, Spec] = {
         ),  # fmt: skip
     ),
     "lora_step": Spec(
-        "lora.lora_step",
+        "step.lora",
         ("stack", "variant", "batch", "micro"),
         (STEP, ("samples/s/GPU", "samples_per_s_per_gpu", "g"), MFU, PEAK),
     ),
     "plan_accuracy": Spec(
-        "plan.plan_accuracy",
+        "plan.accuracy",
         ("name", "batch", "limit", "layout"),
         (
             ("GiB predicted", "predicted_gib", "g"),
@@ -139,7 +139,7 @@ SPECS: dict[str, Spec] = {
         ),
     ),
     "zero_bytes": Spec(
-        "zero.zero_bytes",
+        "zero.bytes_per_rank",
         ("model", "dp", "zero"),
         (
             ("counted MiB", "counted_mib", "g"),
@@ -159,7 +159,7 @@ SPECS: dict[str, Spec] = {
         ),
     ),
     "data_throughput": Spec(
-        "data.data_throughput",
+        "data.throughput",
         ("format", "workers", "batch", "image_size"),
         (("samples/s", "samples_per_s", "g"), ("wait ms/step", "wait_ms_per_step", "g")),
     ),

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from benchmarks.openvla.native.base import (
+from benchmarks.step.native.base import (
     Workload,
     accumulate,
     dense_openvla,
@@ -23,7 +23,7 @@ from benchmarks.openvla.native.base import (
     split_batch,
     synthetic_batch,
 )
-from benchmarks.openvla.native.data_parallel import fsdp_api
+from benchmarks.step.native.data_parallel import fsdp_api
 from benchmarks.tools.common import median, time_it
 from parallax.families.openvla import OpenVLAConfig
 

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.plan.plan_accuracy import Row, described, measure, plan_row
+from benchmarks.plan.accuracy import Row, described, measure, plan_row
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
 from parallax.train.memory_limit import cap_gpu_memory, default_allocator

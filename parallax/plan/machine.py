@@ -84,7 +84,7 @@ class Machine:
     # share of the peak the caching allocator cannot reuse. parallax.train runs with expandable
     # segments (memory_limit.default_allocator), which leave little: on an H200 the planner's
     # five uncapped first choices reserved 0.14-0.33 GiB past peaks of 47-128 GiB (0.1-0.4 %;
-    # benchmarks/plan/plan_accuracy.py, 2026-12-04). 1 % covers them; the search's margin
+    # benchmarks/plan/accuracy.py, 2026-12-04). 1 % covers them; the search's margin
     # (3 %) is what covers the memory model's errors.
     allocator_reserve: float = 0.01
     nodes: int = 1

@@ -43,7 +43,7 @@ HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident m
 # The backward's transient, as a share of a piece's saved bytes: measured as the peak of live
 # tensors over what the forward left, on ViT blocks (0.26-0.27) and a Llama layer (0.29), and
 # on the same ViT blocks recomputed (1.19-1.20: their saved tensors again, then the gradients)
-# (tests/plan/test_activation_peak.py measures whole steps against it)
+# (tests/families/siglip/test_activation_peak.py measures whole steps against it)
 GRADIENTS_IN_FLIGHT = 0.3
 RECOMPUTED = 1.2
 

@@ -228,7 +228,7 @@ class Trainer:
         objective = self.recipe.objective
         targets = [objective.loss_target(self.run, mb) for mb in microbatches]
         syncs = self.run.pipeline_syncs
-        # the phases are named for profiles (benchmarks/openvla/profile_step.py); free otherwise
+        # the phases are named for profiles (benchmarks/step/openvla_profile.py); free otherwise
         with record_function("parallax.schedule"):
             run_schedule(
                 self.program,

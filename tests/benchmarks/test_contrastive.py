@@ -7,7 +7,7 @@ from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 
 
 def test_contrastive_step_smoke_rows_start_from_the_same_loss():
-    from benchmarks.siglip.contrastive_step import batches_of, main, parse_args
+    from benchmarks.step.siglip import batches_of, main, parse_args
 
     sizes = [f.stat().st_size for f in (RESULTS_MD, RESULTS_JSONL)]
     argv = ["--smoke", "--batch", "parallax=4,torch=4,hf=2", "--steps", "1", "--warmup", "1"]
@@ -23,7 +23,7 @@ def test_contrastive_step_smoke_rows_start_from_the_same_loss():
 
 
 def _memory(batches: str) -> list:
-    from benchmarks.siglip.contrastive_memory import main
+    from benchmarks.layers.contrastive_memory import main
 
     return main(["--smoke", "--batches", batches])
 

@@ -7,7 +7,7 @@ pytest.importorskip("crc32c")
 
 
 def test_smoke_measures_both_formats_at_each_worker_count():
-    from benchmarks.data.data_throughput import main
+    from benchmarks.data.throughput import main
 
     records = main(["--smoke"])
     assert {(r["format"], r["workers"]) for r in records} == {

@@ -1,4 +1,4 @@
-"""benchmarks/llava/llava_step.py in its smoke form: every row runs (or says why it is skipped), the
+"""benchmarks/step/llava.py in its smoke form: every row runs (or says why it is skipped), the
 rows start from the same weights (same first-step loss), and nothing is written without
 --write."""
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.llava.llava_step import main, parse_args
-from benchmarks.llava.llava_workload import microbatches, padding_fraction, samples
+from benchmarks.step.llava import main, parse_args
+from benchmarks.step.llava_workload import microbatches, padding_fraction, samples
 from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 from parallax.families.llava_next.config import LlavaNextConfig
 
@@ -50,7 +50,7 @@ def test_workload_is_the_realistic_mix():
 
 
 def test_length_grouping_cuts_the_padding():
-    from benchmarks.llava.llava_padding import main as padding
+    from benchmarks.step.llava_padding import main as padding
 
     ((micro, rand_tokens, rand_flops, grouped_tokens, grouped_flops),) = padding(
         ["--samples", "256", "--global-batch", "64", "--micro", "4"]

@@ -4,8 +4,8 @@ HF row runs or says what it needs, and one session's rows become one table with 
 import json
 import math
 
-from benchmarks.lora.lora_report import COLUMNS, table
-from benchmarks.lora.lora_step import lora_flops_per_sample, main
+from benchmarks.step.lora import lora_flops_per_sample, main
+from benchmarks.step.lora_report import COLUMNS, table
 from benchmarks.tools.common import RESULTS_JSONL
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.flops import openvla_flops_per_sample
@@ -85,7 +85,7 @@ def test_the_dp2_row_runs_under_torchrun():
 
     (one,) = main(FAST)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--standalone", "-m", "benchmarks.lora.lora_step", *FAST]
+    cmd += ["--standalone", "-m", "benchmarks.step.lora", *FAST]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

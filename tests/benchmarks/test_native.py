@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.openvla.native import (
+from benchmarks.step.native import (
     Workload,
     build_ddp_zero,
     build_dtensor_tp,
@@ -23,7 +23,7 @@ from benchmarks.openvla.native import (
     split_batch,
     synthetic_batch,
 )
-from benchmarks.openvla.native.base import accumulate, loss_of
+from benchmarks.step.native.base import accumulate, loss_of
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.model import OpenVLA
 from parallax.testing import context, run_ranks
@@ -95,7 +95,7 @@ def _two_steps(runner, microbatches) -> list[float]:
 
 def _parallax_two_steps(wl: Workload, microbatches) -> list[float]:
     """parallax's Trainer at dp=2 on the same workload (what the benchmark's parallax rows run)."""
-    from benchmarks.openvla.openvla_runs import Layout, parallax_config
+    from benchmarks.step.openvla_runs import Layout, parallax_config
     from parallax.train import Trainer
 
     ctx = context(dp=2)

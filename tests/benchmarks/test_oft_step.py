@@ -4,7 +4,7 @@ written; the 7B recipe's FLOP formula on its own."""
 
 import math
 
-from benchmarks.openvla.oft_step import main, oft_config, parse_args
+from benchmarks.step.oft import main, oft_config, parse_args
 from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 from parallax.families.openvla.oft.objective import forward_parts, oft_flops_per_sample
 
@@ -49,7 +49,7 @@ def test_the_7b_recipes_flops():
 def test_every_memory_form_is_a_valid_run_where_the_plan_asks_for_it():
     """Each saving form the plan lists makes a TrainConfig that passes its checks (the budget
     needs --compile, so it has no eager row)."""
-    from benchmarks.openvla.oft_step import SAVING, _train_plan
+    from benchmarks.step.oft import SAVING, _train_plan
     from parallax.train.config import TrainConfig
 
     plan = _train_plan(parse_args(["--compile", "--memory", "--rows", "parallax"]))

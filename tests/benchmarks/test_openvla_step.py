@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.openvla.openvla_runs import Layout, merge
-from benchmarks.openvla.openvla_step import main, parse_args, summarise
+from benchmarks.step.openvla import main, parse_args, summarise
+from benchmarks.step.openvla_runs import Layout, merge
 
 KEYS = {
     "benchmark",  # the name results_table groups by
@@ -103,7 +103,7 @@ def test_record_has_the_issue_keys():
 def test_plan_order_and_row_flops():
     from types import SimpleNamespace
 
-    from benchmarks.openvla.openvla_step import plan, row_flops
+    from benchmarks.step.openvla import plan, row_flops
 
     args = parse_args(["--smoke"])
     b = SimpleNamespace(args=args, world=2, flops_step=2.0, flops_labelled=1.0)
@@ -133,7 +133,7 @@ def test_plan_order_and_row_flops():
 
 
 def test_notes_compare_variants():
-    from benchmarks.openvla.openvla_table import COLUMNS, ratio_notes
+    from benchmarks.step.openvla_table import COLUMNS, ratio_notes
 
     def row(layout, fw, variant, tokens):
         gpus = 1 if layout == "1gpu" else 2
@@ -166,7 +166,7 @@ def test_notes_compare_variants():
 
 
 def test_first_losses_are_held_to_the_reference():
-    from benchmarks.openvla.openvla_table import COLUMNS, check_first_losses
+    from benchmarks.step.openvla_table import COLUMNS, check_first_losses
 
     def row(layout, fw, variant, loss, batch=32):
         status = "ok" if math.isfinite(loss) else "OutOfMemoryError"
@@ -224,8 +224,8 @@ def test_smoke_run_on_two_ranks():
 
 
 def test_a_missing_api_skips_the_row(monkeypatch, capsys):
-    import benchmarks.openvla.openvla_runs as runs
-    from benchmarks.openvla.native import MissingAPI
+    import benchmarks.step.openvla_runs as runs
+    from benchmarks.step.native import MissingAPI
 
     def build(*_):
         raise MissingAPI("torch 2.3 has no FSDP2 fully_shard")

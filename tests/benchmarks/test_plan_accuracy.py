@@ -4,7 +4,7 @@ a memory cap changes the plan, and nothing is written."""
 import math
 from types import SimpleNamespace
 
-from benchmarks.plan.plan_accuracy import main
+from benchmarks.plan.accuracy import main
 from benchmarks.tools.common import RESULTS_JSONL, RESULTS_MD
 
 
@@ -30,7 +30,7 @@ def test_where_nothing_fits_the_nearest_layout_is_planned_and_timed(tmp_path):
     timed, and only when asked for."""
     import torch
 
-    from benchmarks.plan.plan_accuracy import Row, plan_row
+    from benchmarks.plan.accuracy import Row, plan_row
 
     row = Row("tiny-too-small", "tiny", 8, limit=1e-6)
     args = SimpleNamespace(
@@ -45,7 +45,7 @@ def test_where_nothing_fits_the_nearest_layout_is_planned_and_timed(tmp_path):
 def test_only_openvla_rows_pad_their_text(tmp_path):
     import torch
 
-    from benchmarks.plan.plan_accuracy import Row, plan_row
+    from benchmarks.plan.accuracy import Row, plan_row
 
     args = SimpleNamespace(
         compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=16, grad_clip=None
@@ -59,7 +59,7 @@ def test_grad_clip_runs_as_a_hand_row_ran(tmp_path):
     """``--grad-clip 0`` reaches the planned run (the full fine-tuning default clips at 1)."""
     import torch
 
-    from benchmarks.plan.plan_accuracy import Row, plan_row
+    from benchmarks.plan.accuracy import Row, plan_row
 
     args = SimpleNamespace(
         compile=False, out=str(tmp_path), machine=None, pad_to_multiple_of=1, grad_clip=None
@@ -71,7 +71,7 @@ def test_grad_clip_runs_as_a_hand_row_ran(tmp_path):
 
 
 def test_against_hand_compares_in_the_hand_rows_unit():
-    from benchmarks.plan.plan_accuracy import HAND, against_hand
+    from benchmarks.plan.accuracy import HAND, against_hand
 
     rec = {"name": "openvla", "samples_per_s": 1.0, "tokens_per_s": HAND["openvla"][0] / 2}
     assert against_hand(rec) == 0.5  # tokens/s: the hand row's samples were shorter

@@ -1,6 +1,6 @@
 """The profile's timeline summary on a hand-made trace."""
 
-from benchmarks.openvla.profile_step import kind, timeline_report
+from benchmarks.step.openvla_profile import kind, timeline_report
 
 MS = 1_000_000  # ns
 

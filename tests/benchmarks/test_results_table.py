@@ -29,7 +29,7 @@ def test_the_newest_record_of_each_configuration_wins():
     assert [(r["run_id"], r["micro"]) for r in rows] == [("r2", 8), ("r3", 16), ("r3", 16)]
     assert rows[-1]["hardware"].startswith("CPU")  # GPU rows first
     lines = rt.table("lora_step", rows, rt.SPECS["lora_step"])
-    assert lines[0] == "### lora_step (`python -m benchmarks.lora.lora_step`)"
+    assert lines[0] == "### lora_step (`python -m benchmarks.step.lora`)"
     assert "| 1x GPU | parallax | opt | 16 | 16 | 0.4 |" in lines[-2]
 
 

@@ -20,7 +20,7 @@ from parallax.tensor.lora_apply import (
 )
 from parallax.testing import context, run_ranks
 from tests.families.openvla.helpers import SEED, make_batch, perturbed_init, tiny_config
-from tests.tensor.test_lora_model import lora_model
+from tests.families.openvla.test_lora_model import lora_model
 
 LM = "language_model.model.layers."
 

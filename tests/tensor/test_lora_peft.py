@@ -17,7 +17,7 @@ from parallax.tensor import full_tensor
 from parallax.tensor.lora_apply import adapter_parameters
 from parallax.testing import context, run_ranks
 from tests.families.openvla.helpers import assert_rel_close, tiny_config
-from tests.tensor.test_lora_model import ALPHA, RANK, lora_model
+from tests.families.openvla.test_lora_model import ALPHA, RANK, lora_model
 
 P = "base_model.model."
 TRAINED = ("language_model.model.norm.weight", "projector.fc1.bias")

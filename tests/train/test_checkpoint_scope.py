@@ -15,7 +15,7 @@ from parallax.models.compile import checkpoint_parts
 from parallax.train import TrainConfig, parse_args, resolve
 from parallax.train.plan import _dims, memory_plan
 from parallax.train.trainer import Trainer
-from tests.train.test_trainer import _cfg, train_steps
+from tests.families.openvla.test_trainer import _cfg, train_steps
 
 
 def test_checkpoint_parts():
@@ -128,7 +128,7 @@ def test_plan_counts_the_activations_that_stay():
 
 def _scoped_at_tp2(tp):
     from parallax.testing import context
-    from tests.train.test_trainer import _run
+    from tests.families.openvla.test_trainer import _run
 
     cfg = _cfg(tp=tp, activation_checkpointing=True, checkpoint_scope="vision")
     return _run(context(tp=tp), cfg)
@@ -139,7 +139,7 @@ def test_scope_at_tp2_equals_one_process():
     gives the single-process step without checkpointing: losses, grad norms, metrics and the
     updated weights (gathered on tp rank 0)."""
     from parallax.testing import run_ranks
-    from tests.train.test_trainer import _run
+    from tests.families.openvla.test_trainer import _run
 
     ref_history, ref_weights = _run(ParallelContext.local(), _cfg())
     runs = run_ranks(_scoped_at_tp2, 2, 2)

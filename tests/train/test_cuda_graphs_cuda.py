@@ -11,8 +11,8 @@ import torch
 
 from parallax import ParallelContext
 from parallax.testing import context, run_ranks
-from tests.train.test_speed_options import _same
-from tests.train.test_trainer import _cfg, _run
+from tests.families.openvla.test_speed_options import _same
+from tests.families.openvla.test_trainer import _cfg, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -64,7 +64,7 @@ def test_cuda_graphs_with_activation_checkpointing():
 def test_cuda_graphs_with_tp():
     """CUDA graphs of the pieces between the tp collectives. (pp, and activation checkpointing
     at tp > 1, failed here and are refused by the config: see
-    tests/train/test_speed_options.py.)"""
+    tests/families/openvla/test_speed_options.py.)"""
     _exact_fp32()
     compiled = _on_cpu(_run(ParallelContext.local("cuda"), _cfg(compile=True)))
     history, weights = run_ranks(_two_ranks_on_one_gpu, 2, {"tp": 2}, True, timeout=600)[0]

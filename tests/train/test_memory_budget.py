@@ -11,8 +11,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from parallax import ParallelContext
 from parallax.models.compile import memory_budget
 from parallax.train import parse_args
-from tests.train.test_speed_options import _same
-from tests.train.test_trainer import _cfg, _run
+from tests.families.openvla.test_speed_options import _same
+from tests.families.openvla.test_trainer import _cfg, _run
 
 
 def _bytes(fw: torch.fx.GraphModule) -> int | None:

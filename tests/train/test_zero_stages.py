@@ -12,7 +12,7 @@ from parallax.data import SyntheticTask
 from parallax.testing import context, run_ranks
 from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
-from tests.train.test_trainer import _batches, separate
+from tests.families.openvla.test_trainer import _batches, separate
 
 STEPS = 2
 LORA = dict(finetune="lora", lr=3e-3, warmup_steps=1)  # no clipping: offload steps early

@@ -4,8 +4,8 @@ Two images, the proprio token and FiLM on, chunks of 2; full fine-tuning and LoR
 the proprio projector and FiLM trained whole beside the adapters) run in the same spawn of
 ranks. Per step the loss, the gradient norm and the metric sums on every rank, and every
 updated weight after the steps, against the same run in one process (float32 on gloo,
-1e-5: the sums differ only in order, see tests/train/test_trainer.py for why weights agree
-to that under Adam)."""
+1e-5: the sums differ only in order, see tests/families/openvla/test_trainer.py for why
+weights agree to that under Adam)."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from parallax import ParallelContext
 from parallax.data import BatchLoader, SyntheticTask
 from parallax.testing import context, run_ranks
 from parallax.train.config import TrainConfig
-from tests.train.test_trainer import separate
+from tests.families.openvla.test_trainer import separate
 
 STEPS = 2
 OFT = dict(action_head="l1", action_chunk=2, film=True)
