@@ -26,7 +26,14 @@ from torch import nn
 import parallax
 from parallax.models import StageBlock
 from parallax.pipeline import TensorMeta
-from parallax.recipe import MetricSpec, ModelSpec, Recipe
+from parallax.recipe import (
+    DataSide,
+    MetricSpec,
+    ModelSide,
+    ModelSpec,
+    Recipe,
+    TokenObjective,
+)
 from parallax.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -113,19 +120,11 @@ class Counting:
         return self.tokens[i]
 
 
-class CountingRecipe(Recipe):
-    """The minimum a "tokens" recipe says (parallax.recipe.REQUIRED): the model (resolve, blocks,
-    build), the data (dataset, collator, stage_inputs, stage_metas) and the objective
-    (loss_units, loss_target, loss). presets, default_lr, eval_dataset and tokens are optional
-    hooks it overrides too; every other hook is inherited (parallax/recipe/defaults.py)."""
+class CountingModel(ModelSide):
+    """The model side: its presets, its blocks (with their costs) and this rank's chunk."""
 
-    name = "counting"
-    metric_sums = ("correct", "tokens")
-    metrics = (MetricSpec("accuracy", "correct", "tokens", "acc"),)
-    input_keys = ("input_ids", "labels")
     pin_first = 1  # the embedding opens the first stage
 
-    # -- model
     def presets(self):
         return ("counting",)
 
@@ -144,20 +143,29 @@ class CountingRecipe(Recipe):
             + [StageBlock("head", head)]
         )
 
-    def build(self, c, blocks, ctx, *, cfg, dtype, device, checkpoint):
-        model = CountingLM(c, ctx, blocks, device=device).to(dtype)
+    def build(self, run, blocks, ctx, *, dtype, device, checkpoint):
+        model = CountingLM(run.model_config, ctx, blocks, device=device).to(dtype)
         if torch.device(device).type != "meta":
-            parallax.init_parameters(model, cfg.seed)  # layout-free: the same at every layout
+            parallax.init_parameters(model, run.seed)  # layout-free: the same at every layout
         return model
 
-    # -- data (cfg: the resolved run, parallax.train.Run)
-    def dataset(self, spec: str, cfg):
-        return Counting(CountingConfig(), seed=cfg.seed)
+    def tokens(self, run, microbatches) -> int:
+        return sum(mb["input_ids"].numel() for mb in microbatches)
 
-    def eval_dataset(self, spec, cfg):
-        return Counting(CountingConfig(), n=256, seed=cfg.seed + 1)
 
-    def collator(self, c, dataset, checkpoint):
+class CountingData(DataSide):
+    """The data side (``run``: the resolved run, parallax.run.Run): the dataset, the collator
+    and what the pipeline's stages take."""
+
+    input_keys = ("input_ids", "labels")
+
+    def dataset(self, spec: str, run):
+        return Counting(CountingConfig(), seed=run.seed)
+
+    def eval_dataset(self, spec, run):
+        return Counting(CountingConfig(), n=256, seed=run.seed + 1)
+
+    def collator(self, run, dataset):
         def collate(samples):
             tokens = torch.stack(list(samples))  # (b, s + 1)
             return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
@@ -167,25 +175,41 @@ class CountingRecipe(Recipe):
     def stage_inputs(self, mb):
         return (mb["input_ids"],)
 
-    def stage_metas(self, c, mb, dtype):
+    def stage_metas(self, run, mb, dtype):
         b, s = mb["input_ids"].shape
-        return [TensorMeta((b, s, c.hidden), dtype, True)]
+        return [TensorMeta((b, s, run.model_config.hidden), dtype, True)]
 
-    # -- objective: a next-token loss per microbatch on the last stage
+
+class NextToken(TokenObjective):
+    """The objective: a next-token loss per microbatch on the last stage, and its accuracy."""
+
+    metric_sums = ("correct", "tokens")
+    metrics = (MetricSpec("accuracy", "correct", "tokens", "acc"),)
+
     def loss_units(self, mb) -> int:
         return mb["labels"].numel()
 
-    def loss_target(self, c, mb, cfg):
+    def loss_target(self, run, mb):
         return mb["labels"]
 
-    def loss(self, chunk, logits, labels, ctx, cfg):
+    def loss(self, chunk, logits, labels, ctx, run):
         ce = vocab_parallel_cross_entropy(logits, labels, ctx, reduction="sum")
         with torch.no_grad():
             correct = (tp_argmax(logits, ctx) == labels).sum().float()
         return ce, torch.stack([correct, torch.tensor(float(labels.numel()))])
 
-    def tokens(self, c, microbatches) -> int:
-        return sum(mb["input_ids"].numel() for mb in microbatches)
+
+class CountingRecipe(Recipe):
+    """The three sides composed. A "tokens" recipe must write ten methods (parallax.recipe.
+    REQUIRED): the model's resolve, blocks and build; the data's dataset, collator,
+    stage_inputs and stage_metas; the objective's loss_units, loss_target and loss. presets,
+    default_lr, eval_dataset and tokens are optional hooks it overrides too; every other hook
+    has a default (parallax/recipe/model_side.py, data_side.py, objective.py)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        super().__init__(CountingModel(), CountingData(), NextToken())
 
 
 parallax.register("counting", CountingRecipe())

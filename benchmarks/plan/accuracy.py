@@ -24,18 +24,17 @@ import time
 from dataclasses import dataclass
 
 import torch
+from parallax.data.vqa_synthetic import SyntheticVQA
 
 from benchmarks.tools.common import append_results, env_info, median, print_table
 from parallax.context import ParallelContext
-from parallax.data.vqa_synthetic import SyntheticVQA
 from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
 from parallax.plan.model import Model
 from parallax.plan.search import Searcher, option_problems, search
-from parallax.recipe import registry
-from parallax.train.config import TrainConfig
+from parallax.recipe import registry, resolve
+from parallax.run import TrainConfig
 from parallax.train.memory_limit import cap_gpu_memory, default_allocator
-from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 
 

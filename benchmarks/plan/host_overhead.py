@@ -27,8 +27,8 @@ from benchmarks.tools.common import median, print_table
 from parallax.context import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.optim import grads, offload, passes
-from parallax.train.config import TrainConfig
-from parallax.train.run import resolve
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.train.trainer import Trainer
 
 CONFIGS = {

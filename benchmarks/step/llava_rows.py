@@ -20,7 +20,8 @@ from benchmarks.step.llava_workload import hf_state_dict
 from parallax import ParallelContext
 from parallax.families.llava_next.config import LlavaNextConfig
 from parallax.models.compile import compile_modules
-from parallax.train.config import TrainConfig
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.train.trainer import Trainer
 
 LR, VISION_LR, WEIGHT_DECAY, CLIP = 2e-5, 2e-6, 0.01, 1.0
@@ -45,7 +46,7 @@ def parallax_row(args, config, mbs, device) -> tuple[Step, float]:
         compile="compile" in args.parallax_variant,
     )
     compile_options = {"backend": args.compile_backend} if cfg.compile else None
-    trainer = Trainer(cfg, ParallelContext.local(device), compile_options=compile_options)
+    trainer = Trainer(resolve(cfg), ParallelContext.local(device), compile_options=compile_options)
 
     def step() -> float:
         return trainer.train_step(mbs).loss.item()

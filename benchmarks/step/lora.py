@@ -71,6 +71,7 @@ from benchmarks.tools.common import (
 )
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.compile import CHECKPOINT_SCOPES, memory_budget
+from parallax.recipe import resolve
 from parallax.train.memory_limit import default_allocator
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
@@ -141,7 +142,7 @@ class Row:
             )
 
     def _trainer(self, n_micro: int, micro: int):
-        from parallax.train.config import TrainConfig
+        from parallax.run import TrainConfig
         from parallax.train.trainer import Trainer
 
         if self.trainer is None or self.trainer.num_microbatches != n_micro:
@@ -165,7 +166,7 @@ class Row:
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
             backend = "aot_eager" if self.args.smoke else "inductor"
-            self.trainer = Trainer(cfg, self.ctx, compile_options={"backend": backend})
+            self.trainer = Trainer(resolve(cfg), self.ctx, compile_options={"backend": backend})
         return self.trainer
 
     def step(self, batch: dict, micro: int):

@@ -59,6 +59,7 @@ from benchmarks.tools.common import (
 )
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.oft.config import OFTConfig
+from parallax.recipe import resolve
 from parallax.train.memory_limit import default_allocator
 
 RANK, ALPHA, LR = 32, 16.0, 5e-4
@@ -139,7 +140,7 @@ SAVING = {
 
 def parallax_train(args, config, device, dtype, compile: bool, saving: str = ""):
     from parallax import ParallelContext
-    from parallax.train.config import TrainConfig
+    from parallax.run import TrainConfig
     from parallax.train.trainer import Trainer
 
     cfg = TrainConfig(
@@ -158,7 +159,11 @@ def parallax_train(args, config, device, dtype, compile: bool, saving: str = "")
         out=tempfile.mkdtemp(prefix="parallax-oft-bench-"),  # nothing is written
     )
     options = {"backend": "inductor" if device.type == "cuda" else "aot_eager"}
-    trainer = Trainer(cfg, ParallelContext.local(device=device), config, compile_options=options)
+    trainer = Trainer(
+        resolve(cfg, model_config=config),
+        ParallelContext.local(device=device),
+        compile_options=options,
+    )
     mbs = [make_batch(trainer.model_config, args.batch, args.prompt_tokens, device)]
     return (lambda: trainer.train_step(mbs)), trainer
 

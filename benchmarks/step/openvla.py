@@ -93,7 +93,7 @@ from benchmarks.tools.common import append_records, env_info
 from parallax import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.flops import openvla_flops_per_sample
-from parallax.train.config import TrainConfig
+from parallax.run import TrainConfig
 from parallax.train.memory_limit import default_allocator
 
 

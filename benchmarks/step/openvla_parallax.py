@@ -12,6 +12,7 @@ from benchmarks.step.openvla_layout import Layout
 from benchmarks.step.timing import Measured, time_steps
 from benchmarks.tools.common import peak_memory_gib, sync
 from parallax.context import ParallelContext
+from parallax.recipe import resolve
 
 Batch = dict[str, torch.Tensor]
 # parallax's speed options per variant (TrainConfig fields); "opt" is the Trainer's defaults
@@ -41,7 +42,7 @@ def parallax_config(
 ):
     """The :class:`~parallax.train.config.TrainConfig` of the parallax rows of ``variant``
     (:data:`VARIANTS`: ``base`` turns every speed option off)."""
-    from parallax.train.config import TrainConfig
+    from parallax.run import TrainConfig
 
     cfg = TrainConfig(
         tp=layout.tp,
@@ -85,7 +86,7 @@ def run_parallax(
     from parallax.train.trainer import Trainer
 
     cfg = parallax_config(layout, wl, model, len(microbatches) * wl.micro_batch, variant)
-    trainer = Trainer(cfg, ctx, compile_options={"backend": compile_backend})
+    trainer = Trainer(resolve(cfg), ctx, compile_options={"backend": compile_backend})
     mine = dp_share(microbatches, trainer.ctx.dp_rank, trainer.ctx.dp_size)
     mine = [{**mb, "labels": mb["labels"].cpu()} for mb in mine]
     times, first, loss = time_steps(lambda: trainer.train_step(mine), ctx.device, warmup, steps)

@@ -25,6 +25,7 @@ from benchmarks.step.openvla_runs import Layout, parallax_config
 from benchmarks.tools.common import sync
 from parallax import init_parallel
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.recipe import resolve
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         config, micro_batch=args.micro_batch, autocast=None if args.smoke else torch.bfloat16
     )
     cfg = parallax_config(layout, wl, model, args.global_batch, args.variant)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     batch = synthetic_batch(config, args.global_batch, 40, 8, device=ctx.device)
     mine = dp_share(split_batch(batch, args.micro_batch), ctx.dp_rank, ctx.dp_size)
     mine = [{**mb, "labels": mb["labels"].cpu()} for mb in mine]

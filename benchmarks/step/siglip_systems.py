@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from parallax.recipe import resolve
+
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LR = 1e-5  # small: the first losses are what is compared, later ones barely move
 
@@ -32,7 +34,7 @@ def _autocast(device: torch.device, smoke: bool):
 def parallax_system(args, config, weights: Path, device: torch.device, b: int) -> Step:
     from parallax import ParallelContext
     from parallax.families.siglip.recipe import SiglipRecipe
-    from parallax.train.config import TrainConfig
+    from parallax.run import TrainConfig
     from parallax.train.trainer import Trainer
 
     cfg = TrainConfig(
@@ -48,7 +50,7 @@ def parallax_system(args, config, weights: Path, device: torch.device, b: int) -
         cuda_graphs=args.cuda_graphs and not args.smoke,
         activation_checkpointing=args.checkpointing,
     )
-    trainer = Trainer(cfg, ParallelContext.local(device=device), recipe=SiglipRecipe())
+    trainer = Trainer(resolve(cfg, recipe=SiglipRecipe()), ParallelContext.local(device=device))
 
     def step(px: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return trainer.train_step([{"pixel_values": px, "input_ids": ids}]).loss

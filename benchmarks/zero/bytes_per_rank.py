@@ -24,8 +24,8 @@ from parallax.models import vlm
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
 from parallax.plan.model import Model
-from parallax.train.config import TrainConfig
-from parallax.train.run import resolve
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.train.trainer import Trainer
 
 MIB = 2**20
@@ -38,7 +38,7 @@ def measure(model: str, dp: int, zero: int, ctx) -> dict:
                               global_batch_size=dp, micro_batch_size=1))  # fmt: skip
     init, vlm.init_parameters = vlm.init_parameters, lambda *args, **kwargs: None
     try:
-        trainer = Trainer(cfg, ctx)
+        trainer = Trainer(resolve(cfg), ctx)
     finally:
         vlm.init_parameters = init
     data = SyntheticTask(num_episodes=max(8, dp), episode_length=2, image_size=32, seed=0)

@@ -96,10 +96,11 @@ def _two_steps(runner, microbatches) -> list[float]:
 def _parallax_two_steps(wl: Workload, microbatches) -> list[float]:
     """parallax's Trainer at dp=2 on the same workload (what the benchmark's parallax rows run)."""
     from benchmarks.step.openvla_runs import Layout, parallax_config
+    from parallax.recipe import resolve
     from parallax.train import Trainer
 
     ctx = context(dp=2)
-    trainer = Trainer(parallax_config(Layout(dp=2), wl, "tiny", 8), ctx)
+    trainer = Trainer(resolve(parallax_config(Layout(dp=2), wl, "tiny", 8)), ctx)
     mine = dp_share(microbatches, ctx.dp_rank, ctx.dp_size)
     out = []
     for _ in range(2):

@@ -50,7 +50,7 @@ def test_every_memory_form_is_a_valid_run_where_the_plan_asks_for_it():
     """Each saving form the plan lists makes a TrainConfig that passes its checks (the budget
     needs --compile, so it has no eager row)."""
     from benchmarks.step.oft import SAVING, _train_plan
-    from parallax.train.config import TrainConfig
+    from parallax.run import TrainConfig
 
     plan = _train_plan(parse_args(["--compile", "--memory", "--rows", "parallax"]))
     assert {f for *_, f in plan} == {"", *SAVING}

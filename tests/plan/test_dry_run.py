@@ -3,10 +3,10 @@ memory and what a card needs; under a cap it says whether the layout fits and wh
 
 import io
 
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.train import parse_args
-from parallax.train.config import TrainConfig
-from parallax.train.plan import print_plan
-from parallax.train.run import resolve
+from parallax.train.dry_run import print_plan
 
 
 def test_the_table_has_the_memory_columns(monkeypatch):

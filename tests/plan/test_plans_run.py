@@ -13,7 +13,7 @@ from parallax.plan.report import command
 from parallax.recipe import registry
 from parallax.testing import run_ranks
 from parallax.train import main, parse_args
-from parallax.train.plan import print_plan
+from parallax.train.dry_run import print_plan
 
 PRESETS = [p for family in registry.FAMILIES.values() for p in family.presets]
 WORLDS = (1, 2, 4, 8, 16, 64)
@@ -50,13 +50,13 @@ def test_layout_auto_trains_the_tiny_model(tmp_path, capsys, caplog):
 
 
 def _auto_rank(out: str) -> tuple[int, int, int, int]:
+    from parallax.recipe import resolve
     from parallax.testing import context
-    from parallax.train.cli import run
-    from parallax.train.run import resolve
+    from parallax.train.cli import resolve_run, run
 
     argv = ["--layout", "auto", "--gpu-memory", "1", "--steps", "1", "--out", out]
     cfg = resolve(parse_args([*argv, "--save-interval", "0"]))  # planned for WORLD_SIZE=2
-    run(cfg, context(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
+    run(resolve_run(cfg), context(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
     return cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size
 
 

@@ -10,7 +10,7 @@ from parallax.models.stages import StageBlock
 from parallax.plan.blocks import BlockParams
 from parallax.plan.machine import Link, Machine
 from parallax.plan.model import Model
-from parallax.train.config import TrainConfig
+from parallax.run import TrainConfig
 
 FLOPS = 1e9  # forward matmul FLOPs of one block on one sample
 TOKENS = 100  # rows of its matmuls per sample

@@ -32,7 +32,11 @@ def _train(out: str, tp: int, pp: int) -> list[dict]:
     torch.set_num_threads(1)
     ctx = ParallelContext.local() if tp * pp == 1 else context(tp=tp, pp=pp)
     cli.run(
-        parse_args(["--model", "counting", "--out", out, "--tp", str(tp), "--pp", str(pp)] + FLAGS),
+        cli.resolve_run(
+            parse_args(
+                ["--model", "counting", "--out", out, "--tp", str(tp), "--pp", str(pp)] + FLAGS
+            )
+        ),
         ctx,
     )
     lines = (Path(out) / "metrics.jsonl").read_text().splitlines()

@@ -7,9 +7,10 @@ import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.recipe.toy_recipe import Pairs, ToyRecipe, reference_loss
 
@@ -27,8 +28,8 @@ def _toy_run(tp: int, dp: int) -> tuple[list, dict]:
     ctx = ParallelContext.local() if tp * dp == 1 else context(tp=tp, dp=dp)
     recipe = ToyRecipe()
     cfg = _toy_cfg(tp=tp, dp=dp)
-    trainer = Trainer(cfg, ctx, recipe=recipe)
-    data, collate = Pairs(), recipe.collator(None, None, None)
+    trainer = Trainer(resolve(cfg, recipe=recipe), ctx)
+    data, collate = Pairs(), recipe.data.collator(None, None)
     per_rank = cfg.global_batch_size // dp
     history = []
     for step in range(cfg.steps):
@@ -63,18 +64,18 @@ def test_the_step_level_loss_is_the_global_batch_loss_written_out():
     """The recipe's first loss (spread over microbatches) equals the formula on the batch."""
     recipe = ToyRecipe()
     cfg = _toy_cfg(steps=1)
-    trainer = Trainer(cfg, ParallelContext.local(), recipe=recipe)
+    trainer = Trainer(resolve(cfg, recipe=recipe), ParallelContext.local())
     data = Pairs()
     x, y = data.x[:16], data.y[:16]
     want = reference_loss(trainer.chunks[0], x, y).item()
-    collate = recipe.collator(None, None, None)
+    collate = recipe.data.collator(None, None)
     mbs = [collate([data[i] for i in range(j, j + 4)]) for j in range(0, 16, 4)]
     assert trainer.train_step(mbs).loss.item() == pytest.approx(want, rel=1e-6)
 
 
 def _toy_pp2() -> str | None:
     try:
-        Trainer(_toy_cfg(pp=2, global_batch_size=8), context(pp=2), recipe=ToyRecipe())
+        Trainer(resolve(_toy_cfg(pp=2, global_batch_size=8), recipe=ToyRecipe()), context(pp=2))
     except ValueError as err:
         return str(err)
     return None

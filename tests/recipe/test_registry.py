@@ -6,7 +6,14 @@ import json
 import pytest
 
 from parallax import Recipe, register
-from parallax.recipe import missing_methods, registry
+from parallax.recipe import (
+    REQUIRED,
+    DataSide,
+    ModelSide,
+    TokenObjective,
+    missing_methods,
+    registry,
+)
 from tests.recipe.toy_recipe import ToyRecipe
 
 
@@ -64,11 +71,20 @@ def test_the_registry_lists_each_familys_own_presets_and_every_recipe_is_complet
 
 
 def test_an_incomplete_recipe_is_refused_when_registered():
-    class Half(Recipe):
-        name = "half"
-
+    class HalfModel(ModelSide):
         def resolve(self, spec):
             raise NotImplementedError
 
-    with pytest.raises(TypeError, match="does not define blocks, build, dataset, collator"):
+    class Half(Recipe):
+        name = "half"
+
+        def __init__(self) -> None:
+            super().__init__(HalfModel(), DataSide(), TokenObjective())
+
+    missing = (
+        "model.blocks, model.build, data.dataset, data.collator, data.stage_inputs, "
+        "data.stage_metas, objective.loss_units, objective.loss_target, objective.loss"
+    )
+    with pytest.raises(TypeError, match=f"does not define {missing} "):
         register("half", Half())
+    assert len(REQUIRED["model"] + REQUIRED["data"] + REQUIRED["tokens"]) == 10

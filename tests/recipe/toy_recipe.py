@@ -17,7 +17,7 @@ from torch import nn
 from parallax import comm
 from parallax.init import init_parameters
 from parallax.models.stages import StageBlock
-from parallax.recipe.protocol import MetricSpec, ModelSpec, Recipe
+from parallax.recipe import DataSide, MetricSpec, ModelSide, ModelSpec, Recipe, StepObjective
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear
 
 DIM, HIDDEN, EMBED = 6, 16, 8
@@ -91,13 +91,8 @@ class Pairs:
         return {"x": self.x[i], "y": self.y[i]}
 
 
-class ToyRecipe(Recipe):
-    name = "toy"
-    objective = "step"
-    metric_sums = ("correct", "pairs")
-    metrics = (MetricSpec("match_accuracy", "correct", "pairs", "acc"),)
+class ToyModel(ModelSide):
     freeze_aliases = {"vision": ("image.*",)}
-    input_keys = ("x", "y")
     pin_first = 0
 
     def presets(self):
@@ -109,32 +104,44 @@ class ToyRecipe(Recipe):
     def default_lr(self, spec: str) -> float:
         return 1e-2
 
-    def check_layout(self, config, cfg, dims) -> None:
+    def check_layout(self, run, dims) -> None:
         if dims.pp > 1:
             raise ValueError("the toy two-tower model runs with pp = 1 (its towers are parallel)")
 
     def blocks(self, config):
         return [StageBlock("towers", 1.0)]
 
-    def build(self, config, blocks, ctx, *, cfg, dtype, device, checkpoint):
-        model = TwoTowers(config, ctx, device=device, dtype=dtype)
+    def build(self, run, blocks, ctx, *, dtype, device, checkpoint):
+        model = TwoTowers(run.model_config, ctx, device=device, dtype=dtype)
         if torch.device(device).type != "meta":
-            init_parameters(model, cfg.seed)
+            init_parameters(model, run.seed)
         return model
 
-    def dataset(self, spec, cfg):
+    def tokens(self, run, microbatches) -> int:
+        return 2 * sum(mb["x"].shape[0] for mb in microbatches)
+
+
+class ToyData(DataSide):
+    input_keys = ("x", "y")
+
+    def dataset(self, spec, run):
         return Pairs()
 
-    def collator(self, config, dataset, checkpoint):
+    def collator(self, run, dataset):
         return lambda samples: {
             "x": torch.stack([s["x"] for s in samples]),
             "y": torch.stack([s["y"] for s in samples]),
         }
 
+
+class MatchObjective(StepObjective):
+    metric_sums = ("correct", "pairs")
+    metrics = (MetricSpec("match_accuracy", "correct", "pairs", "acc"),)
+
     def backward_passes(self, num_microbatches: int) -> int:
         return 1  # one backward of the whole step's loss
 
-    def forward_backward(self, chunks, microbatches, ctx, cfg):
+    def forward_backward(self, chunks, microbatches, ctx, run):
         """Embeddings of every microbatch, gathered over dp with autograd; each rank scores its
         own rows against the global batch (both directions) and backprops their mean: the mean
         over dp of these gradients is the gradient of the global loss."""
@@ -157,8 +164,12 @@ class ToyRecipe(Recipe):
         comm.all_reduce(sums, ctx.dp_group)
         return sums[0] / sums[2], sums
 
-    def tokens(self, config, microbatches) -> int:
-        return 2 * sum(mb["x"].shape[0] for mb in microbatches)
+
+class ToyRecipe(Recipe):
+    name = "toy"
+
+    def __init__(self) -> None:
+        super().__init__(ToyModel(), ToyData(), MatchObjective())
 
 
 def reference_loss(model: TwoTowers, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from parallax.families.siglip.config import SiglipConfig
 from parallax.families.siglip.model import Siglip
 from parallax.models.compile import checkpoint_parts
 from parallax.train import TrainConfig, parse_args, resolve
-from parallax.train.plan import _dims, memory_plan
+from parallax.train.dry_run import _dims, memory_plan
 from parallax.train.trainer import Trainer
 from tests.families.openvla.test_trainer import _cfg, train_steps
 
@@ -49,7 +49,7 @@ def _run_counting(cfg):
     first decoder layer's first norm."""
     torch.manual_seed(0)
     ctx = ParallelContext.local()
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     model = trainer.chunks[0]
     block = next(iter(model.vision_towers()[0]._blocks()))
     norms = {

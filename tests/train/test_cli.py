@@ -115,14 +115,14 @@ def test_default_command_learns_and_logs(reference):
 def _run_in_pool(tp, pp, dp, out, stop_after=None, resume=False):
     from parallax.testing import context
     from parallax.train import parse_args
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     cfg = parse_args(
         ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN]
         + (["--resume"] if resume else [])
     )
-    run(cfg, ctx, stop_after=stop_after)
+    run(resolve_run(cfg), ctx, stop_after=stop_after)
     return True
 
 
@@ -361,12 +361,12 @@ def test_corrupt_or_partial_checkpoint_is_refused_untouched(reference, tmp_path,
 def _resume_expecting_error(tp, pp, dp, out, steps):
     from parallax.testing import context
     from parallax.train import parse_args
-    from parallax.train.cli import UserError, run
+    from parallax.train.cli import UserError, resolve_run, run
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN]
     try:
-        run(parse_args([*args, "--resume", "--steps", str(steps)]), ctx)
+        run(resolve_run(parse_args([*args, "--resume", "--steps", str(steps)])), ctx)
     except UserError as err:
         return str(err)
     return None
@@ -411,7 +411,7 @@ def test_dry_run_outside_torchrun_says_it_plans_one_process(monkeypatch):
     import io
 
     from parallax.train import parse_args
-    from parallax.train.plan import print_plan
+    from parallax.train.dry_run import print_plan
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = io.StringIO()

@@ -207,7 +207,7 @@ def test_resume_follows_changed_schedule_flags_and_takes_a_stale_lock(base, tmp_
     the new schedule's lr (not the finished run's 0), and one line says what changed; a lock
     left by a process that is gone is taken over with a note."""
     from parallax.train import parse_args
-    from parallax.train.steps import lr_lambda
+    from parallax.train.lr_schedule import lr_lambda
 
     out = _copy(base, tmp_path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -237,7 +237,7 @@ def test_resume_follows_changed_schedule_flags_and_takes_a_stale_lock(base, tmp_
 
 def test_unchanged_flags_resume_silently(base, tmp_path, caplog):
     from parallax.train import parse_args, resolve
-    from parallax.train.steps import schedule_changes
+    from parallax.train.lr_schedule import schedule_changes
 
     ckpt = json.loads((base / "checkpoints" / "step_00000002" / "meta.json").read_text())
     cfg = resolve(parse_args(["--out", str(base), *BASE]))  # what the run resolved
@@ -366,7 +366,7 @@ def _stop_agreement():
 
 def test_dry_run_on_synthetic_data_says_nothing_of_robot_workers(capsys):
     from parallax.train import parse_args
-    from parallax.train.plan import data_note
+    from parallax.train.dry_run import data_note
 
     note = data_note(parse_args(["--dry-run"]))
     assert "built-in task" in note and "worker" not in note, note

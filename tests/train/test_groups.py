@@ -4,8 +4,8 @@ and the groups split by learning rate and weight decay."""
 import pytest
 import torch
 
-from parallax.train.config import TrainConfig
-from parallax.train.groups import param_groups, parse_lr_groups
+from parallax.run import TrainConfig
+from parallax.run.param_groups import param_groups, parse_lr_groups
 
 
 def test_lr_groups_parse_from_every_form(tmp_path):

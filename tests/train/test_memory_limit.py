@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallax import ParallelContext
-from parallax.train.config import TrainConfig
+from parallax.run import TrainConfig
 from parallax.train.memory_limit import (
     GiB,
     apply_gpu_memory_limit,
@@ -70,7 +70,7 @@ def test_an_out_of_memory_step_names_the_cap_and_what_helps(monkeypatch, tmp_pat
     torch.set_num_threads(1)
     try:
         with pytest.raises(cli.UserError) as err:
-            cli.run(cfg, ParallelContext.local())
+            cli.run(cli.resolve_run(cfg), ParallelContext.local())
     finally:
         torch.set_num_threads(threads)
     message = str(err.value)

@@ -4,8 +4,8 @@ a new option, a changed default or help text fails here until
 
 from pathlib import Path
 
-from parallax.train.config import TrainConfig
-from parallax.train.options import flag, options
+from parallax.run import TrainConfig
+from parallax.run.option import flag, options
 from parallax.train.reference import main, reference
 
 DOC = Path(__file__).parents[2] / "docs" / "training.md"

@@ -9,8 +9,9 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import SyntheticTask
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.families.openvla.test_trainer import _batches, separate
 
@@ -39,7 +40,7 @@ def _run(ctx, cfg, **trainer_kw):
     """``STEPS`` steps: each step's loss, grad norm and metric sums, and the logical weights
     after them (on the stage's dp 0, tp 0 rank)."""
     torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx, **trainer_kw)
+    trainer = Trainer(resolve(cfg), ctx, **trainer_kw)
     data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
     next_batch = _batches(trainer, ctx, cfg, data)
     history = []
@@ -150,7 +151,7 @@ def _zero3_counts(microbatches: int) -> dict:
     step, which prefetches in the order the first one recorded)."""
     ctx = context(pp=2, dp=2)
     cfg = _cfg(pp=2, dp=2, zero=3, schedule="1f1b", global_batch_size=4 * microbatches)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     opt, gathers = trainer.optimizer, trainer.optimizer.zero3.gathers
     between = []
 
@@ -212,7 +213,8 @@ def _cli(tp: int, dp: int, out: str, flags: list, stop_after=None) -> None:
     from parallax.train.cli import run
 
     ctx = context(tp=tp, dp=dp)
-    run(parse_args(["--tp", str(tp), "--dp", str(dp), "--out", out, *RUN, *flags]), ctx, stop_after)
+    cfg = parse_args(["--tp", str(tp), "--dp", str(dp), "--out", out, *RUN, *flags])
+    run(resolve(cfg), ctx, stop_after)
 
 
 def _losses(out) -> dict[int, float]:
@@ -261,7 +263,7 @@ BAD = [
 def _refused(kw: dict) -> str | None:
     """A Trainer built with a bad combination, on every rank of a dp2 run."""
     try:
-        Trainer(_cfg(dp=2, **kw), context(dp=2))
+        Trainer(resolve(_cfg(dp=2, **kw)), context(dp=2))
     except ValueError as err:
         return str(err)
     return None

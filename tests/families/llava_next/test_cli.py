@@ -18,13 +18,13 @@ LEARN = (
 def _cli(out: str, *args: str, tp: int = 1, stop_after: int | None = None) -> str | None:
     from parallax.testing import context
     from parallax.train import parse_args
-    from parallax.train.cli import UserError, run
+    from parallax.train.cli import UserError, resolve_run, run
 
     dp = 2 // tp
     ctx = context(tp=tp, dp=dp)
     try:
         cfg = parse_args(["--tp", str(tp), "--dp", str(dp), "--out", out, *args])
-        run(cfg, ctx, stop_after=stop_after)
+        run(resolve_run(cfg), ctx, stop_after=stop_after)
     except UserError as err:
         return str(err)
     return None
@@ -112,7 +112,7 @@ def test_bad_inputs_fail_on_every_rank_before_training(image):
 @pytest.mark.parametrize("layout", [("2", "2", "2")])
 def test_dry_run_plans_the_7b_at_any_layout(layout, capsys):
     from parallax.train import parse_args
-    from parallax.train.plan import print_plan
+    from parallax.train.dry_run import print_plan
 
     tp, pp, dp = layout
     argv = ["--model", "llava-v1.6-vicuna-7b", "--precision", "bf16", "--dry-run"]

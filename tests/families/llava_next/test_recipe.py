@@ -8,11 +8,11 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import SyntheticVQA
-from parallax.recipe import registry
+from parallax.recipe import registry, resolve
+from parallax.run import TrainConfig
+from parallax.run.param_groups import param_groups
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
-from parallax.train.groups import param_groups
 from parallax.train.trainer import Trainer
 from tests.families.llava_next.helpers import tiny_config
 from tests.families.openvla.helpers import assert_rel_close
@@ -42,7 +42,7 @@ def _run(tp: int, pp: int, dp: int, **kw):
     ctx = ParallelContext.local() if tp * pp * dp == 1 else context(tp=tp, pp=pp, dp=dp)
     cfg = _cfg(tp=tp, pp=pp, dp=dp, **kw)
     # a vocabulary that tp=2 pads (131 rows): the padding must stay out of the loss
-    trainer = Trainer(cfg, ctx, model_config=tiny_config())
+    trainer = Trainer(resolve(cfg, model_config=tiny_config()), ctx)
     recipe, data = trainer.recipe, _data()
     loader = recipe.loader(data, trainer.run, ctx)
     collate = recipe.collator(trainer.model_config, data, None)
@@ -98,13 +98,15 @@ def test_default_lr_groups_are_llava_v16_and_stage_1_trains_the_projector_only()
     assert recipe.default_lr_groups("llava-v1.6-vicuna-7b", 2e-5) == {
         "vision_tower.*": pytest.approx(2e-6)
     }
-    trainer = Trainer(_cfg(lr=None), ParallelContext.local(), model_config=tiny_config())
+    trainer = Trainer(resolve(_cfg(lr=None), model_config=tiny_config()), ParallelContext.local())
     named = trainer.named_parameters()
     lrs = {n: g["lr"] for g in param_groups(named, trainer.cfg) for n, _ in g["params"]}
     assert lrs["vision_tower.patch_embed.proj.weight"] == pytest.approx(3e-4)
     assert lrs["multi_modal_projector.linear_1.weight"] == pytest.approx(3e-3)
     assert lrs["language_model.model.layers.0.mlp.down_proj.weight"] == pytest.approx(3e-3)
-    stage1 = Trainer(_cfg(freeze="vision,llm"), ParallelContext.local(), model_config=tiny_config())
+    stage1 = Trainer(
+        resolve(_cfg(freeze="vision,llm"), model_config=tiny_config()), ParallelContext.local()
+    )
     trainable = {n for n, p in stage1.named_parameters() if p.requires_grad}
     assert trainable and all(
         n.startswith(("multi_modal_projector.", "image_newline")) for n in trainable

@@ -7,10 +7,13 @@ from tests.train.test_cli import RUN
 def _export_in_pool(out):
     from parallax.testing import context
     from parallax.train import parse_args
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     ctx = context(pp=2)
-    run(parse_args(["--pp", "2", "--out", out, *RUN, "--steps", "2", "--export-hf"]), ctx)
+    run(
+        resolve_run(parse_args(["--pp", "2", "--out", out, *RUN, "--steps", "2", "--export-hf"])),
+        ctx,
+    )
     return True
 
 

@@ -41,7 +41,7 @@ def _run(ctx, cfg):
     from parallax.train.trainer import Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     frozen = {n: p.detach().clone() for n, p in trainer.named_parameters() if not p.requires_grad}
     data = SyntheticTask(num_episodes=8, episode_length=2, image_size=32, seed=cfg.seed)
     next_batch = _batches(trainer, ctx, cfg, data)
@@ -117,7 +117,7 @@ def test_bad_globs_fail_before_anything_is_built():
         (dict(train="x.*"), "--train"),
     ):
         with pytest.raises(ValueError, match=msg):
-            Trainer(_cfg(**kw), ParallelContext.local())
+            Trainer(resolve(_cfg(**kw)), ParallelContext.local())
 
 
 @pytest.mark.parametrize(
@@ -153,12 +153,12 @@ RUN = (
 def _cli(tp, pp, dp, out, *extra, stop_after=None):
     """``parallax.train`` in this pool's ranks; the error message of a refused run."""
     from parallax.train import parse_args
-    from parallax.train.cli import UserError, run
+    from parallax.train.cli import UserError, resolve_run, run
 
     ctx = context(tp=tp, pp=pp, dp=dp)
     args = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", out, *RUN, *extra]
     try:
-        run(parse_args(args), ctx, stop_after=stop_after)
+        run(resolve_run(parse_args(args)), ctx, stop_after=stop_after)
     except UserError as err:
         return str(err)
     return None
@@ -232,7 +232,7 @@ def test_export_writes_the_merged_model_and_the_peft_adapter(tmp_path):
     assert notes["not_adapted"]["modules"]  # the towers' unused blocks
     # merged = the base the run built (seed 3) with the exported adapter, merged in fp32,
     # written once in bf16; at tp2 each rank merged its own slice
-    base = OpenVLA(Trainer(_cfg(steps=2), ParallelContext.local()).model_config, seed=3)
+    base = OpenVLA(Trainer(resolve(_cfg(steps=2)), ParallelContext.local()).model_config, seed=3)
     apply_lora(base, rank=4, alpha=8.0, seed=None)
     load_adapter(base, adapter)
     exported = OpenVLA.from_pretrained(out / "hf", None, dtype=torch.float32, config=base.config)
@@ -240,7 +240,7 @@ def test_export_writes_the_merged_model_and_the_peft_adapter(tmp_path):
     for name, value in merged_state(base):
         assert torch.equal(got[name], value.to(torch.bfloat16).float()), name
     # --lora-init starts a run from that adapter
-    start = Trainer(_cfg(lora_init=str(adapter)), ParallelContext.local())
+    start = Trainer(resolve(_cfg(lora_init=str(adapter))), ParallelContext.local())
     params = dict(start.named_parameters())
     for name, p in base.named_parameters():
         if p.requires_grad or name.startswith("projector.fc1."):
@@ -261,10 +261,10 @@ LEARN = (
 
 def _learn(out, *extra):
     from parallax.train import parse_args
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     args = ["--dp", "2", "--out", out, "--save-interval", "0", "--seed", "1", *LEARN, *extra]
-    run(parse_args(args), context(dp=2))
+    run(resolve_run(parse_args(args)), context(dp=2))
     return True
 
 
@@ -285,7 +285,7 @@ def test_dry_run_shows_what_trains(capsys):
     import io
 
     from parallax.train import parse_args
-    from parallax.train.plan import print_plan
+    from parallax.train.dry_run import print_plan
 
     out = io.StringIO()
     cfg = parse_args(["--dry-run", "--finetune", "lora", "--tp", "2", "--train", "projector"])
@@ -307,7 +307,7 @@ def _custom(out: str, tp: int, pp: int) -> list[float]:
     flags = ["--model", "counting", "--out", out, "--tp", str(tp), "--pp", str(pp)]
     flags += ["--steps", "6", "--global-batch-size", "8", "--micro-batch-size", "4"]
     flags += ["--save-interval", "0", "--finetune", "lora", "--lora-rank", "4", "--lr", "1e-2"]
-    cli.run(parse_args(flags), ctx)
+    cli.run(cli.resolve_run(parse_args(flags)), ctx)
     rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows]
 
@@ -326,7 +326,7 @@ def _step_matmuls(finetune: str):
     from tests.tensor.test_lora_layers import _Matmuls
 
     cfg = _cfg(finetune=finetune, train=None, lr_groups=None, global_batch_size=1)
-    trainer = Trainer(cfg, ParallelContext.local())
+    trainer = Trainer(resolve(cfg), ParallelContext.local())
     data = SyntheticTask(num_episodes=2, episode_length=2, image_size=32, seed=0)
     batch = _batches(trainer, ParallelContext.local(), cfg, data)()
     with _Matmuls() as seen:

@@ -11,9 +11,9 @@ from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
 from parallax.plan.model import Model
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
-from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 
 CASES = [
@@ -52,7 +52,7 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     ctx = context(tp=tp, pp=pp, dp=dp)
     init, vlm.init_parameters = vlm.init_parameters, lambda *args, **kwargs: None
     try:
-        trainer = Trainer(cfg, ctx)
+        trainer = Trainer(resolve(cfg), ctx)
     finally:
         vlm.init_parameters = init
     trainer.train_step(_microbatches(trainer, ctx, cfg))  # AdamW makes its state in a step

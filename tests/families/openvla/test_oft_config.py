@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from parallax import ParallelContext
+from parallax.recipe import resolve
 from parallax.train import TrainConfig, parse_args
-from parallax.train.steps import lr_lambda
+from parallax.train.lr_schedule import lr_lambda
 
 
 @pytest.mark.parametrize("warmup", [0, 3])
@@ -61,7 +62,7 @@ def _trainer(**kw):
     base = dict(
         action_head="l1", action_chunk=3, film=True, global_batch_size=2, micro_batch_size=2
     )
-    return Trainer(TrainConfig(**{**base, **kw}), ParallelContext.local())
+    return Trainer(resolve(TrainConfig(**{**base, **kw})), ParallelContext.local())
 
 
 def test_the_model_takes_the_datas_inputs_and_the_flags_chunk():
@@ -106,7 +107,7 @@ def test_an_oft_model_cannot_train_on_tokens_and_options_must_agree():
 
     tiny = _trainer().model_config
     with pytest.raises(ValueError, match="train it with --action-head l1"):
-        Trainer(TrainConfig(), ParallelContext.local(), model_config=tiny)
+        Trainer(resolve(TrainConfig(), model_config=tiny), ParallelContext.local())
     other = dataclasses.replace(tiny, oft=OFTConfig(chunk=5))
     with pytest.raises(ValueError, match="this run's flags ask for chunks of 3"):
         _trainer_with(other)
@@ -118,11 +119,11 @@ def _trainer_with(config):
     cfg = TrainConfig(
         action_head="l1", action_chunk=3, film=True, global_batch_size=2, micro_batch_size=2
     )
-    return Trainer(cfg, ParallelContext.local(), model_config=config)
+    return Trainer(resolve(cfg, model_config=config), ParallelContext.local())
 
 
 def test_dry_run_plans_an_oft_run():
-    from parallax.train.plan import print_plan
+    from parallax.train.dry_run import print_plan
 
     out = io.StringIO()
     print_plan(

@@ -110,13 +110,13 @@ def test_synthetic_oft_form():
 def test_an_oft_run_on_rlds(data, tmp_path):
     from parallax import ParallelContext
     from parallax.train import parse_args
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     out = tmp_path / "run"
     flags = ["--data", f"rlds:{data['rlds']}", "--action-head", "l1", "--action-chunk", str(K)]
     flags += ["--steps", "2", "--global-batch-size", "2", "--micro-batch-size", "2"]
     flags += ["--out", str(out), "--workers", "0", "--save-interval", "2", "--log-interval", "1"]
-    run(parse_args(flags), ParallelContext.local())
+    run(resolve_run(parse_args(flags)), ParallelContext.local())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
     meta = json.loads(next((out / "checkpoints").glob("step_*/meta.json")).read_text())

@@ -11,7 +11,7 @@ import torch
 from parallax import ParallelContext
 from parallax.families.openvla.action_tokenizer import normalize_actions
 from parallax.families.openvla.oft.data import synthetic_task
-from parallax.train.config import TrainConfig
+from parallax.run import TrainConfig
 
 FLAGS = (
     *("--action-head", "l1", "--steps", "80", "--global-batch-size", "8"),
@@ -37,12 +37,12 @@ def mean_action_l1(seed: int = 0, episodes: int = 200) -> float:
 
 def test_tiny_oft_learns_the_synthetic_task(tmp_path):
     from parallax.train import parse_args
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run(parse_args([*FLAGS, "--out", str(tmp_path)]), ParallelContext.local())
+        run(resolve_run(parse_args([*FLAGS, "--out", str(tmp_path)])), ParallelContext.local())
     finally:
         torch.set_num_threads(threads)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

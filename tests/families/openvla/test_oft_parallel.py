@@ -13,8 +13,9 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import BatchLoader, SyntheticTask
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from tests.families.openvla.test_trainer import separate
 
 STEPS = 2
@@ -42,7 +43,7 @@ def _run(ctx, cfg):
     from parallax.train.trainer import Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     data = _data(cfg)
     loader = BatchLoader(
         data,
@@ -127,7 +128,7 @@ def test_padded_text_at_tp2_pp2_matches_one_process_unpadded(reference):
 def test_padded_text_matches_one_process(reference):
     # --pad-to-multiple-of 16 widens every microbatch (the key-padding mask hides the pads):
     # the same losses, gradient norms and updated weights as the unpadded run
-    from parallax.train.run import resolve
+    from parallax.recipe import resolve
 
     cfg = _cfg("full", pad_to_multiple_of=16)
     data = _data(cfg)

@@ -99,9 +99,9 @@ RUN = (
 
 def _train(out: str) -> bool:
     from parallax.train import parse_args
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
-    run(parse_args(["--tp", "2", "--out", out, *RUN]), context(tp=2))
+    run(resolve_run(parse_args(["--tp", "2", "--out", out, *RUN])), context(tp=2))
     return True
 
 

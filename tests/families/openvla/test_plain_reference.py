@@ -19,9 +19,10 @@ from parallax.data import BatchLoader, SyntheticTask
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.model import OpenVLA
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.families.openvla.helpers import ref_openvla
 from tests.families.openvla.test_trainer import separate
@@ -61,7 +62,7 @@ def _microbatches(config: OpenVLAConfig, data, dp_rank: int, dp_size: int):
 # -- parallax ----------------------------------------------------------------------------------
 def _parallel():
     ctx = context(tp=2, pp=2, dp=DP)
-    trainer = Trainer(_cfg(tp=2, pp=2, dp=DP), ctx)
+    trainer = Trainer(resolve(_cfg(tp=2, pp=2, dp=DP)), ctx)
     history = []
     for mbs in _microbatches(trainer.model_config, _data(), ctx.dp_rank, DP):
         out = trainer.train_step(mbs)

@@ -12,10 +12,10 @@ from torch.testing import assert_close
 
 from parallax import ParallelContext
 from parallax.data import SyntheticTask
-from parallax.recipe import registry
+from parallax.recipe import registry, resolve
+from parallax.run import TrainConfig
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.families.openvla.test_trainer import STEPS, _batches, _cfg, _parallel, separate
 
@@ -57,7 +57,7 @@ def _frozen_run(tp: int, pp: int, dp: int):
     ctx = ParallelContext.local() if tp * pp * dp == 1 else context(tp=tp, pp=pp, dp=dp)
     cfg = _cfg(tp=tp, pp=pp, dp=dp, **FREEZE)
     torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     frozen = [n for n, p in trainer.named_parameters() if not p.requires_grad]
     before = {n: full_tensor(p, ctx.tp_group).clone() for n, p in trainer.named_parameters()}
     data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed)
@@ -108,7 +108,7 @@ def _eval_run(tp: int, pp: int, dp: int, chunks: int = 1) -> list[float]:
     ctx = ParallelContext.local() if tp * pp * dp == 1 else context(tp=tp, pp=pp, dp=dp)
     kw = dict(schedule="interleaved", chunks=chunks) if chunks > 1 else {}
     cfg = _cfg(tp=tp, pp=pp, dp=dp, eval_interval=1, eval_batches=2, **kw)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed + 1)
     collate = registry.recipe("openvla").collator(trainer.model_config, data, None)
     evaluator = Evaluator(trainer, data, collate, Path(cfg.out))
@@ -136,7 +136,7 @@ def test_evaluation_flags_reach_the_config():
 
 
 def test_only_a_family_that_pads_its_text_takes_pad_to_multiple_of():
-    from parallax.train.run import resolve
+    from parallax.recipe import resolve
 
     run = resolve(TrainConfig(model="tiny", pad_to_multiple_of=64))
     assert run.model_config.text_multiple == 64

@@ -68,13 +68,13 @@ def _train(tp, dp, out, data, stop_after=None, resume=False, extra=()):
     """cli.run on a pool rank; a UserError comes back as its message."""
     from parallax.testing import context
     from parallax.train import parse_args
-    from parallax.train.cli import UserError, run
+    from parallax.train.cli import UserError, resolve_run, run
 
     ctx = context(tp=tp, dp=dp)
     args = ["--tp", str(tp), "--dp", str(dp), "--out", out, "--data", data, *RUN, *extra]
     cfg = parse_args(args + ["--save-interval", "5"] + (["--resume"] if resume else []))
     try:
-        run(cfg, ctx, stop_after=stop_after)
+        run(resolve_run(cfg), ctx, stop_after=stop_after)
     except UserError as err:
         return str(err)
     return None

@@ -73,7 +73,10 @@ def _train(out: str, *args: str, poison_step: int | None = None):
     # processes serve later tests, whose --model tiny must stay OpenVLA's
     registry.register("poisoned", recipe, presets=())
     try:
-        cli.run(parse_args(["--out", out, "--model", "poisoned:tiny", *RUN, *args]), context(dp=2))
+        cli.run(
+            cli.resolve_run(parse_args(["--out", out, "--model", "poisoned:tiny", *RUN, *args])),
+            context(dp=2),
+        )
     except cli.UserError as err:
         return str(err)
     finally:

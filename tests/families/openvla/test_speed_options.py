@@ -14,10 +14,10 @@ from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.model import OpenVLA
 from parallax.pipeline import executor, p2p
+from parallax.recipe import resolve
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import parse_args, state
-from parallax.train.run import resolve
 from parallax.train.trainer import Trainer
 from tests.families.openvla.test_trainer import _cfg, _run, separate
 
@@ -94,7 +94,7 @@ def test_model_flops_count_what_runs():
     try:
         for logits in ("labelled", "all"):
             cfg = _cfg(global_batch_size=4, micro_batch_size=2, logits=logits)
-            trainer = Trainer(cfg, context())
+            trainer = Trainer(resolve(cfg), context())
             with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
                 trainer.train_step(mbs)
             counted[logits] = counter.get_total_flops()
@@ -206,7 +206,7 @@ def _resume(out):
 
     def build(fused, sub):
         cfg = _cfg(tp=2, fused_projections=fused, out=f"{out}/{sub}")
-        trainer = Trainer(cfg, ctx)
+        trainer = Trainer(resolve(cfg), ctx)
         loader = BatchLoader(
             data, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=1, seed=3
         )
@@ -264,11 +264,11 @@ def test_cuda_graphs_option():
     _cfg(compile=True, cuda_graphs=True, activation_checkpointing=True).check()
     with pytest.raises(ValueError, match="--activation-checkpointing needs --tp 1"):
         _cfg(compile=True, cuda_graphs=True, activation_checkpointing=True, tp=2).check()
-    trainer = Trainer(_cfg(compile=True, cuda_graphs=True), context())
+    trainer = Trainer(resolve(_cfg(compile=True, cuda_graphs=True)), context())
     assert trainer._compile_options(None) == {"mode": "reduce-overhead"}
     assert trainer._compile_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
     assert not trainer.optimizer._side_copies  # graph outputs are copied on the compute stream
-    assert Trainer(_cfg(), context()).optimizer._side_copies
+    assert Trainer(resolve(_cfg()), context()).optimizer._side_copies
 
 
 def test_padded_text_matches_the_default(reference):

@@ -8,9 +8,10 @@ from parallax import ParallelContext
 from parallax.data import BatchLoader, SyntheticTask
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.models.hf_io import fused_parts
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer, lr_lambda
 
 STEPS = 3
@@ -45,7 +46,7 @@ def train_steps(trainer, ctx, cfg) -> list[list[float]]:
 
 def _run(ctx, cfg, **trainer_kw):
     torch.manual_seed(0)
-    trainer = Trainer(cfg, ctx, **trainer_kw)
+    trainer = Trainer(resolve(cfg), ctx, **trainer_kw)
     history = train_steps(trainer, ctx, cfg)
     weights = {}
     if ctx.dp_rank == 0:  # logical weights after the steps, from each stage
@@ -126,7 +127,7 @@ def test_a_batch_without_labelled_tokens_gives_a_finite_loss(dp):
 def _unlabelled_step() -> float:
     ctx = context(dp=2) if torch.distributed.is_initialized() else ParallelContext.local()
     cfg = _cfg(dp=ctx.dp_size, grad_clip=0.0)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
     batch = _batches(trainer, ctx, cfg, data)()
     for mb in batch:
@@ -146,7 +147,7 @@ def test_lr_schedule():
 def _bad_schedule():
     ctx = context(pp=2)
     try:
-        Trainer(_cfg(pp=2, global_batch_size=2, micro_batch_size=2), ctx)
+        Trainer(resolve(_cfg(pp=2, global_batch_size=2, micro_batch_size=2)), ctx)
     except ValueError as err:
         return str(err)
     return None
@@ -161,7 +162,7 @@ def _wrong_count_on_one_rank(tp: int, pp: int, bad_rank: int) -> str | None:
     """Rank ``bad_rank`` alone passes one microbatch too few; the others' count is right."""
     ctx = context(tp=tp, pp=pp)
     cfg = _cfg(tp=tp, pp=pp, dp=ctx.dp_size, global_batch_size=4, micro_batch_size=1)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
     batch = _batches(trainer, ctx, cfg, data)()
     try:
@@ -184,7 +185,7 @@ def _waits(tp: int, pp: int) -> float:
     """Each rank says it waited ``0.1 x (rank + 1)`` s for its batch; the step reports."""
     ctx = context(tp=tp, pp=pp)
     cfg = _cfg(tp=tp, pp=pp, dp=ctx.dp_size, global_batch_size=4, micro_batch_size=1)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(resolve(cfg), ctx)
     data = SyntheticTask(num_episodes=4, episode_length=2, image_size=32, seed=0)
     batch = _batches(trainer, ctx, cfg, data)()
     return trainer.train_step(batch, data_wait_s=0.1 * (ctx.rank + 1)).data_wait_s

@@ -21,8 +21,8 @@ from parallax.families.siglip.model import Siglip
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
 from parallax.plan.model import Model
-from parallax.train.config import TrainConfig
-from parallax.train.run import resolve
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
 
 BATCH = 16
 

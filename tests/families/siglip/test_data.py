@@ -12,7 +12,7 @@ from parallax.data import PairFolder, TarShards, write_pair_folder, write_tar_sh
 from parallax.families.siglip.data import IndexedPairs, open_pairs
 from parallax.families.siglip.recipe import SiglipRecipe
 from parallax.recipe import registry
-from parallax.train.config import TrainConfig
+from parallax.run import TrainConfig
 
 
 def _pairs(n: int) -> list[dict]:

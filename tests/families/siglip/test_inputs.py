@@ -8,6 +8,7 @@ import torch
 from parallax.dims import ParallelDims
 from parallax.families.siglip.data import PairCollator
 from parallax.families.siglip.recipe import SiglipRecipe
+from parallax.recipe import resolve
 from parallax.testing import run_ranks
 from parallax.train.trainer import Trainer
 from tests.families.siglip.helpers import tiny
@@ -17,7 +18,7 @@ from tests.families.siglip.test_train import _batch, _cfg, _ctx, _local
 def _bad_inputs(dp: int) -> list[str]:
     ctx, recipe, said = _ctx(1, dp), SiglipRecipe(), []
     config, cfg = tiny("siglip"), _cfg(dp=dp, micro_batch_size=2)
-    trainer = Trainer(cfg, ctx, model_config=config, recipe=recipe)
+    trainer = Trainer(resolve(cfg, recipe=recipe, model_config=config), ctx)
     px, ids = _batch(config)
     for rank_only, change in (
         (ctx.dp_rank == 1, lambda mb: {**mb, "pixel_values": mb["pixel_values"][..., :8]}),
@@ -31,7 +32,9 @@ def _bad_inputs(dp: int) -> list[str]:
             trainer.train_step(mbs)
         said.append(str(err.value))
     with pytest.raises(ValueError) as err:  # 6 pairs do not split over 4 dp ranks
-        Trainer(_cfg(dp=dp, global_batch_size=6, micro_batch_size=1), ctx, model_config=config)
+        Trainer(
+            resolve(_cfg(dp=dp, global_batch_size=6, micro_batch_size=1), model_config=config), ctx
+        )
     said.append(str(err.value))
     return said
 

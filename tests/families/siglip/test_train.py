@@ -14,11 +14,11 @@ from torch.testing import assert_close
 from parallax import ParallelContext
 from parallax.families.siglip.model import Siglip
 from parallax.families.siglip.recipe import SiglipRecipe
-from parallax.recipe import registry
+from parallax.recipe import registry, resolve
+from parallax.run import TrainConfig
 from parallax.tensor import full_tensor
 from parallax.tensor.sharding import unshard_tensor
 from parallax.testing import context, run_ranks
-from parallax.train.config import TrainConfig
 from parallax.train.trainer import Trainer
 from tests.families.siglip.helpers import tiny
 
@@ -164,7 +164,7 @@ def _train(tp: int, dp: int, micro: int) -> dict:
     ctx, out = _ctx(tp, dp), {}
     for family in ("siglip", "clip"):
         config, cfg = tiny(family), _cfg(tp=tp, dp=dp, micro_batch_size=micro)
-        trainer = Trainer(cfg, ctx, model_config=config, recipe=SiglipRecipe())
+        trainer = Trainer(resolve(cfg, recipe=SiglipRecipe(), model_config=config), ctx)
         history = []
         for step in range(STEPS):
             o = trainer.train_step(_local(ctx, cfg, *_batch(config, step=step)))
@@ -202,7 +202,7 @@ def test_trainer_at_dp2_dp4_tp2dp2_equals_one_process():
 
 
 def _cli(tp: int, dp: int, out: str, steps: int) -> dict:
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     cfg = _cfg(
         model="clip-tiny",  # the same recipe; the softmax loss learns the task in a few steps
@@ -220,7 +220,7 @@ def _cli(tp: int, dp: int, out: str, steps: int) -> dict:
         log_interval=100,
         export_hf=True,
     )
-    return run(cfg, _ctx(tp, dp))
+    return run(resolve_run(cfg), _ctx(tp, dp))
 
 
 def test_cli_run_logs_eval_metrics_and_learns():
@@ -246,7 +246,7 @@ def _eval_sums(tp: int, dp: int) -> list[float]:
 
     ctx, recipe = _ctx(tp, dp), SiglipRecipe()
     cfg = _cfg(tp=tp, dp=dp, eval_interval=1, eval_batches=2, data="synthetic:64")
-    trainer = Trainer(cfg, ctx, recipe=recipe)
+    trainer = Trainer(resolve(cfg, recipe=recipe), ctx)
     data = recipe.eval_dataset(None, cfg)
     evaluator = Evaluator(trainer, data, recipe.collator(trainer.model_config, data, None), Path())
     evaluator.path = Path("/dev/null")
@@ -263,15 +263,15 @@ def test_evaluation_is_the_same_at_every_layout():
 def test_resume_continues_the_pair_stream_exactly(tmp_path):
     """A run stopped after 2 of 4 steps and resumed gives the uninterrupted run's losses (the
     PairLoader's position and the weights come back from the checkpoint)."""
-    from parallax.train.cli import run
+    from parallax.train.cli import resolve_run, run
 
     def losses(out, **kw) -> list[float]:
         cfg = _cfg(steps=4, data="synthetic:64", out=str(out), save_interval=2, **kw)
-        run(cfg, ParallelContext.local())
+        run(resolve_run(cfg), ParallelContext.local())
         return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
     straight = losses(tmp_path / "a")
     cfg = _cfg(steps=4, data="synthetic:64", out=str(tmp_path / "b"), save_interval=2)
-    run(cfg, ParallelContext.local(), stop_after=2)
+    run(resolve_run(cfg), ParallelContext.local(), stop_after=2)
     resumed = losses(tmp_path / "b", resume=True)
     assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-6, atol=0)
