@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from parallax.data.vqa_synthetic import SyntheticVQA
 
 from benchmarks.tools.common import append_results, env_info, median, print_table
 from parallax.context import ParallelContext
+from parallax.families.llava_next.synthetic import SyntheticVQA
 from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
 from parallax.plan.model import Model

@@ -3,11 +3,11 @@ answers by greedy generation with the KV cache."""
 
 import torch
 
-from parallax.data import SyntheticVQA
 from parallax.families.llava_next.config import LlavaNextConfig
 from parallax.families.llava_next.model import LlavaNext
 from parallax.families.llava_next.predict import answer
 from parallax.families.llava_next.processor import LlavaNextProcessor
+from parallax.families.llava_next.synthetic import SyntheticVQA
 
 
 def _accuracy(model, batch):

@@ -8,10 +8,10 @@ by hand as an executor would (detached boundary, backward with the received grad
 
 import pytest
 import torch
-from parallax.families.llava_next.objectives import labelled_rows, rows_answer_metrics, rows_loss
 
 from parallax import ParallelContext, ParallelDims
 from parallax.families.llava_next.model import LlavaNext
+from parallax.families.llava_next.objective import labelled_rows, rows_answer_metrics, rows_loss
 from parallax.tensor import unshard_tensor
 from parallax.testing import context, run_ranks
 from tests.families.llava_next.helpers import make_batch, tiny_config

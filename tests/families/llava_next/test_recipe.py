@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
-from parallax.data import SyntheticVQA
+from parallax.families.llava_next.synthetic import SyntheticVQA
 from parallax.recipe import registry, resolve
 from parallax.run import TrainConfig
 from parallax.run.param_groups import param_groups

@@ -11,11 +11,11 @@ from parallax.data import (
     BatchLoader,
     DatasetError,
     LengthGroupedLoader,
-    LlavaConversationDataset,
-    SyntheticVQA,
     length_grouped_order,
     padding_fraction,
 )
+from parallax.families.llava_next.conversations import LlavaConversationDataset
+from parallax.families.llava_next.synthetic import SyntheticVQA
 
 
 def _write(tmp_path, records, suffix=".json"):
