@@ -27,7 +27,7 @@ import argparse
 import torch
 
 from benchmarks.tools.common import append_results, median, print_table, time_it
-from parallax.optim.host import squares
+from parallax.optim.zero.offload.host_kernels import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
            "s per step"]  # fmt: skip

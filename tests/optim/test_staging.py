@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from parallax.optim import staging
+from parallax.optim.zero.offload import upload_ring as staging
 from parallax.plan import model as plan_model
 
 

@@ -1,20 +1,19 @@
 """Stepping the wrapped optimizer one staged bucket at a time.
 
-A staged bucket (dp=1, 16-bit parameters: see :func:`~parallax.optim.buckets.grad_homes`) keeps
-no fp32 gradient between steps. ``step()`` makes it in one reused buffer right before the
-optimizer steps that bucket: only the bucket's master pieces get a ``.grad`` (views of the
-buffer), the wrapped optimizer steps, and their ``.grad`` goes back to None. Torch optimizers
-skip parameters whose ``.grad`` is None and keep their state per parameter (AdamW's step count
-included), so stepping bucket by bucket updates every piece exactly as one step over all of
-them would, with its own group's hyperparameters. The wrapped optimizer must not keep state
-across parameters (none of ``torch.optim`` does, LBFGS aside), and hooks registered on it run
-once per bucket.
+A staged bucket (dp=1, 16-bit parameters: see
+:func:`~parallax.optim.zero.buffers.packing.grad_homes`) keeps no fp32 gradient between steps.
+``step()`` makes it in one reused buffer right before the optimizer steps that bucket: only the
+bucket's master pieces get a ``.grad`` (views of the buffer), the wrapped optimizer steps, and their
+``.grad`` goes back to None. Torch optimizers skip parameters whose ``.grad`` is None and keep their
+state per parameter (AdamW's step count included), so stepping bucket by bucket updates every piece
+exactly as one step over all of them would, with its own group's hyperparameters. The wrapped
+optimizer must not keep state across parameters (none of ``torch.optim`` does, LBFGS aside), and
+hooks registered on it run once per bucket.
 
 For each call the wrapped optimizer's groups are narrowed to the bucket's pieces
-(:func:`parallax.optim.protocol.narrowed`), so a call costs in proportion to the bucket, not the
-model: the group dicts, their hyperparameters and the state stay the same objects; only each
-group's ``"params"`` list is swapped for the call.
-"""
+(:func:`parallax.optim.zero.torch_contract.narrowed`), so a call costs in proportion to the bucket,
+not the model: the group dicts, their hyperparameters and the state stay the same objects; only each
+group's ``"params"`` list is swapped for the call."""
 
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from parallax.optim.buckets import STAGED
-from parallax.optim.flat import FlatBuffers
-from parallax.optim.protocol import narrowed
+from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
+from parallax.optim.zero.buffers.packing import STAGED
+from parallax.optim.zero.torch_contract import narrowed
 
 
 class StagedSteps:

@@ -9,8 +9,8 @@ hooks then stand aside. :func:`parallax.tensor.sync_sequence_parallel_grads` rea
 to refuse summing gradients that ZeRO sums itself.
 
 At ZeRO-2 and 3 there are no views (``views=None``): each gradient is handed to the
-:class:`~parallax.optim.passes.PassReducer` as it arrives and ``.grad`` goes back to None.
-"""
+:class:`~parallax.optim.zero.reduction.pass_reducer.PassReducer` as it arrives and ``.grad`` goes
+back to None."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.optim.passes import PassReducer
-from parallax.optim.reducer import GradReducer
+from parallax.optim.zero.reduction.bucket_reducer import GradReducer
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
 
 _TOKENS = itertools.count(1)  # which optimizer owns a parameter's hook
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallax.optim.protocol import is_compiled
+from parallax.optim.zero.torch_contract import is_compiled
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 

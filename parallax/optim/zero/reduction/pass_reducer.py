@@ -13,25 +13,25 @@ backward separately), so a local full-size accumulator would live for the whole 
 peak, and stage 2 would save nothing where memory is tightest; and at ZeRO-3 the full
 gradient would cost as much as the weights that stage 3 shards.
 
-**When a bucket goes out.** Which reduce-scatters a rank makes must not depend on its data:
-every rank of the dp group must make the same ones in the same order. The unit of agreement is
-the *pass* (one autograd graph task, e.g. one ``PipelineStage.backward``) and the *unit* of
-parameters (:attr:`~parallax.optim.buckets.Bucket.unit`: a model chunk at ZeRO-2, a block at
-ZeRO-3). A unit is *touched* in a pass when one of its parameters gets a gradient (or, at
-ZeRO-3, the block's backward begins); at the end of the pass (a callback queued on the autograd
-engine by the first touch, :func:`parallax.optim.protocol.at_backward_end`) every bucket of
-every touched unit that has not gone out yet is reduce-scattered, in layout order, with zeros
-for parameters that got no gradient. Before that, ``ordered`` (ZeRO-2) launches a bucket from
-the gradient hooks as soon as all its parameters have arrived and every earlier bucket of its
-unit has gone out; at ZeRO-3 the block's post-backward hook launches its buckets
-(:meth:`PassReducer.launch_unit`), in the autograd engine's order, the same on every rank that
-runs the same graph. So each touched unit goes out exactly once per pass. The condition this
-rests on: in a pass, a unit is touched on every dp rank or on none (a chunk at ZeRO-2 whose
-only trainable parameters some ranks' data leave unused would break it).
+**When a bucket goes out.** Which reduce-scatters a rank makes must not depend on its data: every
+rank of the dp group must make the same ones in the same order. The unit of agreement is the *pass*
+(one autograd graph task, e.g. one ``PipelineStage.backward``) and the *unit* of parameters
+(:attr:`~parallax.optim.zero.buffers.packing.Bucket.unit`: a model chunk at ZeRO-2, a block at
+ZeRO-3). A unit is *touched* in a pass when one of its parameters gets a gradient (or, at ZeRO-3,
+the block's backward begins); at the end of the pass (a callback queued on the autograd engine by
+the first touch, :func:`parallax.optim.zero.torch_contract.at_backward_end`) every bucket of every
+touched unit that has not gone out yet is reduce-scattered, in layout order, with zeros for
+parameters that got no gradient. Before that, ``ordered`` (ZeRO-2) launches a bucket from the
+gradient hooks as soon as all its parameters have arrived and every earlier bucket of its unit has
+gone out; at ZeRO-3 the block's post-backward hook launches its buckets
+(:meth:`PassReducer.launch_unit`), in the autograd engine's order, the same on every rank that runs
+the same graph. So each touched unit goes out exactly once per pass. The condition this rests on: in
+a pass, a unit is touched on every dp rank or on none (a chunk at ZeRO-2 whose only trainable
+parameters some ranks' data leave unused would break it).
 
-With ``--offload optimizer`` an offloaded bucket (``sink.buckets``) has no shard on the device:
-each pass's reduced chunk goes to ``sink`` (:class:`~parallax.optim.offload.HostSteps`), which
-accumulates it in host memory and steps the bucket there once its last pass (``passes`` of
+With ``--offload optimizer`` an offloaded bucket (``sink.buckets``) has no shard on the device: each
+pass's reduced chunk goes to ``sink`` (:class:`~parallax.optim.zero.offload.host_steps.HostSteps`),
+which accumulates it in host memory and steps the bucket there once its last pass (``passes`` of
 them) is in.
 
 Buckets of ``sequence_parallel`` parameters (partial over tp) wait for the end of the pass and
@@ -48,8 +48,8 @@ import torch
 
 from parallax import comm
 from parallax.context import ParallelContext
-from parallax.optim.buckets import FlatLayout
-from parallax.optim.protocol import at_backward_end
+from parallax.optim.zero.buffers.packing import FlatLayout
+from parallax.optim.zero.torch_contract import at_backward_end
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ optimizer it wraps, which steps this rank's fp32 master pieces. What that takes,
    dictionaries (``register_step_pre_hook`` and the others then work) and wraps ``step`` so the
    step hooks and torch's global optimizer hooks run around ZeRO's whole step (once per step;
    hooks registered on the wrapped optimizer run per staged bucket, see
-   :mod:`parallax.optim.staged`). It relies on ``__init__`` assigning ``param_groups = []``
+   :mod:`parallax.optim.zero.bucketwise`). It relies on ``__init__`` assigning ``param_groups = []``
    and then calling ``add_param_group`` for each group: through the properties this hands the
    same dicts back to the wrapped optimizer. :meth:`OptimizerFacade._adopt` checks that it did.
 3. **Fused optimizers' ``grad_scale``.** torch's fused Adam, AdamW and SGD divide every gradient

@@ -1,21 +1,20 @@
-"""The tensors behind a :class:`~parallax.optim.buckets.FlatLayout` on one rank.
+"""The tensors behind a :class:`~parallax.optim.zero.buffers.packing.FlatLayout` on one rank.
 
-One parameter buffer and one gradient buffer per dtype; every trainable parameter's ``.data``
-and ``.grad`` become views into them, so the all-gather writes straight into the model and the
-reduce-scatter reads straight from the gradients. For each bucket, this rank's fp32 master chunk
-and the home of its fp32 reduced gradient (see :func:`~parallax.optim.buckets.grad_homes`): for
-fp32 buckets both are the rank's own chunks of the two buffers (in-place collectives, no
+One parameter buffer and one gradient buffer per dtype; every trainable parameter's ``.data`` and
+``.grad`` become views into them, so the all-gather writes straight into the model and the
+reduce-scatter reads straight from the gradients. For each bucket, this rank's fp32 master chunk and
+the home of its fp32 reduced gradient (see :func:`~parallax.optim.zero.buffers.packing.grad_homes`):
+for fp32 buckets both are the rank's own chunks of the two buffers (in-place collectives, no
 copies); for other dtypes the master is a separate fp32 slice, and the gradient a separate fp32
 slice, an fp32 view over the bucket's own gradient bytes, or (dp=1) the staging buffer, filled
 bucket by bucket when the optimizer steps. The wrapped optimizer steps *pieces*: views of those
 chunks, one per parameter part.
 
-At ZeRO-2 and 3 there is no gradient buffer (``.grad`` stays None; each backward pass's
-gradients go to :class:`~parallax.optim.passes.PassReducer`) and every bucket's reduced
+At ZeRO-2 and 3 there is no gradient buffer (``.grad`` stays None; each backward pass's gradients go
+to :class:`~parallax.optim.zero.reduction.pass_reducer.PassReducer`) and every bucket's reduced
 gradient lives in the fp32 slice. At ZeRO-3 there is no parameter buffer either: a
-:class:`~parallax.optim.sharded.ShardedStore` holds this rank's chunk of each bucket, and the
-model's weights only while gathered.
-"""
+:class:`~parallax.optim.zero.weights.shards.ShardedStore` holds this rank's chunk of each bucket,
+and the model's weights only while gathered."""
 
 from __future__ import annotations
 
@@ -25,8 +24,15 @@ import torch
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.optim.buckets import INPLACE, SHARD, STAGED, FlatLayout, Piece, check_homes
-from parallax.optim.sharded import ShardedStore
+from parallax.optim.zero.buffers.packing import (
+    INPLACE,
+    SHARD,
+    STAGED,
+    FlatLayout,
+    Piece,
+    check_homes,
+)
+from parallax.optim.zero.weights.shards import ShardedStore
 
 
 class FlatBuffers:

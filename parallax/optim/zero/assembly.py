@@ -9,14 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallax.optim.buckets import build_layout, grad_homes
-from parallax.optim.flat import FlatBuffers
-from parallax.optim.grads import GradArrivals
-from parallax.optim.host import offloaded_buckets
-from parallax.optim.passes import PassReducer
-from parallax.optim.reducer import GradReducer
-from parallax.optim.staged import StagedSteps
-from parallax.optim.stages import Zero3, grouped_order, parameter_units
+from parallax.optim.zero.bucketwise import StagedSteps
+from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
+from parallax.optim.zero.buffers.packing import build_layout, grad_homes
+from parallax.optim.zero.offload.host_kernels import offloaded_buckets
+from parallax.optim.zero.reduction.arrivals import GradArrivals
+from parallax.optim.zero.reduction.bucket_reducer import GradReducer
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
+from parallax.optim.zero.weights.sharded_weights import Zero3, grouped_order, parameter_units
 
 
 def check_offload(stage: int, offload: bool, fraction: float) -> None:

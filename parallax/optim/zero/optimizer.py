@@ -6,21 +6,23 @@ A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapp
 this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
 At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
-only while the optimizer steps that bucket (:mod:`parallax.optim.staged`).
+only while the optimizer steps that bucket (:mod:`parallax.optim.zero.bucketwise`).
 
 ``stage=2`` also shards the reduced gradients: no gradient buffer, each backward pass is
-reduce-scattered into this rank's fp32 shard as it ends (:mod:`parallax.optim.passes` says
-why per pass). ``stage=3`` also shards the weights, trainable and frozen, of the ``modules``
-given: each block is gathered just before use and released after
-(:mod:`parallax.optim.zero3`, :mod:`parallax.optim.stages`); the step updates shards only.
+reduce-scattered into this rank's fp32 shard as it ends
+(:mod:`parallax.optim.zero.reduction.pass_reducer` says why per pass). ``stage=3`` also shards the
+weights, trainable and frozen, of the ``modules`` given: each block is gathered just before use and
+released after (:mod:`parallax.optim.zero.weights.unit_gathers`,
+:mod:`parallax.optim.zero.weights.sharded_weights`); the step updates shards only.
 
-The parts: the layout and buffers (:mod:`~parallax.optim.buckets`, :mod:`~parallax.optim.flat`),
-gradients arriving (:mod:`~parallax.optim.grads`) and their reduction
-(:mod:`~parallax.optim.reducer`), the deferred all-gathers (:mod:`~parallax.optim.gather`), the
-agreement of the ranks (:mod:`~parallax.optim.agree`), state I/O (:mod:`~parallax.optim.state`)
-and the torch.optim protocol (:mod:`~parallax.optim.protocol`, the one place that relies on
-torch behaviour beyond its documented API).
-"""
+The parts: the layout and buffers (:mod:`~parallax.optim.zero.buffers.packing`,
+:mod:`~parallax.optim.zero.buffers.flat_buffers`), gradients arriving
+(:mod:`~parallax.optim.zero.reduction.arrivals`) and their reduction
+(:mod:`~parallax.optim.zero.reduction.bucket_reducer`), the deferred all-gathers
+(:mod:`~parallax.optim.zero.weights.deferred_gathers`), the agreement of the ranks
+(:mod:`~parallax.optim.zero.plane`), state I/O (:mod:`~parallax.optim.zero.state_io`) and the
+torch.optim protocol (:mod:`~parallax.optim.zero.torch_contract`, the one place that relies on torch
+behaviour beyond its documented API)."""
 
 from __future__ import annotations
 
@@ -33,19 +35,19 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.optim.assembly import AssemblyMethods, check_offload
-from parallax.optim.clip import NormMethods
-from parallax.optim.gather import DeferredGathers
-from parallax.optim.groups import accept, check_passes
-from parallax.optim.host import host_options
-from parallax.optim.memory import MemoryReport, zero_memory
-from parallax.optim.offload import HostSteps
-from parallax.optim.protocol import OptimizerFacade, grad_scale, takes_grad_scale
-from parallax.optim.stages import (
+from parallax.optim.zero.arguments import accept, check_passes
+from parallax.optim.zero.assembly import AssemblyMethods, check_offload
+from parallax.optim.zero.memory_report import MemoryReport, zero_memory
+from parallax.optim.zero.norms import NormMethods
+from parallax.optim.zero.offload.host_kernels import host_options
+from parallax.optim.zero.offload.host_steps import HostSteps
+from parallax.optim.zero.state_io import StateMethods
+from parallax.optim.zero.torch_contract import OptimizerFacade, grad_scale, takes_grad_scale
+from parallax.optim.zero.weights.deferred_gathers import DeferredGathers
+from parallax.optim.zero.weights.sharded_weights import (
     WeightMethods,
     check_stage,
 )
-from parallax.optim.state import StateMethods
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,10 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
 
     ``stage`` (1, 2 or 3) and ``modules``: the model chunks holding ``params``, needed at stage 3
     (whose weights are sharded: every parameter of theirs that requires a gradient must be in
-    ``params``, the others are frozen) and at stage 2 optional (each backward pass then reduces
-    only the chunks it ran). ``reshard_after_forward`` (stage 3): see :mod:`parallax.optim.zero3`.
-    At stages 2 and 3 ``overlap`` does not apply: every pass is reduced as it ends.
+    ``params``, the others are frozen) and at stage 2 optional (each backward pass then reduces only
+    the chunks it ran). ``reshard_after_forward`` (stage 3): see
+    :mod:`parallax.optim.zero.weights.unit_gathers`. At stages 2 and 3 ``overlap`` does not apply:
+    every pass is reduced as it ends.
 
     ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
     memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
@@ -67,27 +70,27 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
     gradients after it), else in ``step()``. ``offload_fraction``: the share of the elements
     offloaded, the first buckets reduced (the last layers: their host steps have the most
     backward left to hide under); the others stay on the device. See
-    :mod:`parallax.optim.offload`.
+    :mod:`parallax.optim.zero.offload.host_steps`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
     or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
     left alone. Build it after the model has its final device and dtype: the parameters become
     views into the optimizer's buffers.
 
-    ``overlap``: in a step opened by ``zero_grad()``, reduce-scatter a bucket from a backward
-    hook as soon as each of its parameters has had ``backward_passes_per_step`` gradient
-    accumulations (the micro-batches of a pipeline schedule times the accumulation steps).
-    ``step()`` always completes the reduction, so fewer passes, unused parameters, a step begun
-    without ``zero_grad()`` or ``overlap=False`` are all correct; more passes raise.
-    Buckets go out in a fixed order, from the end of ``param_order`` (the order the forward pass
-    uses the parameters, e.g. ``model.parameters()``; default: as given, groups concatenated),
-    and a parameter without a gradient holds back its bucket and all later ones until ``step()``.
-    The hooks' collectives share ``ctx.dp_group`` with the model's: a model that communicates
-    over dp in its backward must build the same graph on every dp rank, or use overlap=False.
-    With 16-bit parameters at dp >= 2, overlap keeps each bucket's fp32 reduced gradient in a
-    persistent slice (4/dp bytes per parameter); without it, the fp32 result is written over the
-    bucket's own 16-bit gradient bytes. At dp=1 no fp32 gradient outlives the step of its bucket
-    (see :mod:`parallax.optim.buckets`, ``grad_homes``). Either way, after the reduction the
+    ``overlap``: in a step opened by ``zero_grad()``, reduce-scatter a bucket from a backward hook
+    as soon as each of its parameters has had ``backward_passes_per_step`` gradient accumulations
+    (the micro-batches of a pipeline schedule times the accumulation steps). ``step()`` always
+    completes the reduction, so fewer passes, unused parameters, a step begun without
+    ``zero_grad()`` or ``overlap=False`` are all correct; more passes raise. Buckets go out in a
+    fixed order, from the end of ``param_order`` (the order the forward pass uses the parameters,
+    e.g. ``model.parameters()``; default: as given, groups concatenated), and a parameter without a
+    gradient holds back its bucket and all later ones until ``step()``. The hooks' collectives share
+    ``ctx.dp_group`` with the model's: a model that communicates over dp in its backward must build
+    the same graph on every dp rank, or use overlap=False. With 16-bit parameters at dp >= 2,
+    overlap keeps each bucket's fp32 reduced gradient in a persistent slice (4/dp bytes per
+    parameter); without it, the fp32 result is written over the bucket's own 16-bit gradient bytes.
+    At dp=1 no fp32 gradient outlives the step of its bucket (see
+    :mod:`parallax.optim.zero.buffers.packing`, ``grad_homes``). Either way, after the reduction the
     ``.grad`` of 16-bit parameters holds unspecified values.
 
     On GPUs at dp >= 2 the reduction's copies and collectives run on a side stream; with one
@@ -257,13 +260,12 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
 
         ``step()`` then returns with the all-gathers in flight, launched in forward order, and a
         forward pre-hook on each of ``modules``' parameter holders (see
-        :func:`parallax.optim.gather.hook_points`) waits for the buckets it reads. Every
-        parameter must be read inside the forward of a module that holds it (or of a compiled
-        ancestor), not through another module's attribute. Anything else that reads parameters
-        between ``step()`` and the next forward calls :meth:`wait_params` first; this
-        optimizer's own methods do. Returns the hooks' handles; removing them all turns the
-        deferral off again. At stage 3 there is nothing to defer (every use gathers): [].
-        """
+        :func:`parallax.optim.zero.weights.deferred_gathers.hook_points`) waits for the buckets it
+        reads. Every parameter must be read inside the forward of a module that holds it (or of a
+        compiled ancestor), not through another module's attribute. Anything else that reads
+        parameters between ``step()`` and the next forward calls :meth:`wait_params` first; this
+        optimizer's own methods do. Returns the hooks' handles; removing them all turns the deferral
+        off again. At stage 3 there is nothing to defer (every use gathers): []."""
         if self.stage == 3:
             return []
         return self.gathers.register(modules)

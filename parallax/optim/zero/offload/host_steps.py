@@ -2,26 +2,27 @@
 there bucket by bucket while the backward goes on.
 
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
-(:mod:`parallax.optim.passes`). Offloaded, that chunk is added into the bucket's accumulator in
-host memory (the model's dtype, pinned on GPUs) on the device, beside the compute, without the
-host's cores (:mod:`parallax.optim.accumulate`). When the bucket's last pass has landed, a
-worker thread makes its fp32 gradient (the accumulator over dp, one bucket at a time), takes its
-share of the gradient norm and steps the wrapped optimizer on the bucket's host
-masters: torch's fused CPU AdamW where this torch has it (checked by running it once; the dp
-average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
-In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into
-pinned staging (:mod:`parallax.optim.staging`) and copies them to the device on an uploads
-stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's
-upload runs while the next one is stepped.
+(:mod:`parallax.optim.zero.reduction.pass_reducer`). Offloaded, that chunk is added into the
+bucket's accumulator in host memory (the model's dtype, pinned on GPUs) on the device, beside the
+compute, without the host's cores (:mod:`parallax.optim.zero.offload.accumulators`). When the
+bucket's last pass has landed, a worker thread makes its fp32 gradient (the accumulator over dp, one
+bucket at a time), takes its share of the gradient norm and steps the wrapped optimizer on the
+bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running it once;
+the dp average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
+In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into pinned
+staging (:mod:`parallax.optim.zero.offload.upload_ring`) and copies them to the device on an uploads
+stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's upload runs
+while the next one is stepped.
 
 **Why the device adds, and the host's habits.** On one H200 host (16 cores,
-``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long
-as a pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through
-the device a pass costs the host's memory two concurrent copies and its cores nothing. The
-worker keeps one fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page
-faults that cost more than the arithmetic), takes the norm in fp32 rows
-(:func:`~parallax.optim.host.squares`; torch's float64 norm took 13 s) and runs on this
-process's share of the cores (:func:`~parallax.optim.host.host_threads`; torchrun sets
+``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long as a
+pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through the device
+a pass costs the host's memory two concurrent copies and its cores nothing. The worker keeps one
+fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page faults that cost more
+than the arithmetic), takes the norm in fp32 rows
+(:func:`~parallax.optim.zero.offload.host_kernels.squares`; torch's float64 norm took 13 s) and runs
+on this process's share of the cores
+(:func:`~parallax.optim.zero.offload.host_kernels.host_threads`; torchrun sets
 ``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
@@ -50,10 +51,10 @@ from typing import Any
 import torch
 
 from parallax import comm
-from parallax.optim.accumulate import Accumulators
-from parallax.optim.host import host_threads, squares
-from parallax.optim.protocol import grad_scale, narrowed, takes_grad_scale
-from parallax.optim.staging import STAGING_BYTES, Ring
+from parallax.optim.zero.offload.accumulators import Accumulators
+from parallax.optim.zero.offload.host_kernels import host_threads, squares
+from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
+from parallax.optim.zero.torch_contract import grad_scale, narrowed, takes_grad_scale
 
 Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
 
@@ -118,8 +119,8 @@ class HostSteps:
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done on
         the current stream): added into its host accumulator on the device
-        (:class:`~parallax.optim.accumulate.Accumulators`), the host's cores left free for the
-        steps."""
+        (:class:`~parallax.optim.zero.offload.accumulators.Accumulators`), the host's cores left
+        free for the steps."""
         self.sums.add(b, grad, first)
         if last:
             self.complete(b, summed=True)

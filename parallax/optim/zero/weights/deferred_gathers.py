@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
-from parallax.optim.protocol import is_compiled
+from parallax.optim.zero.torch_contract import is_compiled
 
 
 def hook_points(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:

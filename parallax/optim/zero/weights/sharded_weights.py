@@ -1,14 +1,14 @@
 """What ZeRO-2 and 3 add to the ZeRO-1 optimizer: units of parameters, and ZeRO-3's weights.
 
-Stage 2 groups the buckets by model chunk (the modules given; a bucket never spans two) so that
-each backward pass reduces the buckets of the chunks it ran (:mod:`parallax.optim.passes`).
-Stage 3 groups them by block (:mod:`parallax.optim.units`), shards every weight of the modules
-over dp, trainable (:class:`~parallax.optim.flat.FlatBuffers`' store) and frozen (a store of its
+Stage 2 groups the buckets by model chunk (the modules given; a bucket never spans two) so that each
+backward pass reduces the buckets of the chunks it ran
+(:mod:`parallax.optim.zero.reduction.pass_reducer`). Stage 3 groups them by block
+(:mod:`parallax.optim.zero.weights.units`), shards every weight of the modules over dp, trainable
+(:class:`~parallax.optim.zero.buffers.flat_buffers.FlatBuffers`' store) and frozen (a store of its
 own: a LoRA run's frozen base is sharded too), and gathers them around each use
-(:mod:`parallax.optim.zero3`). Outside a forward, a weight is read one tensor at a time with
-:meth:`Zero3.weight` (a collective over dp) and written unit by unit inside
-:meth:`Zero3.materialized`, which needs no collective.
-"""
+(:mod:`parallax.optim.zero.weights.unit_gathers`). Outside a forward, a weight is read one tensor at
+a time with :meth:`Zero3.weight` (a collective over dp) and written unit by unit inside
+:meth:`Zero3.materialized`, which needs no collective."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
-from parallax.optim.buckets import build_layout
-from parallax.optim.passes import PassReducer
-from parallax.optim.sharded import ShardedStore
-from parallax.optim.units import Unit, check_trainable, find_units, unit_of_params
-from parallax.optim.zero3 import UnitGathers
+from parallax.optim.zero.buffers.packing import build_layout
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
+from parallax.optim.zero.weights.shards import ShardedStore
+from parallax.optim.zero.weights.unit_gathers import UnitGathers
+from parallax.optim.zero.weights.units import Unit, check_trainable, find_units, unit_of_params
 
 STAGES = (1, 2, 3)
 

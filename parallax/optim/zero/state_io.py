@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from parallax import comm
-from parallax.optim.agree import plane_gather
+from parallax.optim.zero.plane import plane_gather
 from parallax.tensor.sharding import logical_shape, shard_tensor, unshard_tensor
 
 Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
@@ -247,7 +247,7 @@ class StateMethods:
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``("<name>.<state>", full logical tensor)`` one at a time (see
-        :mod:`parallax.optim.state`). Collective: every rank must consume it all."""
+        :mod:`parallax.optim.zero.state_io`). Collective: every rank must consume it all."""
         self.wait_params()
         return state_tensors(self)
 
