@@ -6,29 +6,18 @@ A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapp
 this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
 At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
-only while the optimizer steps that bucket (:mod:`parallax.optim.zero.bucketwise`).
+only while the optimizer steps that bucket (:mod:`~parallax.optim.zero.bucketwise`). Stages 2
+and 3 shard the reduced gradients and the weights too (:mod:`~parallax.optim.zero.stage`).
 
-``stage=2`` also shards the reduced gradients: no gradient buffer, each backward pass is
-reduce-scattered into this rank's fp32 shard as it ends
-(:mod:`parallax.optim.zero.reduction.pass_reducer` says why per pass). ``stage=3`` also shards the
-weights, trainable and frozen, of the ``modules`` given: each block is gathered just before use and
-released after (:mod:`parallax.optim.zero.weights.unit_gathers`,
-:mod:`parallax.optim.zero.weights.sharded_weights`); the step updates shards only.
-
-The parts: the layout and buffers (:mod:`~parallax.optim.zero.buffers.packing`,
-:mod:`~parallax.optim.zero.buffers.flat_buffers`), gradients arriving
-(:mod:`~parallax.optim.zero.reduction.arrivals`) and their reduction
-(:mod:`~parallax.optim.zero.reduction.bucket_reducer`), the deferred all-gathers
-(:mod:`~parallax.optim.zero.weights.deferred_gathers`), the agreement of the ranks
-(:mod:`~parallax.optim.zero.plane`), state I/O (:mod:`~parallax.optim.zero.state_io`) and the
-torch.optim protocol (:mod:`~parallax.optim.zero.torch_contract`, the one place that relies on torch
-behaviour beyond its documented API)."""
+:class:`ZeroOptimizer` is made of parts (:mod:`parallax.optim.zero` lists them), each given
+what it reads; this module holds the step and the public methods, which ask them.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -36,33 +25,34 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.optim.zero.arguments import accept, check_passes
-from parallax.optim.zero.assembly import AssemblyMethods, check_offload
-from parallax.optim.zero.memory_report import MemoryReport, zero_memory
-from parallax.optim.zero.norms import NormMethods
+from parallax.optim.zero.assembly import build_reduction, lay_out, wrap_pieces
+from parallax.optim.zero.bucketwise import BucketwiseSteps
+from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
+from parallax.optim.zero.buffers.homes import grad_homes
+from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL
+from parallax.optim.zero.memory_report import MemoryReport, measure
+from parallax.optim.zero.norms import StepScale, clip_coefficient, counted_pieces, global_grad_norm
 from parallax.optim.zero.offload.host_kernels import host_options
 from parallax.optim.zero.offload.host_steps import HostSteps
-from parallax.optim.zero.state_io import StateMethods
-from parallax.optim.zero.torch_contract import OptimizerFacade, grad_scale, takes_grad_scale
+from parallax.optim.zero.offload.share import offloaded_buckets
+from parallax.optim.zero.stage import stage_of
+from parallax.optim.zero.state_io import StateIO
+from parallax.optim.zero.torch_contract import OptimizerFacade, takes_grad_scale
 from parallax.optim.zero.weights.deferred_gathers import DeferredGathers
-from parallax.optim.zero.weights.sharded_weights import (
-    WeightMethods,
-    check_stage,
-)
+from parallax.optim.zero.weights.sharded_weights import ShardedWeights
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
 
-
-class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, OptimizerFacade):
+class ZeroOptimizer(OptimizerFacade):
     """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
 
-    ``stage`` (1, 2 or 3) and ``modules``: the model chunks holding ``params``, needed at stage 3
-    (whose weights are sharded: every parameter of theirs that requires a gradient must be in
-    ``params``, the others are frozen) and at stage 2 optional (each backward pass then reduces only
-    the chunks it ran). ``reshard_after_forward`` (stage 3): see
-    :mod:`parallax.optim.zero.weights.unit_gathers`. At stages 2 and 3 ``overlap`` does not apply:
-    every pass is reduced as it ends.
+    ``stage`` (1, 2 or 3: :class:`~parallax.optim.zero.stage.ZeroStage`) and ``modules``: the model
+    chunks holding ``params``, needed at stage 3 (whose weights are sharded: every parameter of
+    theirs that requires a gradient must be in ``params``, the others are frozen) and at stage 2
+    optional (each backward pass then reduces only the chunks it ran). ``reshard_after_forward``
+    (stage 3): see :mod:`parallax.optim.zero.weights.unit_gathers`. At stages 2 and 3 ``overlap``
+    does not apply: every pass is reduced as it ends.
 
     ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
     memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
@@ -90,7 +80,7 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
     overlap keeps each bucket's fp32 reduced gradient in a persistent slice (4/dp bytes per
     parameter); without it, the fp32 result is written over the bucket's own 16-bit gradient bytes.
     At dp=1 no fp32 gradient outlives the step of its bucket (see
-    :mod:`parallax.optim.zero.buffers.packing`, ``grad_homes``). Either way, after the reduction the
+    :meth:`~parallax.optim.zero.stage.ZeroStage.grad_home`). Either way, after the reduction the
     ``.grad`` of 16-bit parameters holds unspecified values.
 
     On GPUs at dp >= 2 the reduction's copies and collectives run on a side stream; with one
@@ -119,9 +109,9 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
         side_stream_grad_copies: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
-        self.ctx, self.overlap, self.stage = ctx, overlap, stage
-        modules = check_stage(stage, modules)
-        check_offload(stage, offload, offload_fraction)
+        self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
+        modules = self.stage.check_modules(modules)
+        self.stage.check_offload(offload, offload_fraction)
         if offload:
             optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
@@ -130,27 +120,78 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
         )
         self.names, self.params, self.device = got.names, got.params, got.device
         self._group_names = got.group_names
-        self._build_buffers(got, modules, bucket_numel, offload_fraction if offload else 0.0)
-        self._build_inner(optimizer_class, got.groups, got.group_of, optimizer_kwargs)
+        self.units, self.layout = lay_out(self.stage, modules, got, ctx.dp_size, bucket_numel)
+        numels = [b.numel for b in self.layout.buckets]
+        hosted = offloaded_buckets(numels, offload_fraction) if offload else []
+        homes = self._grad_homes()
+        self.flat = FlatBuffers(
+            self.params, self.layout, ctx.dp_rank, self.device, homes, self.stage, hosted
+        )
+        self._adopt(wrap_pieces(optimizer_class, self.flat, got, optimizer_kwargs))
         # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
         self._stream = (
             torch.cuda.Stream(self.device)
             if self.device.type == "cuda" and ctx.dp_size > 1
             else None
         )
+        self._side_copies = side_stream_grad_copies
+        groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
+        self._build_step(groups, offload, step_in_backward, backward_passes_per_step)
+        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
+        self.zero3 = None  # stage 3: the weights' shards and their gathers around each use
+        if self.stage.shards_weights:
+            self.zero3 = ShardedWeights(
+                self.units,
+                self.params,
+                self.flat.store,
+                ctx,
+                self.reducer,
+                bucket_numel,
+                reshard_after_forward,
+            )
+        self.state_io = StateIO(
+            self.names, self.params, self._group_names, self.flat, self.inner, ctx, self.device
+        )
+        log.debug("%r: %s", self, self.memory_report())
+
+    def _build_step(self, groups: list[int], offload: bool, early: bool, passes: int) -> None:
+        """The parts a step goes through: the scales it owes, the staged buckets, the host's
+        steps (``offload``; ``early``: during the backward) and the gradient reduction."""
+        flat, ctx = self.flat, self.ctx
         # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
         # the dp average and the clip coefficient then cost no pass over the gradients
-        self._fold = takes_grad_scale(self.inner) and not offload  # (host: scaled apart)
-        self._side_copies = side_stream_grad_copies
-        self._coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
-        self._unscale: torch.Tensor | None = None  # clip coefficients folded into the step
+        fold = takes_grad_scale(self.inner) and not offload  # (host: scaled apart)
+        self.scale = StepScale(fold, ctx.dp_size, self.device)
+        self.staged = BucketwiseSteps(flat, groups)
+        self._counted = counted_pieces(flat.pieces, self.params, ctx.tp_rank)
+        has = [False] * len(self.params)  # which parameters got a gradient since zero_grad()
+        self.host = None
+        if offload:
+            counted = self._counted
+            self.host = HostSteps(flat, self.inner, ctx, self.device, groups, counted, has, early)
+        self.reducer, self.grads = build_reduction(
+            self.stage,
+            flat,
+            self.names,
+            ctx,
+            overlap=self.overlap,
+            passes=passes,
+            average=not fold,
+            device=self.device,
+            stream=self._stream,
+            copies=self._stream if self._side_copies and self.overlap else None,
+            sink=self.host,
+            has=has,
+        )
         self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
-        self._build_reduction(backward_passes_per_step, side_stream_grad_copies)
-        self.host = HostSteps(self, got.group_of, step_in_backward) if offload else None
-        self.reducer.sink = self.host
-        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
-        self._build_zero3(bucket_numel, reshard_after_forward)
-        log.debug("%r: %s", self, self.memory_report())
+
+    def _grad_homes(self) -> list[str]:
+        """Where each bucket's fp32 reduced gradient lives (a method: tests force others)."""
+        return grad_homes(self.layout, self.overlap, self.stage)
+
+    @property
+    def _fold(self) -> bool:
+        return self.scale.fold
 
     @torch.no_grad()
     def reload_master_weights(self) -> None:
@@ -213,27 +254,18 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
         for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
             t.grad = g if g is not None and flags[pc.param] else None
             stepped = stepped or g is not None
-        with self._grad_scale():
+        with self.scale.folded(self.inner):
             if stepped:
                 self.inner.step()
-            self.staged.step(self.inner, flags, self._coefs)  # the others, bucket by bucket
+            self.staged.step(self.inner, flags, self.scale.coefs)  # the others, bucket by bucket
 
     def _end_step(self, open: bool) -> None:
         self.reducer.reset(open)
         if self.host is not None:
             self.host.wait()
             self.host.reset()
-        self._flags, self._coefs, self._unscale = None, [], None
-
-    def _grad_scale(self):
-        """When the wrapped optimizer folds scales, the reduced gradients hold dp sums, not yet
-        clipped: let it divide them by ``dp / clip coefficients`` inside its kernel."""
-        dp = self.ctx.dp_size
-        if not self._fold or (dp == 1 and self._unscale is None):
-            return nullcontext()
-        if self._unscale is None:
-            return grad_scale(self.inner, torch.full((), float(dp), device=self.device))
-        return grad_scale(self.inner, dp / self._unscale)
+        self._flags = None
+        self.scale.reset()
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -254,6 +286,34 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
         self._end_step(open=True)
         self.grads.clear(self.flat.grad_buffers, set_to_none)
 
+    # -- the gradient norm ---------------------------------------------------------------------
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over dp, tp and pp (every rank must call it), from the
+        reduced gradients (offloaded buckets: each one's share, taken on the host); reduces the
+        gradients first if ``step()`` has not yet."""
+        self._reduce()
+        host = self.host.local_part(norm_type) if self.host is not None else 0.0
+        skip = self.host.buckets if self.host is not None else ()  # offloaded: in ``host``
+        counted = (  # staged buckets: their 16-bit gradients, the norm taken in fp32
+            [g for k, g in group if self._counted[k]]
+            for group in self.flat.reduced_grads_by_bucket(self.scale.coefs, True, skip)
+        )
+        total = global_grad_norm(counted, self.ctx, norm_type, self.device, host)
+        return self.scale.true_norm(total)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
+        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
+        total = self.grad_norm(norm_type)
+        coef = clip_coefficient(total, max_norm)
+        if self.host is not None:
+            self.host.clip(coef)  # (no folding when offloaded: the others are scaled below)
+        self.scale.clip(coef, self.flat.grad_outs, bool(self.staged))
+        return total
+
     # -- the parameter all-gather under the next forward ------------------------------------------
     def overlap_param_gather(self, *modules: nn.Module) -> list:
         """Let each step's all-gather of the updated parameters run under the next forward.
@@ -266,7 +326,7 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
         parameters between ``step()`` and the next forward calls :meth:`wait_params` first; this
         optimizer's own methods do. Returns the hooks' handles; removing them all turns the deferral
         off again. At stage 3 there is nothing to defer (every use gathers): []."""
-        if self.stage == 3:
+        if self.stage.shards_weights:
             return []
         return self.gathers.register(modules)
 
@@ -275,9 +335,54 @@ class ZeroOptimizer(AssemblyMethods, NormMethods, WeightMethods, StateMethods, O
         call it before reading parameters outside a hooked forward, e.g. to save or evaluate."""
         self.gathers.wait_all()
 
+    # -- the weights outside a forward (stage 3 shards them) ------------------------------------
+    def weight(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter ``p``'s current values on this tp rank, whole (any parameter of the
+        modules, frozen ones included). At stage 3 a collective over dp: every dp rank asks
+        for the same parameters in the same order; one tensor is made, never a whole block."""
+        self.wait_params()
+        if self.zero3 is None:
+            return p.detach()
+        return self.zero3.weight(p)
+
+    def materialized(self, unit: int) -> AbstractContextManager:
+        """Stage 3: a context in which unit ``unit``'s weights (``self.units[unit]``) can be
+        overwritten whole, with no collective (see :meth:`ShardedWeights.materialized`)."""
+        return self.zero3.materialized(unit)
+
+    def gathered(self) -> AbstractContextManager:
+        """A context with every weight whole, e.g. to export the model (at stage 3 a collective
+        that gathers the whole stage on every rank; otherwise it only waits for the weights)."""
+        if self.zero3 is None:
+            self.wait_params()
+            return nullcontext()
+        return self.zero3.gathered()
+
+    # -- the state, as full logical tensors (:mod:`~parallax.optim.zero.state_io`) ---------------
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able description of the state: hyperparameters and, per parameter name, the
+        state keys that :meth:`state_tensors` yields. Collective: call on every rank."""
+        self.wait_params()
+        return self.state_io.meta()
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``("<name>.<state>", full logical tensor)`` one at a time. Collective: every
+        rank must consume it all."""
+        self.wait_params()
+        return self.state_io.tensors()
+
+    def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
+        """Load from ``meta`` and ``get(key) -> full tensor``, one tensor at a time, at any
+        dp and tp size. Also writes the masters into the model. No collective: a caller whose
+        ranks may fail differently (a rank-local read error) agrees on the outcome itself."""
+        self.wait_params()
+        self.state_io.load(meta, get)
+
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
-        return zero_memory(self)
+        return measure(
+            self.flat, self.inner, self.params, self.stage, self.reducer, self.host, self.zero3
+        )
 
     def __repr__(self) -> str:
         return (

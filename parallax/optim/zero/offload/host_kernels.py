@@ -67,17 +67,3 @@ def host_options(optimizer_class: type, options: dict[str, Any]) -> dict[str, An
     else:
         options["foreach"] = True
     return options
-
-
-def offloaded_buckets(layout, fraction: float) -> list[int]:
-    """The buckets to offload: the first ones reduced (layout order) up to ``fraction`` of the
-    elements, at least one when ``fraction`` > 0."""
-    if fraction <= 0:
-        return []
-    total, out, held = sum(b.numel for b in layout.buckets), [], 0
-    for b in layout.buckets:
-        if out and held + b.numel > fraction * total + 0.5:
-            break
-        out.append(b.index)
-        held += b.numel
-    return out

@@ -42,7 +42,8 @@ the reduce-scatters and the additions into the shards run on a side stream (``st
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -56,7 +57,32 @@ log = logging.getLogger(__name__)
 IN_FLIGHT = 1  # reduce-scatters a pass leaves running before it waits for the oldest
 
 
+class HostSink(Protocol):
+    """Where the offloaded buckets' reduced chunks go, pass by pass
+    (:class:`~parallax.optim.zero.offload.host_steps.HostSteps`)."""
+
+    buckets: list[int]  # the offloaded buckets, in layout order
+    hosted: frozenset[int]
+
+    def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None: ...
+
+    def complete(self, b: int, summed: bool) -> None: ...
+
+
+class UnitListener(Protocol):
+    """ZeRO-3's gathers (:class:`~parallax.optim.zero.weights.unit_gathers.UnitGathers`): they
+    count each unit's gradients and end the units still active before a pass ends."""
+
+    def on_grad(self, unit: int) -> None: ...
+
+    def end_pass(self) -> None: ...
+
+
 class PassReducer:
+    """Each backward pass reduce-scattered into ``outputs`` (see the module docstring);
+    ``ordered``: launch from the gradient hooks (ZeRO-2); ``sink``: the offloaded buckets' host
+    steps; ``passes``: backward passes per step (offload steps a bucket after its last)."""
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -68,18 +94,18 @@ class PassReducer:
         average: bool = True,
         stream: torch.cuda.Stream | None = None,
         device: torch.device | None = None,
+        passes: int = 1,
+        sink: HostSink | None = None,
     ) -> None:
         self.layout, self.outputs, self.names, self.ctx = layout, outputs, names, ctx
         self.ordered, self.average, self.stream = ordered, average, stream
         self.device = device or (outputs[0].device if outputs else torch.device("cpu"))
-        self.passes = 1  # ZeroOptimizer's backward_passes_per_step: not needed here
+        self.passes, self.sink = passes, sink
         self.bucket_of = [slot.bucket for slot in layout.slots]
         self.of_unit: dict[int, list[int]] = {}
         for b in layout.buckets:
             self.of_unit.setdefault(b.unit, []).append(b.index)
-        self.before_end: list[Callable[[], None]] = []  # run first at the end of each pass
-        self.on_unit_grad: Callable[[int], None] | None = None  # ZeRO-3's count of arrivals
-        self.sink = None  # offload: takes each pass's reduced chunks of its ``buckets``
+        self.listener: UnitListener | None = None  # ZeRO-3's gathers, once they follow
         self.staging: list[torch.Tensor] = []  # nothing persistent beyond the shards
         self.live_bytes = self.peak_bytes = 0  # pass buffers and partial results alive
         self.late = 0  # passes that finish() had to end (gradients outside a backward pass)
@@ -94,6 +120,11 @@ class PassReducer:
         self.sent = [False] * len(self.layout.buckets)  # reduce-scattered in this pass
         self.touched: set[int] = set()
         self.ready_from: dict[int, int] = {}  # unit -> its buckets before this one are sent
+
+    def follow(self, listener: UnitListener) -> None:
+        """Tell ``listener`` of each unit's gradients and of each pass's end, which it acts on
+        first: ZeRO-3's gathers, which in turn touch units and launch them here."""
+        self.listener = listener
 
     def touch(self, unit: int) -> None:
         """``unit`` takes part in this pass (see the module docstring); queues the pass's end."""
@@ -124,8 +155,8 @@ class PassReducer:
         self.touch(bucket.unit)
         if self.ordered:
             self._launch_ready(bucket.unit)
-        elif self.on_unit_grad is not None:
-            self.on_unit_grad(bucket.unit)
+        elif self.listener is not None:
+            self.listener.on_grad(bucket.unit)
 
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self.bufs.get(b)
@@ -214,8 +245,8 @@ class PassReducer:
     def end_pass(self) -> None:
         """Send every bucket of the units touched in this pass that has not gone out, in
         layout order, and wait for them (a pass's reduce-scatters never outlive it)."""
-        for hook in self.before_end:
-            hook()
+        if self.listener is not None:
+            self.listener.end_pass()
         for unit in sorted(self.touched):
             for b in self.of_unit.get(unit, ()):
                 if not self.sent[b]:

@@ -109,10 +109,9 @@ class UnitGathers:
         self.inputless: set[int] = set()
         self.arrived = [0] * len(units)
         self.ended: set[int] = set()  # units whose backward ended in this pass
-        reducer.on_unit_grad = self.on_grad
         self._out_hooks: dict[int, tuple[Any, int, weakref.ref]] = {}  # id(output) -> hook
         self.stores = list({id(s): s for bs in buckets for s, _ in bs}.values())
-        reducer.before_end.append(self.end_pass)
+        reducer.follow(self)  # its arrivals and pass ends come here
         ref = weakref.ref(self)
         self.handles = []
         for unit in units:
