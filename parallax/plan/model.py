@@ -15,9 +15,6 @@ from parallax.plan.blocks import BlockParams, block_params
 from parallax.plan.layout import Layout
 from parallax.train.steps import make_schedule
 
-DEFAULT_BUCKET_NUMEL = 25_000_000  # ZeroOptimizer's bucket size (elements)
-STAGING_BYTES = 2**29  # offload's upload staging per dtype (parallax.optim.staging)
-
 
 class Model:
     """See the module docstring; ``run`` is a resolved :class:`~parallax.train.run.Run`."""
