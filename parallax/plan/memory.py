@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.optim.zero.buffers.packing import bucket_numels
+from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
 from parallax.optim.zero.offload.share import offloaded_share
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
 from parallax.optim.zero.stage import ElementBytes, ZeroStage, stage_of
@@ -193,7 +193,8 @@ def _counts(blocks) -> _Counts:
     def total(attr: str, size: int) -> int:
         return sum(n for b in blocks for s, n in getattr(b, attr) if s == size)
 
-    order = bucket_numels([s for b in blocks for s in b.sizes])  # the default bucket size
+    # ZeRO's buckets at its default size, without the padding to dp (these counts are per tp)
+    order = bucket_numels([s for b in blocks for s in b.sizes], 1, DEFAULT_BUCKET_NUMEL)
     largest: dict[tuple[int, bool], int] = {}
     for key, n in order:
         largest[key] = max(largest.get(key, 0), n)
@@ -215,7 +216,7 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     layout (pinned: the host's staging, which only a run on GPUs makes)."""
     dp, stage = layout.dp, stage_of(layout.zero)
     share = offloaded_share([n for _, n in c.order], float(layout.offload))  # whole buckets
-    held = _held_bytes(c, stage, dp, overlap, share)
+    held = _element_bytes(c, stage, dp, overlap, share)
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
     partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
     bucket = max(c.buckets.values(), default=0)
@@ -242,7 +243,9 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     return held.weights, held.gradients, held.optimizer, gathered, buffers, host, pinned
 
 
-def _held_bytes(c: _Counts, stage: ZeroStage, dp: int, overlap: bool, share: float) -> ElementBytes:
+def _element_bytes(
+    c: _Counts, stage: ZeroStage, dp: int, overlap: bool, share: float
+) -> ElementBytes:
     """What the rank's elements cost by the stage's terms: the trainable ones by element size,
     ``share`` of them offloaded, and the frozen ones."""
     total = ElementBytes()

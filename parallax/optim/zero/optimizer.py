@@ -137,18 +137,7 @@ class ZeroOptimizer(OptimizerFacade):
         self._side_copies = side_stream_grad_copies
         groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
         self._build_step(groups, offload, step_in_backward, backward_passes_per_step)
-        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
-        self.zero3 = None  # stage 3: the weights' shards and their gathers around each use
-        if self.stage.shards_weights:
-            self.zero3 = ShardedWeights(
-                self.units,
-                self.params,
-                self.flat.store,
-                ctx,
-                self.reducer,
-                bucket_numel,
-                reshard_after_forward,
-            )
+        self._build_weights(bucket_numel, reshard_after_forward)
         self.state_io = StateIO(
             self.names, self.params, self._group_names, self.flat, self.inner, ctx, self.device
         )
@@ -184,6 +173,22 @@ class ZeroOptimizer(OptimizerFacade):
             has=has,
         )
         self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
+
+    def _build_weights(self, bucket_numel: int, reshard_after_forward: bool) -> None:
+        """The weights between steps: the all-gathers a forward may wait for (stages 1, 2), or
+        the shards and their gathers around each use (stage 3)."""
+        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
+        self.zero3 = None
+        if self.stage.shards_weights:
+            self.zero3 = ShardedWeights(
+                self.units,
+                self.params,
+                self.flat.store,
+                self.ctx,
+                self.reducer,
+                bucket_numel,
+                reshard_after_forward,
+            )
 
     def _grad_homes(self) -> list[str]:
         """Where each bucket's fp32 reduced gradient lives (a method: tests force others)."""

@@ -44,12 +44,6 @@ class ElementBytes:
     def __mul__(self, k: float) -> ElementBytes:
         return ElementBytes(*(getattr(self, f.name) * k for f in fields(self)))
 
-    __rmul__ = __mul__
-
-    @property
-    def device(self) -> float:
-        return self.weights + self.gradients + self.optimizer
-
 
 class ZeroStage(IntEnum):
     """A ZeRO stage: an int (``stage < 3`` reads as before) that says what the stage means."""
@@ -148,11 +142,11 @@ class ZeroStage(IntEnum):
         """What one trainable element of ``element_size`` bytes (4: fp32) costs a rank of ``dp``.
 
         The gradient buffer (stage 1) is in the model's dtype; the fp32 reduced slice is there
-        where :meth:`grad_home` keeps one (``overlap``: stage
-        1 may reduce during the backward; ``partial``: a gradient partial over tp). A 16-bit
-        element has a separate fp32 master; fp32 ones are their own. ``offloaded``: the master
-        (fp32 for every dtype), the ``state_bytes`` of optimizer state and the gradient's
-        accumulator in the model's dtype are on the host, and no reduced slice on the device.
+        where :meth:`grad_home` keeps one (``overlap``: stage 1 may reduce during the backward;
+        ``partial``: a gradient partial over tp). A 16-bit element has a separate fp32 master;
+        fp32 ones are their own. ``offloaded``: the master (fp32 for every dtype), the
+        ``state_bytes`` of optimizer state and the gradient's accumulator in the model's dtype
+        are on the host, and no reduced slice on the device.
         """
         if offloaded and not self.can_offload:
             raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {self}")
@@ -160,9 +154,9 @@ class ZeroStage(IntEnum):
         home = self.grad_home(element_size, fp32, dp, partial=partial, overlap=overlap)
         gradients = float(element_size) if self.full_grad_buffer else 0.0
         if home == SHARD and not offloaded:
-            gradients += 4 / dp
+            gradients += 4 / dp  # this rank's fp32 slice of the reduced gradient
         weights = self.frozen_bytes(dp, element_size).weights
-        if offloaded:
+        if offloaded:  # fp32 master, state, accumulator
             return ElementBytes(weights, gradients, host=(4 + state_bytes + element_size) / dp)
         master = 0.0 if fp32 else 4 / dp
         return ElementBytes(weights, gradients, optimizer=master + state_bytes / dp)

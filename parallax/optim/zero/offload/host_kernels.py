@@ -1,6 +1,7 @@
 """What the offloaded optimizer (:mod:`parallax.optim.zero.offload.host_steps`) runs on the host:
-which of torch's CPU kernels steps it, on how many threads, which buckets go there, and a norm that
-is both fast and accurate on billions of elements.
+which of torch's CPU kernels steps it, on how many threads, and a norm that is both fast and
+accurate on billions of elements (which buckets go there:
+:mod:`~parallax.optim.zero.offload.share`).
 
 Measured on one H200 host (``benchmarks/zero/host_bound.py``, 16 cores): torch's float64 norm
 runs at 1 GB/s on the CPU (13 s for a 7.5B model's gradient), a flat fp32 one is fast but off
