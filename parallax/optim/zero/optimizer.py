@@ -5,12 +5,9 @@ parameters are views into) but keeps optimizer state for its own slice of each b
 A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapped optimizer on
 this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
 within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
-At dp=1 with 16-bit parameters nothing is reduced, and each bucket's fp32 gradient is made
-only while the optimizer steps that bucket (:mod:`~parallax.optim.zero.bucketwise`). Stages 2
-and 3 shard the reduced gradients and the weights too (:mod:`~parallax.optim.zero.stage`).
-
-:class:`ZeroOptimizer` is made of parts (:mod:`parallax.optim.zero` lists them), each given
-what it reads; this module holds the step and the public methods, which ask them.
+Stages 2 and 3 shard the reduced gradients and the weights too
+(:mod:`~parallax.optim.zero.stage`). The optimizer is made of parts, each given what it reads
+(:mod:`parallax.optim.zero` lists them); this module puts them together and asks them.
 """
 
 from __future__ import annotations
@@ -246,8 +243,10 @@ class ZeroOptimizer(OptimizerFacade):
         if self.host is not None:  # on the host, bucket by bucket (some maybe done already)
             self.host.step(flags)
         self._step_inner(flags)  # the buckets on the device
-        self.gathers.works = self.flat.gather_params(
-            self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
+        self.gathers.track(
+            self.flat.gather_params(
+                self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
+            )
         )
         if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
             self.zero3.gathers.release_all()

@@ -74,6 +74,11 @@ class DeferredGathers:
                 handles.append(_Handle(handle, self.hooks))
         return handles
 
+    def track(self, works: dict[int, comm.Work]) -> None:
+        """The all-gathers ``step()`` left in flight (``{bucket: handle}``, empty when it
+        waited), for the hooks to wait on."""
+        self.works = works
+
     def wait(self, buckets: Iterable[int]) -> None:
         for b in buckets:
             comm.wait(self.works.pop(b, None))
