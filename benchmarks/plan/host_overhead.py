@@ -26,7 +26,9 @@ from benchmarks.plan.accuracy import batch_source
 from benchmarks.tools.common import median, print_table
 from parallax.context import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig
-from parallax.optim import grads, offload, passes
+from parallax.optim.zero.offload import host_steps as offload
+from parallax.optim.zero.reduction import arrivals as grads
+from parallax.optim.zero.reduction import pass_reducer as passes
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 from parallax.train.trainer import Trainer

@@ -1,11 +1,11 @@
 """How fast can this host step an offloaded optimizer? The floor under ``--offload optimizer``:
-each host phase of :class:`parallax.optim.offload.HostSteps` timed alone on this machine's
+each host phase of :class:`parallax.optim.zero.offload.host_steps.HostSteps` timed alone on this machine's
 CPU (and its PCIe link, where a GPU is there), then scaled to a model's trainable parameters.
 
     python -m benchmarks.zero.host_bound [--elements 2**28] [--params 7.54e9 --passes 8]
     python -m benchmarks.zero.host_bound --smoke      # small tensors, writes nothing
 
-Per step, an offloaded ZeRO-2/3 rank at dp 1 (:mod:`parallax.optim.offload`):
+Per step, an offloaded ZeRO-2/3 rank at dp 1 (:mod:`parallax.optim.zero.offload.host_steps`):
 - per backward pass: its reduced gradient goes down to the host accumulator in the model's
   dtype (``d2h``) and, after the first pass, the accumulator comes up to be added to on the
   device (``h2d``), both ways at once; ``accumulate`` is what the same addition costs on the
@@ -27,7 +27,7 @@ import argparse
 import torch
 
 from benchmarks.tools.common import append_results, median, print_table, time_it
-from parallax.optim.host import squares
+from parallax.optim.zero.offload.host_kernels import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
            "s per step"]  # fmt: skip

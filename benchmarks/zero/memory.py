@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from benchmarks.tools.common import append_results, median, peak_memory_gib, print_table, time_it
 from parallax import ParallelContext, ParallelDims, init_parallel
 from parallax.optim import ZeroOptimizer
-from parallax.optim.memory import tensor_bytes
+from parallax.optim.zero.memory_report import tensor_bytes
 
 NO_OVERLAP = "parallax ZeRO-1 no-overlap"
 

@@ -1,7 +1,5 @@
 """ZeRO 1-3 over the data-parallel group and optimizer offload (:mod:`parallax.optim.zero`)."""
 
-from parallax.optim.memory import MemoryReport
-from parallax.optim.state import FORMAT as STATE_FORMAT
-from parallax.optim.zero import ZeroOptimizer
+from parallax.optim.zero import STATE_FORMAT, MemoryReport, ZeroOptimizer, ZeroStage, stage_of
 
-__all__ = ["STATE_FORMAT", "MemoryReport", "ZeroOptimizer"]
+__all__ = ["STATE_FORMAT", "MemoryReport", "ZeroOptimizer", "ZeroStage", "stage_of"]

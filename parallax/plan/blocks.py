@@ -4,33 +4,27 @@ per optimizer group, and its ZeRO-3 units; counted once per tp on the meta devic
 Each block is built alone (:func:`parallax.recipe.adapt.build_chunk` of a one-block range,
 shapes only: the recipe's chunk with the run's adapters and freezing, as the Trainer builds
 it), so any pipeline split's chunk is a sum of blocks and no layout needs a model of its own:
-the planner combines these numbers arithmetically. Element counts are padded
-as ZeRO's flat buffers pad them (every parameter to a multiple of 16 elements,
-:mod:`parallax.optim.buckets`).
+the planner combines these numbers arithmetically. Element counts are padded as ZeRO's flat
+buffers pad them (:func:`parallax.optim.zero.buffers.packing.padded`), and a block's ZeRO-3
+units are the ones the optimizer finds (:func:`parallax.optim.zero.weights.units.find_units`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.dims import ParallelDims
+from parallax.optim.zero.buffers.packing import padded
+from parallax.optim.zero.weights.units import find_units
 from parallax.recipe.adapt import build_chunk
 from parallax.recipe.flags import option_classes
 from parallax.run import Run
 from parallax.run import param_groups as groups
 from parallax.run.option import options
-
-ALIGN = 16  # elements: ZeRO pads every parameter to a multiple of this
-CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def padded(numel: int) -> int:
-    return -(-numel // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -124,63 +118,7 @@ def _partial(p: torch.Tensor) -> bool:
 
 
 def unit_bytes(chunk: nn.Module) -> list[int]:
-    """Bytes of each ZeRO-3 unit of ``chunk``, as :mod:`parallax.optim.units` finds them: a
-    module held in a ModuleList or ModuleDict with all its parameters, and any other module's
-    own parameters."""
-    sizes: list[int] = []
-
-    def size(params: Any) -> int:
-        return sum(padded(p.numel()) * p.element_size() for p in params)
-
-    def visit(module: nn.Module, held: bool) -> None:
-        if held and next(module.parameters(), None) is not None:
-            sizes.append(size(module.parameters()))
-            return
-        own = size(module.parameters(recurse=False))
-        if own:
-            sizes.append(own)
-        for child in module.children():
-            visit(child, isinstance(module, CONTAINERS))
-
-    visit(chunk, False)
-    return sizes
-
-
-def bucket_sizes(sizes: list[tuple[int, int, bool]], bucket_numel: int) -> list[tuple]:
-    """``((element size, partial over tp), elements)`` of each bucket of ZeRO's flat layout of
-    these parameters (in forward order), in the order they are reduced: packed from the end, a
-    bucket closes once it holds ``bucket_numel`` elements
-    (:func:`parallax.optim.buckets.build_layout`)."""
-    filled: dict[tuple[int, bool], int] = {}
-    out: list[tuple] = []
-    for numel, size, partial in reversed(sizes):
-        key = (size, partial)
-        filled[key] = filled.get(key, 0) + numel
-        if filled[key] >= bucket_numel:
-            out.append((key, filled.pop(key)))
-    return out + sorted(filled.items())
-
-
-def largest_buckets(
-    sizes: list[tuple[int, int, bool]], bucket_numel: int
-) -> dict[tuple[int, bool], int]:
-    """The largest bucket per (element size, partial over tp): see :func:`bucket_sizes`."""
-    most: dict[tuple[int, bool], int] = {}
-    for key, n in bucket_sizes(sizes, bucket_numel):
-        most[key] = max(most.get(key, 0), n)
-    return most
-
-
-def offloaded_share(buckets: list[tuple], fraction: float) -> float:
-    """The share of the elements ``--offload-fraction`` puts on the host: the first buckets
-    reduced up to ``fraction`` of them, at least one
-    (:func:`parallax.optim.host.offloaded_buckets`)."""
-    if fraction <= 0 or not buckets:
-        return 0.0
-    total = sum(n for _, n in buckets)
-    held = 0
-    for i, (_, n) in enumerate(buckets):
-        if i and held + n > fraction * total + 0.5:
-            break
-        held += n
-    return held / total
+    """Bytes of each ZeRO-3 unit of ``chunk``, padded, as the optimizer finds the units."""
+    return [
+        sum(padded(p.numel()) * p.element_size() for p in u.params) for u in find_units([chunk])
+    ]

@@ -225,7 +225,7 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
 
 
 def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -> float:
-    """Exposed seconds of offload's work per step (:mod:`parallax.optim.offload`).
+    """Exposed seconds of offload's work per step (:mod:`parallax.optim.zero.offload.host_steps`).
 
     Under the passes: each pass's gradients go down to the host accumulator and, after the
     first, the accumulator comes up to be added to on the device (the model's bytes each way,
@@ -240,7 +240,7 @@ def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -
 
     A pass's chunks come ready during its backward, so the copies hide under the backwards
     only (the host's adds under the whole passes); where they take longer the step waits for
-    the link (a few adds queue at most, :mod:`parallax.optim.accumulate`). OpenVLA-7B under a
+    the link (a few adds queue at most, :mod:`parallax.optim.zero.offload.accumulators`). OpenVLA-7B under a
     32 GiB cap at micro-batch 8, whose copies take about 1.5 times its backwards, ran 23.4 s a
     step against 12.5 s at micro-batch 32 (benchmarks/RESULTS.md, run 6a8fd6ee2dca; the queue
     was not bounded then).

@@ -8,7 +8,7 @@ tp and dp peers hold as much):
 - **gradients**: ZeRO-1 keeps a gradient buffer in the parameters' dtype, plus (dp > 1, reduced
   during the backward) an fp32 slice of 4/dp bytes per 16-bit parameter; ZeRO-2/3 keep only the
   fp32 shard (4/dp bytes per trainable parameter; none when offloaded), each backward pass being
-  reduce-scattered into it as it ends (:mod:`parallax.optim.passes`);
+  reduce-scattered into it as it ends (:mod:`parallax.optim.zero.reduction.pass_reducer`);
 - **optimizer**: AdamW's fp32 masters (4/dp per 16-bit parameter; fp32 parameters are their own)
   and moments (8/dp), on the host instead with ``--offload optimizer``;
 - **gathered**: ZeRO-3's whole units at once: the one running and the one prefetched (two of
@@ -24,6 +24,12 @@ tp and dp peers hold as much):
   dtype (2/dp bytes per parameter), one bucket's fp32 scratch and, on GPUs, the uploads' pinned
   staging (one pass of weights up to 512 MiB).
 
+Weights, gradients, optimizer and host are the stage's own terms per element
+(:meth:`parallax.optim.zero.stage.ZeroStage.trainable_bytes`), over the buckets the optimizer
+would pack (:func:`parallax.optim.zero.buffers.packing.bucket_numels`) and the share of them it
+would offload (:func:`parallax.optim.zero.offload.share.offloaded_share`): the optimizer's rules,
+not a copy of them.
+
 What a card needs beyond the peak allocation: the caching allocator's reserve and the CUDA
 context (:meth:`RankMemory.needed`, from the machine profile).
 """
@@ -32,10 +38,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax.plan.blocks import bucket_sizes, largest_buckets, offloaded_share
+from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
+from parallax.optim.zero.offload.share import offloaded_share
+from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
+from parallax.optim.zero.stage import ElementBytes, ZeroStage, stage_of
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
-from parallax.plan.model import DEFAULT_BUCKET_NUMEL, STAGING_BYTES, Model, peak_weighted
+from parallax.plan.model import Model, peak_weighted
 
 GIB = 2**30
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
@@ -184,6 +193,11 @@ def _counts(blocks) -> _Counts:
     def total(attr: str, size: int) -> int:
         return sum(n for b in blocks for s, n in getattr(b, attr) if s == size)
 
+    # ZeRO's buckets at its default size, without the padding to dp (these counts are per tp)
+    order = bucket_numels([s for b in blocks for s in b.sizes], 1, DEFAULT_BUCKET_NUMEL)
+    largest: dict[tuple[int, bool], int] = {}
+    for key, n in order:
+        largest[key] = max(largest.get(key, 0), n)
     return _Counts(
         t2=total("trainable", 2),
         t4=total("trainable", 4),
@@ -192,57 +206,64 @@ def _counts(blocks) -> _Counts:
         largest=max((b.largest for b in blocks), default=0),
         unit=max((u for b in blocks for u in b.units), default=0),
         partial=sum(b.partial for b in blocks),
-        buckets=largest_buckets([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
-        order=bucket_sizes([s for b in blocks for s in b.sizes], DEFAULT_BUCKET_NUMEL),
+        buckets=largest,
+        order=order,
     )
 
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
     """(weights, gradients, optimizer, gathered, buffers, host, pinned) of ZeRO at this
     layout (pinned: the host's staging, which only a run on GPUs makes)."""
-    dp, zero = layout.dp, layout.zero
-    share = offloaded_share(c.order, float(layout.offload))  # whole buckets go to the host
+    dp, stage = layout.dp, stage_of(layout.zero)
+    share = offloaded_share([n for _, n in c.order], float(layout.offload))  # whole buckets
+    held = _element_bytes(c, stage, dp, overlap, share)
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
     partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
     bucket = max(c.buckets.values(), default=0)
-    if zero == 3:  # a bucket never spans two units
-        bucket = min(bucket, c.unit // (2 if c.t2 else 4))
-    weights = float(c.full_bytes)
     gathered = 0.0
-    if zero == 3 and dp > 1:
-        weights = c.full_bytes / dp
-        gathered = 2.0 * c.unit if layout.reshard_after_forward else float(c.full_bytes)
-    if zero == 1:
-        gradients = 2.0 * c.t2 + 4.0 * c.t4  # the gradient buffers
-        if dp > 1 and overlap:
-            gradients += 4.0 * c.t2 / dp  # reduced during the backward: a persistent fp32 slice
+    if stage.shards_weights:  # a bucket never spans two units
+        bucket = min(bucket, c.unit // (2 if c.t2 else 4))
+        if dp > 1:
+            gathered = 2.0 * c.unit if layout.reshard_after_forward else float(c.full_bytes)
+    if stage.reduces_each_pass:
+        # pass buffers: the bucket filling, the one in flight, its reduced part
+        buffers = 4.0 * min(PASS_BUFFERS * bucket, c.trainable) + 4.0 * bucket / dp
+    else:
         # fp32 staging: two buffers for the reduction of 16-bit buckets (dp > 1) and of those
         # partial over tp; one for dp = 1's step of 16-bit buckets
         reduced = max(sixteen if dp > 1 else 0, partial)
         buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
-    else:
-        gradients = (1 - share) * 4.0 * c.trainable / dp  # the fp32 shard
-        # pass buffers: the bucket filling, the one in flight, its reduced part
-        buffers = 4.0 * min(PASS_BUFFERS * bucket, c.trainable) + 4.0 * bucket / dp
-    masters = 4.0 * c.t2 / dp  # fp32 parameters are their own masters
-    moments = 8.0 * c.trainable / dp
-    optimizer = (1 - share) * (masters + moments)
     host = pinned = 0.0
-    if share:  # the masters, the moments, the accumulator, the scratch, the pinned staging
-        accumulator = (2.0 * c.t2 + 4.0 * c.t4) / dp
+    if share:  # the stage's host terms, the scratch and the pinned staging
         width = 2 if c.t2 else 4
         staged = share * (2.0 * c.t2 + 4.0 * c.t4) / dp  # one pass of offloaded gradients
         pinned = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the staging ring
         scratch = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
-        host = share * (4.0 * c.trainable / dp + moments + accumulator) + scratch + pinned
-    return weights, gradients, optimizer, gathered, buffers, host, pinned
+        host = held.host + scratch + pinned
+    return held.weights, held.gradients, held.optimizer, gathered, buffers, host, pinned
+
+
+def _element_bytes(
+    c: _Counts, stage: ZeroStage, dp: int, overlap: bool, share: float
+) -> ElementBytes:
+    """What the rank's elements cost by the stage's terms: the trainable ones by element size,
+    ``share`` of them offloaded, and the frozen ones."""
+    total = ElementBytes()
+    for size, trainable, frozen in ((2, c.t2, c.f2), (4, c.t4, c.f4)):
+        kept = stage.trainable_bytes(dp, size, overlap=overlap)
+        if share:
+            moved = stage.trainable_bytes(dp, size, overlap=overlap, offloaded=True)
+            kept = kept * (1 - share) + moved * share
+        total = total + kept * trainable + stage.frozen_bytes(dp, size) * frozen
+    return total
 
 
 def _building(c: _Counts, layout: Layout) -> float:
     """GPU bytes while the optimizer is made: ZeRO-1/2 allocate the flat buffers of the
     trainable weights whole while the model's own copies still exist; ZeRO-3 moves the weights
-    into their buckets one bucket at a time (:class:`parallax.optim.sharded.ShardedStore`)."""
-    if layout.zero == 3:
+    into their buckets one bucket at a time
+    (:class:`parallax.optim.zero.weights.shards.ShardedStore`)."""
+    if stage_of(layout.zero).shards_weights:
         return float(c.full_bytes) + float(min(c.unit, c.full_bytes))
     return float(c.full_bytes) + 2.0 * c.t2 + 4.0 * c.t4
 

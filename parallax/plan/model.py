@@ -14,9 +14,6 @@ from parallax.pipeline import make_schedule, split
 from parallax.plan.blocks import BlockParams, block_params
 from parallax.plan.layout import Layout
 
-DEFAULT_BUCKET_NUMEL = 25_000_000  # ZeroOptimizer's bucket size (elements)
-STAGING_BYTES = 2**29  # offload's upload staging per dtype (parallax.optim.staging)
-
 
 class Model:
     """See the module docstring; ``run`` is a resolved :class:`~parallax.run.Run`."""

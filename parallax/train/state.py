@@ -43,8 +43,8 @@ from parallax.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from parallax.optim.state import FORMAT as OPTIM_FORMAT
-from parallax.optim.state import state_kinds
+from parallax.optim.zero.state_io import FORMAT as OPTIM_FORMAT
+from parallax.optim.zero.state_io import state_kinds
 from parallax.recipe import registry
 from parallax.tensor import logical_shape
 from parallax.tensor.sharding import unshard_tensor

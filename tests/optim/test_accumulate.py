@@ -3,7 +3,7 @@ pass of a step overwrites, later ones add in fp32 and round once to the accumula
 
 import torch
 
-from parallax.optim.accumulate import Accumulators
+from parallax.optim.zero.offload.accumulators import Accumulators
 
 
 def test_passes_add_in_fp32_and_round_once_per_pass():
@@ -30,7 +30,7 @@ def test_the_host_waits_for_the_oldest_adds_past_the_bound(monkeypatch):
     oldest before it queues another (the events here stand in for the copies stream's)."""
     from collections import deque
 
-    from parallax.optim import accumulate
+    from parallax.optim.zero.offload import accumulators as accumulate
 
     waited = []
 

@@ -4,7 +4,7 @@ and which buckets go to the host."""
 import pytest
 import torch
 
-from parallax.optim.host import ROW, host_threads, squares
+from parallax.optim.zero.offload.host_kernels import ROW, host_threads, squares
 
 
 @pytest.mark.parametrize("n", [0, 1, ROW - 1, ROW, 3 * ROW + 17, 200_003])

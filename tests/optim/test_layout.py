@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import parallax
 from parallax.optim import ZeroOptimizer
-from parallax.optim.buckets import ALIGN, build_layout
+from parallax.optim.zero.buffers.packing import ALIGN, build_layout
 from tests.optim.common import batch, build, groups
 
 SHAPES = [(5,), (64, 3), (7, 7), (100,), (3,), (33, 2), (1,)]

@@ -1,6 +1,7 @@
-"""ZeRO-2's ordered launches (:class:`parallax.optim.passes.PassReducer`), single process: a
-bucket goes out as soon as its gradients are all in and every earlier bucket of its unit has
-gone out, whatever order the gradients arrive in, and each pass sends every bucket once."""
+"""ZeRO-2's ordered launches (:class:`parallax.optim.zero.reduction.pass_reducer.PassReducer`),
+single process: a bucket goes out as soon as its gradients are all in and every earlier bucket of
+its unit has gone out, whatever order the gradients arrive in, and each pass sends every bucket
+once."""
 
 import random
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from parallax.context import ParallelContext
-from parallax.optim.buckets import build_layout
-from parallax.optim.passes import PassReducer
+from parallax.optim.zero.buffers.packing import build_layout
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
 
 
 def _expected(layout, arrived: set[int], sent: list[int]) -> list[int]:

@@ -13,8 +13,8 @@ from torch.testing import assert_close
 
 import parallax
 from parallax.optim import ZeroOptimizer
-from parallax.optim.buckets import INPLACE, OWN, SHARD, STAGED
-from parallax.optim.memory import tensor_bytes
+from parallax.optim.zero.buffers.homes import INPLACE, OWN, SHARD, STAGED
+from parallax.optim.zero.memory_report import tensor_bytes
 from parallax.testing import context, run_ranks
 from tests.optim.common import (
     OPTIMIZERS,

@@ -341,8 +341,8 @@ def test_bad_arguments():
 
 
 def test_a_torch_optimizer_to_schedulers_and_hooks():
-    """ZeroOptimizer is built by torch.optim.Optimizer.__init__ (see optim/protocol.py): step
-    hooks run once around its whole step, state-dict hooks around its state_dict, and its
+    """ZeroOptimizer is built by torch.optim.Optimizer.__init__ (see optim/zero/torch_contract.py):
+    step hooks run once around its whole step, state-dict hooks around its state_dict, and its
     groups stay the wrapped optimizer's own, also after load_state_dict replaced them."""
     ctx = parallax.ParallelContext.local()
     model = build()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from parallax.optim import ZeroOptimizer
-from parallax.optim.passes import IN_FLIGHT
+from parallax.optim.zero.reduction.pass_reducer import IN_FLIGHT
 from parallax.tensor import unshard_tensor
 from parallax.testing import context, run_ranks
 from tests.optim.common import OPTIMIZERS, batch, build, groups, local_rows

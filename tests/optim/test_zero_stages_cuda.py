@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from parallax.optim import accumulate
+from parallax.optim.zero.offload import accumulators as accumulate
 from parallax.testing import context, run_ranks
 from tests.optim.test_zero_stages import TOL, _reference, _zero
 

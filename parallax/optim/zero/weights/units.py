@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from parallax.optim.protocol import is_compiled
+from parallax.optim.zero.torch_contract import is_compiled
+
+if TYPE_CHECKING:
+    from parallax.optim.zero.stage import ZeroStage
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -38,24 +42,15 @@ class Unit:
 
 
 def find_units(modules: Sequence[nn.Module]) -> list[Unit]:
-    """Every unit of ``modules`` (see the module docstring), in registration order."""
+    """Every unit of ``modules`` (see the module docstring), in registration order: a pure walk
+    of the module trees, which the planner also counts a model's units with. A weight shared by
+    two modules is in both units (:func:`shared_weight` says so; ZeRO-3 refuses it)."""
     units: list[Unit] = []
-    owner: dict[int, str] = {}
 
     def add(module: nn.Module, chunk: int, prefix: str, block: bool, keep: bool) -> None:
-        named = module.named_parameters(prefix=prefix, recurse=block)
-        names, params = [], []
-        for name, p in named:
-            if id(p) in owner:
-                raise ValueError(
-                    f"ZeRO-3: parameter {name!r} is also {owner[id(p)]!r}: a weight shared "
-                    "between two modules (tied embeddings) is not supported; untie it or use "
-                    "--zero 2"
-                )
-            owner[id(p)] = name
-            names.append(name)
-            params.append(p)
-        if params:
+        named = list(module.named_parameters(prefix=prefix, recurse=block))
+        if named:
+            names, params = [n for n, _ in named], [p for _, p in named]
             units.append(Unit(len(units), module, chunk, names, params, block, keep))
 
     def visit(module: nn.Module, chunk: int, prefix: str, root: bool, held: bool) -> None:
@@ -70,6 +65,21 @@ def find_units(modules: Sequence[nn.Module]) -> list[Unit]:
     for c, module in enumerate(modules):
         visit(module, c, "", True, False)
     return units
+
+
+def shared_weight(units: Sequence[Unit]) -> str | None:
+    """Why ZeRO-3 cannot shard ``units``: a weight two of them hold (tied embeddings), or None."""
+    owner: dict[int, str] = {}
+    for u in units:
+        for name, p in zip(u.names, u.params):
+            if id(p) in owner:
+                return (
+                    f"ZeRO-3: parameter {name!r} is also {owner[id(p)]!r}: a weight shared "
+                    "between two modules (tied embeddings) is not supported; untie it or use "
+                    "--zero 2"
+                )
+            owner[id(p)] = name
+    return None
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -104,3 +114,37 @@ def check_trainable(units: Sequence[Unit], trainable: Sequence[torch.Tensor]) ->
 
 def _trainable(units: Sequence[Unit]) -> list[torch.Tensor]:
     return [p for u in units for p in u.params if p.requires_grad]
+
+
+def parameter_units(
+    stage: ZeroStage, modules: list[nn.Module], params: Sequence[torch.Tensor]
+) -> tuple[list[Unit], list[int] | None]:
+    """The units (stage 3) and each trainable parameter's unit, the group of parameters its
+    buckets hold and reduce together: its block at stage 3, its chunk at stage 2 (``None``: one
+    unit, stage 1 or no modules)."""
+    if stage.shards_weights:
+        units = find_units(modules)
+        problem = shared_weight(units) or check_trainable(units, params)
+        if problem:
+            raise ValueError(problem)
+        where = unit_of_params(units)
+        return units, [where[id(p)] for p in params]
+    if stage.reduces_each_pass and modules:
+        chunk = {id(p): c for c, m in enumerate(modules) for p in m.parameters()}
+        missing = sum(1 for p in params if id(p) not in chunk)
+        if missing:
+            raise ValueError(
+                f"ZeRO-{stage}: {missing} of the optimizer's parameters are not in the modules "
+                "given"
+            )
+        return [], [chunk[id(p)] for p in params]
+    return [], None
+
+
+def grouped_order(order: list[int] | None, unit_of: list[int] | None, n: int) -> list[int] | None:
+    """The forward order with each unit's parameters together, units in their own order."""
+    if unit_of is None:
+        return order
+    base = list(range(n)) if order is None else order
+    rank = {i: k for k, i in enumerate(base)}
+    return sorted(range(n), key=lambda i: (unit_of[i], rank[i]))

@@ -13,25 +13,25 @@ backward separately), so a local full-size accumulator would live for the whole 
 peak, and stage 2 would save nothing where memory is tightest; and at ZeRO-3 the full
 gradient would cost as much as the weights that stage 3 shards.
 
-**When a bucket goes out.** Which reduce-scatters a rank makes must not depend on its data:
-every rank of the dp group must make the same ones in the same order. The unit of agreement is
-the *pass* (one autograd graph task, e.g. one ``PipelineStage.backward``) and the *unit* of
-parameters (:attr:`~parallax.optim.buckets.Bucket.unit`: a model chunk at ZeRO-2, a block at
-ZeRO-3). A unit is *touched* in a pass when one of its parameters gets a gradient (or, at
-ZeRO-3, the block's backward begins); at the end of the pass (a callback queued on the autograd
-engine by the first touch, :func:`parallax.optim.protocol.at_backward_end`) every bucket of
-every touched unit that has not gone out yet is reduce-scattered, in layout order, with zeros
-for parameters that got no gradient. Before that, ``ordered`` (ZeRO-2) launches a bucket from
-the gradient hooks as soon as all its parameters have arrived and every earlier bucket of its
-unit has gone out; at ZeRO-3 the block's post-backward hook launches its buckets
-(:meth:`PassReducer.launch_unit`), in the autograd engine's order, the same on every rank that
-runs the same graph. So each touched unit goes out exactly once per pass. The condition this
-rests on: in a pass, a unit is touched on every dp rank or on none (a chunk at ZeRO-2 whose
-only trainable parameters some ranks' data leave unused would break it).
+**When a bucket goes out.** Which reduce-scatters a rank makes must not depend on its data: every
+rank of the dp group must make the same ones in the same order. The unit of agreement is the *pass*
+(one autograd graph task, e.g. one ``PipelineStage.backward``) and the *unit* of parameters
+(:attr:`~parallax.optim.zero.buffers.packing.Bucket.unit`: a model chunk at ZeRO-2, a block at
+ZeRO-3). A unit is *touched* in a pass when one of its parameters gets a gradient (or, at ZeRO-3,
+the block's backward begins); at the end of the pass (a callback queued on the autograd engine by
+the first touch, :func:`parallax.optim.zero.torch_contract.at_backward_end`) every bucket of every
+touched unit that has not gone out yet is reduce-scattered, in layout order, with zeros for
+parameters that got no gradient. Before that, ``ordered`` (ZeRO-2) launches a bucket from the
+gradient hooks as soon as all its parameters have arrived and every earlier bucket of its unit has
+gone out; at ZeRO-3 the block's post-backward hook launches its buckets
+(:meth:`PassReducer.launch_unit`), in the autograd engine's order, the same on every rank that runs
+the same graph. So each touched unit goes out exactly once per pass. The condition this rests on: in
+a pass, a unit is touched on every dp rank or on none (a chunk at ZeRO-2 whose only trainable
+parameters some ranks' data leave unused would break it).
 
-With ``--offload optimizer`` an offloaded bucket (``sink.buckets``) has no shard on the device:
-each pass's reduced chunk goes to ``sink`` (:class:`~parallax.optim.offload.HostSteps`), which
-accumulates it in host memory and steps the bucket there once its last pass (``passes`` of
+With ``--offload optimizer`` an offloaded bucket (``sink.buckets``) has no shard on the device: each
+pass's reduced chunk goes to ``sink`` (:class:`~parallax.optim.zero.offload.host_steps.HostSteps`),
+which accumulates it in host memory and steps the bucket there once its last pass (``passes`` of
 them) is in.
 
 Buckets of ``sequence_parallel`` parameters (partial over tp) wait for the end of the pass and
@@ -42,21 +42,47 @@ the reduce-scatters and the additions into the shards run on a side stream (``st
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from parallax import comm
 from parallax.context import ParallelContext
-from parallax.optim.buckets import FlatLayout
-from parallax.optim.protocol import at_backward_end
+from parallax.optim.zero.buffers.packing import FlatLayout
+from parallax.optim.zero.torch_contract import at_backward_end
 
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = 1  # reduce-scatters a pass leaves running before it waits for the oldest
 
 
+class HostSink(Protocol):
+    """Where the offloaded buckets' reduced chunks go, pass by pass
+    (:class:`~parallax.optim.zero.offload.host_steps.HostSteps`)."""
+
+    buckets: list[int]  # the offloaded buckets, in layout order
+    hosted: frozenset[int]
+
+    def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None: ...
+
+    def complete(self, b: int, summed: bool) -> None: ...
+
+
+class UnitListener(Protocol):
+    """ZeRO-3's gathers (:class:`~parallax.optim.zero.weights.unit_gathers.UnitGathers`): they
+    count each unit's gradients and end the units still active before a pass ends."""
+
+    def on_grad(self, unit: int) -> None: ...
+
+    def end_pass(self) -> None: ...
+
+
 class PassReducer:
+    """Each backward pass reduce-scattered into ``outputs`` (see the module docstring);
+    ``ordered``: launch from the gradient hooks (ZeRO-2); ``sink``: the offloaded buckets' host
+    steps; ``passes``: backward passes per step (offload steps a bucket after its last)."""
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -68,18 +94,18 @@ class PassReducer:
         average: bool = True,
         stream: torch.cuda.Stream | None = None,
         device: torch.device | None = None,
+        passes: int = 1,
+        sink: HostSink | None = None,
     ) -> None:
         self.layout, self.outputs, self.names, self.ctx = layout, outputs, names, ctx
         self.ordered, self.average, self.stream = ordered, average, stream
         self.device = device or (outputs[0].device if outputs else torch.device("cpu"))
-        self.passes = 1  # ZeroOptimizer's backward_passes_per_step: not needed here
+        self.passes, self.sink = passes, sink
         self.bucket_of = [slot.bucket for slot in layout.slots]
         self.of_unit: dict[int, list[int]] = {}
         for b in layout.buckets:
             self.of_unit.setdefault(b.unit, []).append(b.index)
-        self.before_end: list[Callable[[], None]] = []  # run first at the end of each pass
-        self.on_unit_grad: Callable[[int], None] | None = None  # ZeRO-3's count of arrivals
-        self.sink = None  # offload: takes each pass's reduced chunks of its ``buckets``
+        self.listener: UnitListener | None = None  # ZeRO-3's gathers, once they follow
         self.staging: list[torch.Tensor] = []  # nothing persistent beyond the shards
         self.live_bytes = self.peak_bytes = 0  # pass buffers and partial results alive
         self.late = 0  # passes that finish() had to end (gradients outside a backward pass)
@@ -94,6 +120,11 @@ class PassReducer:
         self.sent = [False] * len(self.layout.buckets)  # reduce-scattered in this pass
         self.touched: set[int] = set()
         self.ready_from: dict[int, int] = {}  # unit -> its buckets before this one are sent
+
+    def follow(self, listener: UnitListener) -> None:
+        """Tell ``listener`` of each unit's gradients and of each pass's end, which it acts on
+        first: ZeRO-3's gathers, which in turn touch units and launch them here."""
+        self.listener = listener
 
     def touch(self, unit: int) -> None:
         """``unit`` takes part in this pass (see the module docstring); queues the pass's end."""
@@ -124,8 +155,8 @@ class PassReducer:
         self.touch(bucket.unit)
         if self.ordered:
             self._launch_ready(bucket.unit)
-        elif self.on_unit_grad is not None:
-            self.on_unit_grad(bucket.unit)
+        elif self.listener is not None:
+            self.listener.on_grad(bucket.unit)
 
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self.bufs.get(b)
@@ -214,8 +245,8 @@ class PassReducer:
     def end_pass(self) -> None:
         """Send every bucket of the units touched in this pass that has not gone out, in
         layout order, and wait for them (a pass's reduce-scatters never outlive it)."""
-        for hook in self.before_end:
-            hook()
+        if self.listener is not None:
+            self.listener.end_pass()
         for unit in sorted(self.touched):
             for b in self.of_unit.get(unit, ()):
                 if not self.sent[b]:

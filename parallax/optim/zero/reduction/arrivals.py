@@ -9,8 +9,8 @@ hooks then stand aside. :func:`parallax.tensor.sync_sequence_parallel_grads` rea
 to refuse summing gradients that ZeRO sums itself.
 
 At ZeRO-2 and 3 there are no views (``views=None``): each gradient is handed to the
-:class:`~parallax.optim.passes.PassReducer` as it arrives and ``.grad`` goes back to None.
-"""
+:class:`~parallax.optim.zero.reduction.pass_reducer.PassReducer` as it arrives and ``.grad`` goes
+back to None."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.optim.passes import PassReducer
-from parallax.optim.reducer import GradReducer
+from parallax.optim.zero.reduction.bucket_reducer import GradReducer
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
 
 _TOKENS = itertools.count(1)  # which optimizer owns a parameter's hook
 
@@ -47,7 +47,8 @@ def _release(params: list[torch.Tensor], hooks: list[RemovableHandle], token: in
 
 class GradArrivals:
     """The gradient hooks of ``params`` (``views``: their slots in the flat gradient buffer, or
-    None at ZeRO-2/3)."""
+    None at ZeRO-2/3). ``has``: which parameters got a gradient since ``zero_grad()``, a list
+    the offload's early steps read too, so it is only ever changed in place."""
 
     def __init__(
         self,
@@ -55,11 +56,14 @@ class GradArrivals:
         views: Sequence[torch.Tensor] | None,
         reducer: GradReducer | PassReducer,
         copy_stream: torch.cuda.Stream | None,
+        has: list[bool] | None = None,
     ) -> None:
         self.params, self.views, self.reducer = params, views, reducer
         # where a fresh gradient is copied into the buffer when a step has one backward pass
         self.copy_stream = copy_stream
-        self.has = [False] * len(params)  # a gradient arrived since zero_grad()
+        self.has = [False] * len(params) if has is None else has
+        if len(self.has) != len(params):
+            raise ValueError(f"{len(self.has)} gradient flags for {len(params)} parameters")
         self.token = next(_TOKENS)
         ref = weakref.ref(self)
         for p in params:
@@ -115,7 +119,7 @@ class GradArrivals:
     @torch.no_grad()
     def clear(self, buffers: Sequence[torch.Tensor], set_to_none: bool) -> None:
         """Forget which parameters got a gradient; ``.grad`` to None, or to zeroed views."""
-        self.has = [False] * len(self.params)
+        self.has[:] = [False] * len(self.params)
         if set_to_none or self.views is None:  # the first gradient is copied, not added
             for p in self.params:
                 p.grad = None

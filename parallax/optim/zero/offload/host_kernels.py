@@ -1,6 +1,7 @@
-"""What the offloaded optimizer (:mod:`parallax.optim.offload`) runs on the host: which of
-torch's CPU kernels steps it, on how many threads, which buckets go there, and a norm that is
-both fast and accurate on billions of elements.
+"""What the offloaded optimizer (:mod:`parallax.optim.zero.offload.host_steps`) runs on the host:
+which of torch's CPU kernels steps it, on how many threads, and a norm that is both fast and
+accurate on billions of elements (which buckets go there:
+:mod:`~parallax.optim.zero.offload.share`).
 
 Measured on one H200 host (``benchmarks/zero/host_bound.py``, 16 cores): torch's float64 norm
 runs at 1 GB/s on the CPU (13 s for a 7.5B model's gradient), a flat fp32 one is fast but off
@@ -67,17 +68,3 @@ def host_options(optimizer_class: type, options: dict[str, Any]) -> dict[str, An
     else:
         options["foreach"] = True
     return options
-
-
-def offloaded_buckets(layout, fraction: float) -> list[int]:
-    """The buckets to offload: the first ones reduced (layout order) up to ``fraction`` of the
-    elements, at least one when ``fraction`` > 0."""
-    if fraction <= 0:
-        return []
-    total, out, held = sum(b.numel for b in layout.buckets), [], 0
-    for b in layout.buckets:
-        if out and held + b.numel > fraction * total + 0.5:
-            break
-        out.append(b.index)
-        held += b.numel
-    return out

@@ -6,7 +6,7 @@ names. Without names, a parameter is named by its position in the list given (fr
 included), which is stable only as long as that list is.
 
 :func:`accept` checks everything a ZeroOptimizer is given on this rank, then agrees with the
-other ranks of its stage (:mod:`parallax.optim.agree`): a bad argument on one rank raises the
+other ranks of its stage (:mod:`parallax.optim.zero.plane`): a bad argument on one rank raises the
 same error on all of them instead of leaving them in the next collective.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from parallax.context import ParallelContext
-from parallax.optim.agree import plane_problems
+from parallax.optim.zero.plane import plane_problems
 
 
 @dataclass

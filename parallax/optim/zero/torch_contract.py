@@ -13,7 +13,7 @@ optimizer it wraps, which steps this rank's fp32 master pieces. What that takes,
    dictionaries (``register_step_pre_hook`` and the others then work) and wraps ``step`` so the
    step hooks and torch's global optimizer hooks run around ZeRO's whole step (once per step;
    hooks registered on the wrapped optimizer run per staged bucket, see
-   :mod:`parallax.optim.staged`). It relies on ``__init__`` assigning ``param_groups = []``
+   :mod:`parallax.optim.zero.bucketwise`). It relies on ``__init__`` assigning ``param_groups = []``
    and then calling ``add_param_group`` for each group: through the properties this hands the
    same dicts back to the wrapped optimizer. :meth:`OptimizerFacade._adopt` checks that it did.
 3. **Fused optimizers' ``grad_scale``.** torch's fused Adam, AdamW and SGD divide every gradient
@@ -44,7 +44,9 @@ from torch import nn
 
 class OptimizerFacade(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose groups, state and defaults are those of ``self.inner``
-    (points 1 and 2 of the module docstring); subclasses call :meth:`_adopt` once."""
+    (points 1 and 2 of the module docstring) and whose ``state_dict`` holds the subclass's state
+    as logical tensors (its ``state_meta``, ``state_tensors`` and ``load_state_tensors``);
+    subclasses call :meth:`_adopt` once."""
 
     inner: torch.optim.Optimizer
 
@@ -86,7 +88,8 @@ class OptimizerFacade(torch.optim.Optimizer):
         ):
             raise RuntimeError(
                 "torch.optim.Optimizer.__init__ did not hand the wrapped optimizer's param "
-                f"groups back (torch {torch.__version__}); see parallax/optim/protocol.py"
+                f"groups back (torch {torch.__version__}); see "
+                "parallax/optim/zero/torch_contract.py"
             )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -97,22 +100,33 @@ class OptimizerFacade(torch.optim.Optimizer):
             f"{type(self).__name__}'s buffers are fixed at construction; pass every group then"
         )
 
-    def _with_state_dict_hooks(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """``make()`` between the hooks of ``register_state_dict_pre_hook`` / ``_post_hook``."""
+    def state_meta(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"meta": state_meta(), "tensors": {key: full tensor on CPU}}`` (a subclass's state as
+        logical tensors); for big models use :meth:`state_tensors`, which never holds more than
+        one full tensor. The hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run
+        around it."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state_dict = make()
+        meta = self.state_meta()
+        state_dict = {"meta": meta, "tensors": {k: v.cpu() for k, v in self.state_tensors()}}
         for hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         return state_dict
 
-    def _with_load_hooks(
-        self, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]
-    ) -> None:
-        """``load(state_dict)`` between the load_state_dict pre and post hooks."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` made, between the load_state_dict pre and post hooks."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
-        load(state_dict)
+        self.load_state_tensors(state_dict["meta"], state_dict["tensors"].__getitem__)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -1,21 +1,20 @@
-"""The tensors behind a :class:`~parallax.optim.buckets.FlatLayout` on one rank.
+"""The tensors behind a :class:`~parallax.optim.zero.buffers.packing.FlatLayout` on one rank.
 
-One parameter buffer and one gradient buffer per dtype; every trainable parameter's ``.data``
-and ``.grad`` become views into them, so the all-gather writes straight into the model and the
-reduce-scatter reads straight from the gradients. For each bucket, this rank's fp32 master chunk
-and the home of its fp32 reduced gradient (see :func:`~parallax.optim.buckets.grad_homes`): for
-fp32 buckets both are the rank's own chunks of the two buffers (in-place collectives, no
+One parameter buffer and one gradient buffer per dtype; every trainable parameter's ``.data`` and
+``.grad`` become views into them, so the all-gather writes straight into the model and the
+reduce-scatter reads straight from the gradients. For each bucket, this rank's fp32 master chunk and
+the home of its fp32 reduced gradient (see :meth:`~parallax.optim.zero.stage.ZeroStage.grad_home`):
+for fp32 buckets both are the rank's own chunks of the two buffers (in-place collectives, no
 copies); for other dtypes the master is a separate fp32 slice, and the gradient a separate fp32
 slice, an fp32 view over the bucket's own gradient bytes, or (dp=1) the staging buffer, filled
 bucket by bucket when the optimizer steps. The wrapped optimizer steps *pieces*: views of those
 chunks, one per parameter part.
 
-At ZeRO-2 and 3 there is no gradient buffer (``.grad`` stays None; each backward pass's
-gradients go to :class:`~parallax.optim.passes.PassReducer`) and every bucket's reduced
+At ZeRO-2 and 3 there is no gradient buffer (``.grad`` stays None; each backward pass's gradients go
+to :class:`~parallax.optim.zero.reduction.pass_reducer.PassReducer`) and every bucket's reduced
 gradient lives in the fp32 slice. At ZeRO-3 there is no parameter buffer either: a
-:class:`~parallax.optim.sharded.ShardedStore` holds this rank's chunk of each bucket, and the
-model's weights only while gathered.
-"""
+:class:`~parallax.optim.zero.weights.shards.ShardedStore` holds this rank's chunk of each bucket,
+and the model's weights only while gathered."""
 
 from __future__ import annotations
 
@@ -25,8 +24,10 @@ import torch
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.optim.buckets import INPLACE, SHARD, STAGED, FlatLayout, Piece, check_homes
-from parallax.optim.sharded import ShardedStore
+from parallax.optim.zero.buffers.homes import INPLACE, SHARD, STAGED, check_homes
+from parallax.optim.zero.buffers.packing import FlatLayout, Piece
+from parallax.optim.zero.stage import ZeroStage
+from parallax.optim.zero.weights.shards import ShardedStore
 
 
 class FlatBuffers:
@@ -38,13 +39,13 @@ class FlatBuffers:
         dp_rank: int,
         device: torch.device,
         homes: Sequence[str],
-        stage: int = 1,
+        stage: ZeroStage = ZeroStage.SHARD_STATE,
         offload: Collection[int] = (),
     ) -> None:
         check_homes(layout, homes, stage)
         self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
-        self.zero_stage = stage
-        self.store = ShardedStore(params, layout, dp_rank, device) if stage == 3 else None
+        self.stage = stage
+        self.store = ShardedStore(params, layout, dp_rank, device) if stage.shards_weights else None
         self._model_views(device)
         self.offload = set(offload)  # buckets whose masters live in host memory
         self._allocate_chunks(device)
@@ -65,11 +66,12 @@ class FlatBuffers:
         """The parameter buffers (not at ZeRO-3: the store's buckets) and, at ZeRO-1, the
         gradient buffers, with every parameter's ``.data`` and ``.grad`` a view into them."""
         sizes = list(zip(self.layout.dtypes, self.layout.sizes))
-        stage = self.zero_stage
         self.param_buffers = (
-            [] if stage == 3 else [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
+            []
+            if self.store is not None
+            else [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes]
         )
-        full_grads = stage == 1
+        full_grads = self.stage.full_grad_buffer
         self.grad_buffers = (
             [torch.zeros(n, dtype=dt, device=device) for dt, n in sizes] if full_grads else []
         )
@@ -108,7 +110,7 @@ class FlatBuffers:
 
     def _place_chunks(self) -> None:
         """Each bucket's master chunk and the home of its reduced gradient (module docstring)."""
-        full_grads = self.zero_stage == 1
+        full_grads = self.stage.full_grad_buffer
         offset = shard_offset = host_offset = 0
         for b, home in zip(self.layout.buckets, self.homes):
             mine = self.own_param(b.index)
@@ -156,15 +158,15 @@ class FlatBuffers:
         return buffers[bucket.buffer][lo : lo + bucket.chunk]
 
     @torch.no_grad()
-    def stage(self, b: int, coefs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def staged_grad(self, b: int, coefs: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Staged bucket ``b``'s fp32 gradient chunk, made in the staging buffer (valid until
         the next call) and scaled by the clip coefficients ``coefs``, one after the other, as
         the other homes are scaled in place."""
-        stage = self.staging[: self.layout.buckets[b].chunk]  # (bucket/dp,) fp32
-        stage.copy_(self.own_chunk(b, self.grad_buffers))
+        grad = self.staging[: self.layout.buckets[b].chunk]  # (bucket/dp,) fp32
+        grad.copy_(self.own_chunk(b, self.grad_buffers))
         for coef in coefs:
-            stage.mul_(coef)
-        return stage
+            grad.mul_(coef)
+        return grad
 
     def reduced_grads_by_bucket(
         self,
@@ -191,7 +193,7 @@ class FlatBuffers:
                     if as_is:
                         source = self.own_chunk(pc.bucket, self.grad_buffers)
                     else:
-                        source = self.stage(pc.bucket, coefs)  # its fp32 gradient, made now
+                        source = self.staged_grad(pc.bucket, coefs)  # its fp32 gradient, made now
                 grad = source[pc.chunk_offset : pc.chunk_offset + pc.numel]
             group.append((k, grad))
         if group:

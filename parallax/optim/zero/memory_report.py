@@ -9,13 +9,17 @@ at once so far.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
+from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
+from parallax.optim.zero.offload.host_steps import HostSteps
+from parallax.optim.zero.reduction.bucket_reducer import GradReducer
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
+from parallax.optim.zero.stage import ZeroStage
+from parallax.optim.zero.weights.sharded_weights import ShardedWeights
 
 GiB = 2**30
 
@@ -117,30 +121,39 @@ def plain_adamw_bytes(params: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def zero_memory(opt: Zero) -> MemoryReport:
-    """What ``opt`` holds on this rank, measured from its tensors."""
-    flat, z3 = opt.flat, opt.zero3
+def measure(
+    flat: FlatBuffers,
+    inner: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    stage: ZeroStage,
+    reducer: GradReducer | PassReducer,
+    host: HostSteps | None,
+    weights: ShardedWeights | None,
+) -> MemoryReport:
+    """What a ZeroOptimizer holds on this rank, measured from its parts' tensors: ``flat``'s
+    buffers, ``inner``'s state (on the host for offloaded pieces), the reducer's staging and
+    pass buffers, the offload's ``host`` tensors and ZeRO-3's frozen and gathered ``weights``."""
     hosted = {id(t) for pc, t in zip(flat.pieces, flat.piece_params) if pc.bucket in flat.offload}
-    states = {True: [], False: []}  # on the host (offloaded pieces) or not
-    for t, held in opt.inner.state.items():
+    states: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # on the host, or not
+    for t, held in inner.state.items():
         states[id(t) in hosted] += [v for v in held.values() if isinstance(v, torch.Tensor)]
     masters, grads, store = flat.master_flat, flat.grad_shard_flat, flat.store
-    host = [t for t in (flat.host_master_flat,) if t is not None]
-    host += opt.host.host_tensors() if opt.host is not None else []
+    on_host = [t for t in (flat.host_master_flat,) if t is not None]
+    on_host += host.host_tensors() if host is not None else []
     return MemoryReport(
-        numel=sum(p.numel() for p in opt.params),
-        dp=opt.ctx.dp_size,
+        numel=sum(p.numel() for p in params),
+        dp=flat.layout.dp,
         param_bytes=tensor_bytes(flat.param_buffers if store is None else store.shards),
         grad_bytes=tensor_bytes(flat.grad_buffers),
         master_bytes=tensor_bytes([masters] if masters is not None else []),
         grad_shard_bytes=tensor_bytes([grads] if grads is not None else []),
         state_bytes=tensor_bytes(states[False]),
-        plain_adamw_bytes=plain_adamw_bytes(opt.params),
-        staging_bytes=tensor_bytes([flat.staging, *opt.reducer.staging]),
-        stage=opt.stage,
-        frozen_bytes=z3.frozen.shard_bytes() if z3 is not None and z3.frozen else 0,
-        gathered_bytes=z3.gathers.gathered_bytes() if z3 is not None else 0,
-        peak_gathered_bytes=z3.gathers.peak_bytes if z3 is not None else 0,
-        pass_peak_bytes=getattr(opt.reducer, "peak_bytes", 0),
-        host_bytes=tensor_bytes(host) + tensor_bytes(states[True]),
+        plain_adamw_bytes=plain_adamw_bytes(params),
+        staging_bytes=tensor_bytes([flat.staging, *reducer.staging]),
+        stage=stage,
+        frozen_bytes=weights.frozen.shard_bytes() if weights is not None and weights.frozen else 0,
+        gathered_bytes=weights.gathers.gathered_bytes() if weights is not None else 0,
+        peak_gathered_bytes=weights.gathers.peak_bytes if weights is not None else 0,
+        pass_peak_bytes=getattr(reducer, "peak_bytes", 0),
+        host_bytes=tensor_bytes(on_host) + tensor_bytes(states[True]),
     )

@@ -1,14 +1,14 @@
 """ZeRO-3 weights: each bucket's parameters sharded over dp, whole only while gathered.
 
-A :class:`ShardedStore` holds, per bucket of a :class:`~parallax.optim.buckets.FlatLayout`,
-this rank's chunk (``shards[b]``, persistent) and the full bucket (``fulls[b]``), whose storage
-exists only between :meth:`~ShardedStore.gather` and :meth:`~ShardedStore.release`. Every
-parameter's ``.data`` is a view of its bucket's full tensor, so it keeps its shape, dtype and
-attributes (``tp_shard``) while released, and autograd's saved references to it read the
-gathered values again once the bucket is gathered for the backward (the storage is resized, not
-replaced). The all-gather writes through a second tensor on the same storage with a version
-counter of its own, so re-gathering a weight saved for the backward is not an in-place change
-of that weight to autograd.
+A :class:`ShardedStore` holds, per bucket of a
+:class:`~parallax.optim.zero.buffers.packing.FlatLayout`, this rank's chunk (``shards[b]``,
+persistent) and the full bucket (``fulls[b]``), whose storage exists only between
+:meth:`~ShardedStore.gather` and :meth:`~ShardedStore.release`. Every parameter's ``.data`` is a
+view of its bucket's full tensor, so it keeps its shape, dtype and attributes (``tp_shard``) while
+released, and autograd's saved references to it read the gathered values again once the bucket is
+gathered for the backward (the storage is resized, not replaced). The all-gather writes through a
+second tensor on the same storage with a version counter of its own, so re-gathering a weight saved
+for the backward is not an in-place change of that weight to autograd.
 
 At dp = 1 nothing is sharded: the chunk is the bucket, always there.
 """
@@ -21,7 +21,7 @@ import torch
 
 from parallax import comm
 from parallax.comm import Group
-from parallax.optim.buckets import FlatLayout
+from parallax.optim.zero.buffers.packing import FlatLayout
 
 
 def _alias(full: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
-from parallax.optim.protocol import is_compiled
+from parallax.optim.zero.torch_contract import is_compiled
 
 
 def hook_points(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
@@ -73,6 +73,11 @@ class DeferredGathers:
                 self.hooks.append(handle)
                 handles.append(_Handle(handle, self.hooks))
         return handles
+
+    def track(self, works: dict[int, comm.Work]) -> None:
+        """The all-gathers ``step()`` left in flight (``{bucket: handle}``, empty when it
+        waited), for the hooks to wait on."""
+        self.works = works
 
     def wait(self, buckets: Iterable[int]) -> None:
         for b in buckets:

@@ -1,20 +1,20 @@
 """ZeRO-3's gathers: each unit's weights whole just before it runs, the next one prefetched,
 released after.
 
-Forward: a unit's forward pre-hook waits for (or makes) its all-gather and starts the next
-unit's, in the order recorded during the first step; its forward hook releases it
+Forward: a unit's forward pre-hook waits for (or makes) its all-gather and starts the next unit's,
+in the order recorded during the first step; its forward hook releases it
 (``reshard_after_forward``) and hooks the gradients of its outputs. Backward: when the first
 gradient of its outputs is computed (a multi-grad hook: before the unit's own backward runs) the
-unit is gathered again and the one before it prefetched; when the gradients of all its inputs
-are computed (its backward is over) it is released and its gradient buckets are reduced
-(:meth:`~parallax.optim.passes.PassReducer.launch_unit`). A unit whose inputs need no gradient
-(an embedding, the first block of a first stage) has nothing left to do once all its trainable
-parameters have their gradients, so it ends then; one whose parameters do not all get a
-gradient ends with the backward pass. Where a unit's
-input is the previous unit's output (a stack of blocks) one hook does both, the finished unit's
-release first, so at any time a rank holds at most the blocks running (a block and the units it
-is nested in) plus the prefetched one; never one per microbatch in flight, however a pipeline
-schedule interleaves forwards and backwards, because each use gathers and releases again.
+unit is gathered again and the one before it prefetched; when the gradients of all its inputs are
+computed (its backward is over) it is released and its gradient buckets are reduced
+(:meth:`~parallax.optim.zero.reduction.pass_reducer.PassReducer.launch_unit`). A unit whose inputs
+need no gradient (an embedding, the first block of a first stage) has nothing left to do once all
+its trainable parameters have their gradients, so it ends then; one whose parameters do not all get
+a gradient ends with the backward pass. Where a unit's input is the previous unit's output (a stack
+of blocks) one hook does both, the finished unit's release first, so at any time a rank holds at
+most the blocks running (a block and the units it is nested in) plus the prefetched one; never one
+per microbatch in flight, however a pipeline schedule interleaves forwards and backwards, because
+each use gathers and releases again.
 
 ``reshard_after_forward=False`` keeps every unit gathered from its first forward until the
 optimizer step: the stage's whole weights (1/tp of its blocks) during the step, but one
@@ -45,10 +45,10 @@ from torch.utils._pytree import tree_flatten
 
 from parallax import comm
 from parallax.context import ParallelContext
-from parallax.optim.passes import PassReducer
-from parallax.optim.protocol import in_backward
-from parallax.optim.sharded import ShardedStore
-from parallax.optim.units import Unit
+from parallax.optim.zero.reduction.pass_reducer import PassReducer
+from parallax.optim.zero.torch_contract import in_backward
+from parallax.optim.zero.weights.shards import ShardedStore
+from parallax.optim.zero.weights.units import Unit
 
 
 def _grad_tensors(tree: Any) -> list[torch.Tensor]:
@@ -109,10 +109,9 @@ class UnitGathers:
         self.inputless: set[int] = set()
         self.arrived = [0] * len(units)
         self.ended: set[int] = set()  # units whose backward ended in this pass
-        reducer.on_unit_grad = self.on_grad
         self._out_hooks: dict[int, tuple[Any, int, weakref.ref]] = {}  # id(output) -> hook
         self.stores = list({id(s): s for bs in buckets for s, _ in bs}.values())
-        reducer.before_end.append(self.end_pass)
+        reducer.follow(self)  # its arrivals and pass ends come here
         ref = weakref.ref(self)
         self.handles = []
         for unit in units:

@@ -36,7 +36,7 @@ import torch
 
 from parallax import comm
 from parallax.context import ParallelContext
-from parallax.optim.buckets import FlatLayout
+from parallax.optim.zero.buffers.packing import FlatLayout
 
 log = logging.getLogger(__name__)
 

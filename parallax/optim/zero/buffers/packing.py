@@ -1,7 +1,9 @@
 """Where every trainable parameter lives in the flat buffers, and which part each dp rank owns.
 
 Pure arithmetic, no tensors and no processes: every dp rank computes the same layout from the
-same parameter shapes, which is what lets them make identical collectives in an identical order.
+same parameter shapes, which is what lets them make identical collectives in an identical order,
+and the planner (:mod:`parallax.plan.memory`) packs its counts of a model with the same code
+(:func:`bucket_numels`) instead of a copy of these rules.
 
 Parameters are packed into one flat buffer per dtype, in reverse order (the order in which the
 backward pass tends to finish them), and the buffer is cut into buckets of about
@@ -20,10 +22,15 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 16  # elements: every parameter and every chunk starts on a 32/64-byte boundary
+DEFAULT_BUCKET_NUMEL = 25_000_000  # 50 MB of bf16 gradients per reduce-scatter
+# a dtype per element size, for counts that have sizes only (the planner's): the packing keys a
+# flat buffer by dtype, and these are the model dtypes of those sizes
+SIZE_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def padded(numel: int, multiple: int = ALIGN) -> int:
+    """``numel`` rounded up to a multiple of ``multiple`` (a parameter's slot: ``ALIGN``)."""
+    return -(-numel // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -121,8 +128,8 @@ class _Packer:
         for i in members:
             numel = _numel(self.shapes[i])
             self.slots[i] = Slot(buf, offset, numel, len(self.buckets))
-            offset += _round_up(numel, ALIGN)
-        end = start + _round_up(offset - start, self.dp * ALIGN)
+            offset += padded(numel, ALIGN)
+        end = start + padded(offset - start, self.dp * ALIGN)
         self.sizes[buf] = end
         index = len(self.buckets)
         self.buckets.append(
@@ -132,7 +139,7 @@ class _Packer:
     def fill(self, i: int) -> None:
         key = (self.buffer_dtypes.index(self.dtypes[i]), bool(self.sp[i]))
         self.open.setdefault(key, []).append(i)
-        self.filled[key] = self.filled.get(key, 0) + _round_up(_numel(self.shapes[i]), ALIGN)
+        self.filled[key] = self.filled.get(key, 0) + padded(_numel(self.shapes[i]), ALIGN)
         if self.filled[key] >= self.bucket_numel:
             self.close(key)
 
@@ -206,64 +213,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-# Where a bucket's fp32 reduced gradient (this rank's chunk) lives between the reduction and
-# the optimizer step. The choice is static, the same on every rank.
-OWN = "own"  # fp32 gradients: the rank's own chunk of the gradient buffer, reduced in place
-SHARD = "shard"  # a persistent fp32 slice: the reduction may finish during backward (overlap)
-INPLACE = "inplace"  # fp32 over the bucket's own 16-bit gradient bytes, reduced inside step()
-STAGED = "staged"  # dp=1: made in a reused buffer right before the bucket is stepped
-HOMES = (OWN, SHARD, INPLACE, STAGED)
-
-
-def grad_homes(layout: FlatLayout, overlap: bool, stage: int = 1) -> list[str]:
-    """The cheapest correct home of each bucket's fp32 reduced gradient.
-
-    At ZeRO-2 and 3 there is no full gradient buffer: every bucket accumulates its reduced
-    gradient in a persistent fp32 slice (4/dp bytes per parameter), whatever its dtype.
-    fp32 buckets are reduced in place. Otherwise, at dp=1 there is nothing to reduce (only the
-    tp sum of sequence-parallel buckets, which are small and keep a slice): the fp32 gradient
-    is made in a reused staging buffer when the optimizer steps the bucket. At dp >= 2, a
-    bucket reduced inside ``step()`` (overlap off, or sequence-parallel buckets, which always
-    wait for ``step()``) writes its fp32 chunk over its own gradient bytes, which hold
-    ``dp * itemsize >= 4`` bytes per chunk element and are dead once copied into the fp32
-    staging buffer; a bucket that overlap may reduce during backward keeps a persistent slice.
-    """
-    if stage >= 2:
-        return [SHARD] * len(layout.buckets)
-    homes = []
-    for b in layout.buckets:
-        dtype = layout.dtypes[b.buffer]
-        if dtype == torch.float32:
-            homes.append(OWN)
-        elif layout.dp == 1:
-            homes.append(SHARD if b.sequence_parallel else STAGED)
-        elif (b.sequence_parallel or not overlap) and layout.dp * dtype.itemsize >= 4:
-            homes.append(INPLACE)
-        else:
-            homes.append(SHARD)
-    return homes
-
-
-def check_homes(layout: FlatLayout, homes: Sequence[str], stage: int = 1) -> None:
-    """Reject homes that cannot hold a bucket's reduced gradient (an internal consistency
-    check: :func:`grad_homes` never makes them)."""
-    if len(homes) != len(layout.buckets):
-        raise ValueError(f"{len(homes)} gradient homes for {len(layout.buckets)} buckets")
-    if stage >= 2:
-        if any(home != SHARD for home in homes):
-            raise ValueError(f"ZeRO-{stage} keeps every bucket's gradient in a {SHARD!r} slice")
-        return
-    for b, home in zip(layout.buckets, homes):
-        fp32 = layout.dtypes[b.buffer] == torch.float32
-        bad = (
-            home not in HOMES
-            or (home == OWN and not fp32)  # only fp32 gradients are their own fp32 home
-            or (fp32 and home not in (OWN, STAGED))
-            or (home == INPLACE and layout.dp * layout.dtypes[b.buffer].itemsize < 4)
-            or (home == STAGED and (layout.dp != 1 or b.sequence_parallel))
-        )
-        if bad:
-            raise ValueError(
-                f"bucket {b.index} ({layout.dtypes[b.buffer]}, dp={layout.dp}, "
-                f"sequence_parallel={b.sequence_parallel}) cannot keep its gradient {home!r}"
-            )
+def bucket_numels(
+    params: Sequence[tuple[int, int, bool]], dp: int = 1, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> list[tuple[tuple[int, bool], int]]:
+    """``((element size, partial over tp), elements)`` of each bucket :func:`build_layout` makes
+    of ``params`` (``(numel, element size, partial over tp)`` each, in forward order), in launch
+    order: the packing for counts without tensors (the planner's)."""
+    try:
+        dtypes = [SIZE_DTYPES[size] for _, size, _ in params]
+    except KeyError as err:
+        raise ValueError(f"no model dtype has elements of {err.args[0]} bytes") from None
+    shapes = [(n,) for n, _, _ in params]
+    layout = build_layout(shapes, dtypes, [partial for *_, partial in params], dp, bucket_numel)
+    return [
+        ((layout.dtypes[b.buffer].itemsize, b.sequence_parallel), b.numel) for b in layout.buckets
+    ]

@@ -2,26 +2,27 @@
 there bucket by bucket while the backward goes on.
 
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
-(:mod:`parallax.optim.passes`). Offloaded, that chunk is added into the bucket's accumulator in
-host memory (the model's dtype, pinned on GPUs) on the device, beside the compute, without the
-host's cores (:mod:`parallax.optim.accumulate`). When the bucket's last pass has landed, a
-worker thread makes its fp32 gradient (the accumulator over dp, one bucket at a time), takes its
-share of the gradient norm and steps the wrapped optimizer on the bucket's host
-masters: torch's fused CPU AdamW where this torch has it (checked by running it once; the dp
-average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
-In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into
-pinned staging (:mod:`parallax.optim.staging`) and copies them to the device on an uploads
-stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's
-upload runs while the next one is stepped.
+(:mod:`parallax.optim.zero.reduction.pass_reducer`). Offloaded, that chunk is added into the
+bucket's accumulator in host memory (the model's dtype, pinned on GPUs) on the device, beside the
+compute, without the host's cores (:mod:`parallax.optim.zero.offload.accumulators`). When the
+bucket's last pass has landed, a worker thread makes its fp32 gradient (the accumulator over dp, one
+bucket at a time), takes its share of the gradient norm and steps the wrapped optimizer on the
+bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running it once;
+the dp average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
+In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into pinned
+staging (:mod:`parallax.optim.zero.offload.upload_ring`) and copies them to the device on an uploads
+stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's upload runs
+while the next one is stepped.
 
 **Why the device adds, and the host's habits.** On one H200 host (16 cores,
-``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long
-as a pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through
-the device a pass costs the host's memory two concurrent copies and its cores nothing. The
-worker keeps one fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page
-faults that cost more than the arithmetic), takes the norm in fp32 rows
-(:func:`~parallax.optim.host.squares`; torch's float64 norm took 13 s) and runs on this
-process's share of the cores (:func:`~parallax.optim.host.host_threads`; torchrun sets
+``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long as a
+pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through the device
+a pass costs the host's memory two concurrent copies and its cores nothing. The worker keeps one
+fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page faults that cost more
+than the arithmetic), takes the norm in fp32 rows
+(:func:`~parallax.optim.zero.offload.host_kernels.squares`; torch's float64 norm took 13 s) and runs
+on this process's share of the cores
+(:func:`~parallax.optim.zero.offload.host_kernels.host_threads`; torchrun sets
 ``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
@@ -44,48 +45,58 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
-from typing import Any
+from contextlib import AbstractContextManager
 
 import torch
 
 from parallax import comm
-from parallax.optim.accumulate import Accumulators
-from parallax.optim.host import host_threads, squares
-from parallax.optim.protocol import grad_scale, narrowed, takes_grad_scale
-from parallax.optim.staging import STAGING_BYTES, Ring
-
-Zero = Any  # a parallax.optim.ZeroOptimizer: the class is built from this module
+from parallax.context import ParallelContext
+from parallax.optim.zero.bucketwise import step_bucket
+from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
+from parallax.optim.zero.offload.accumulators import Accumulators
+from parallax.optim.zero.offload.host_kernels import host_threads, squares
+from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
+from parallax.optim.zero.torch_contract import grad_scale, takes_grad_scale
 
 
 class HostSteps:
     """The host side of an offloaded ZeroOptimizer (see the module docstring): accumulators,
-    staging, the worker thread and each bucket's step."""
+    staging, the worker thread and each bucket's step.
 
-    def __init__(self, opt: Zero, group_of: Sequence[int], early: bool) -> None:
-        self.opt, self.flat, self.layout = opt, opt.flat, opt.layout
-        self.early, self.dp = early, opt.ctx.dp_size
-        self.fold = takes_grad_scale(opt.inner)  # the kernel scales the gradients itself
+    ``flat``'s offloaded buckets are stepped with ``inner`` on ``device``'s host; each piece in
+    its group (``piece_groups``) and, where ``counted``, in the norm (a tp-replicated piece on tp
+    rank 0 only). ``early`` (``step_in_backward``): a bucket is stepped once its last pass is in,
+    for the parameters that got a gradient on some dp rank (``has`` holds this rank's)."""
+
+    def __init__(
+        self,
+        flat: FlatBuffers,
+        inner: torch.optim.Optimizer,
+        ctx: ParallelContext,
+        device: torch.device,
+        piece_groups: Sequence[int],
+        counted: Sequence[bool],
+        has: Sequence[bool],
+        early: bool,
+    ) -> None:
+        self.flat, self.layout, self.inner, self.device = flat, flat.layout, inner, device
+        self.early, self.has, self.dp, self.dp_group = early, has, ctx.dp_size, ctx.dp_group
+        self.fold = takes_grad_scale(inner)  # the kernel scales the gradients itself
         self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
         self.hosted = frozenset(self.buckets)
-        self.piece_groups = [group_of[pc.param] for pc in self.flat.pieces]
+        self.piece_groups, self.counted = piece_groups, counted
         buckets = self.layout.buckets
         self.pieces_of_bucket: list[list[int]] = [[] for _ in buckets]
         for k, pc in enumerate(self.flat.pieces):
             self.pieces_of_bucket[pc.bucket].append(k)
-        tp0 = opt.ctx.tp_rank == 0  # tp-replicated pieces count in the norm on tp rank 0 only
-        self.counted = [
-            tp0 or getattr(opt.params[pc.param], "tp_shard", None) is not None
-            for pc in self.flat.pieces
-        ]
         dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
-        self.on_device = opt.device.type == "cuda"
+        self.on_device = device.type == "cuda"
         chunks = [bk.chunk for bk in buckets]
-        self.sums = Accumulators(self.buckets, chunks, dtypes, opt.device)
+        self.sums = Accumulators(self.buckets, chunks, dtypes, device)
         self.acc, self.flats = self.sums.acc, self.sums.flats  # (bucket/dp,) host views; buffers
         most = max(buckets[b].chunk for b in self.buckets)
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
-        self.uploads = torch.cuda.Stream(opt.device) if self.on_device else None
+        self.uploads = torch.cuda.Stream(device) if self.on_device else None
         self.rings = {  # GPUs: pinned staging of the new weights on their way up
             dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
             for dt, flat in (self.flats.items() if self.on_device else ())
@@ -101,7 +112,7 @@ class HostSteps:
     def _start_worker(self) -> None:
         torch.set_num_threads(host_threads())
         if self.on_device:
-            torch.cuda.set_device(self.opt.device)
+            torch.cuda.set_device(self.device)
 
     def reset(self) -> None:
         """A new step: nothing in, nothing stepped."""
@@ -118,8 +129,8 @@ class HostSteps:
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done on
         the current stream): added into its host accumulator on the device
-        (:class:`~parallax.optim.accumulate.Accumulators`), the host's cores left free for the
-        steps."""
+        (:class:`~parallax.optim.zero.offload.accumulators.Accumulators`), the host's cores left
+        free for the steps."""
         self.sums.add(b, grad, first)
         if last:
             self.complete(b, summed=True)
@@ -132,9 +143,9 @@ class HostSteps:
         landed = self.sums.landed()  # the worker reads the accumulator once its copies landed
         flags = None
         if self.early and summed:  # which of its parameters got a gradient on any dp rank
-            has = [self.opt.grads.has[i] for i in self.layout.buckets[b].params]
-            flags = torch.tensor(has, dtype=torch.float32).to(self.opt.device)
-            work = comm.all_reduce_async(flags, self.opt.ctx.dp_group)
+            has = [self.has[i] for i in self.layout.buckets[b].params]
+            flags = torch.tensor(has, dtype=torch.float32).to(self.device)
+            work = comm.all_reduce_async(flags, self.dp_group)
             flags = (flags, work)
         self._submit(self._finish, b, summed, flags, landed)
 
@@ -184,27 +195,14 @@ class HostSteps:
         """Step the bucket's pieces whose parameter has a gradient on some dp rank, on
         ``grad`` times ``scale`` (the dp average and the clip coefficient: folded into
         torch's fused kernel where it takes a ``grad_scale``, one pass over the bucket less)."""
-        inner, flat = self.opt.inner, self.flat
-        members: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
-        live = []
-        for k in self.pieces_of_bucket[b]:
-            pc, t = flat.pieces[k], flat.piece_params[k]
-            if flags[pc.param]:
-                t.grad = grad[pc.chunk_offset : pc.chunk_offset + pc.numel]
-                members[self.piece_groups[k]].append(t)
-                live.append(t)
-        folded = nullcontext()
+        pieces = self.flat.pieces
+        live = [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
+        folded: AbstractContextManager | None = None
         if scale != 1.0 and self.fold:
-            folded = grad_scale(inner, torch.full((), 1.0 / scale))
+            folded = grad_scale(self.inner, torch.full((), 1.0 / scale))
         elif scale != 1.0:
             grad.mul_(scale)
-        try:
-            if live:
-                with narrowed(inner, members), folded:
-                    inner.step()
-        finally:
-            for t in live:
-                t.grad = None
+        step_bucket(self.inner, self.flat, live, grad, self.piece_groups, folded)
         self.stepped[b] = True
 
     @torch.no_grad()
@@ -272,11 +270,11 @@ class HostSteps:
         bucket's weights back; the current stream then waits for those uploads."""
         self.wait()
         if self.uploads is not None:  # the weights change only after the whole backward
-            self.uploads.wait_stream(torch.cuda.current_stream(self.opt.device))
+            self.uploads.wait_stream(torch.cuda.current_stream(self.device))
         for b in self.buckets:
             self._submit(self._step_later, b, self.coef, flags)
             if any(flags[i] for i in self.layout.buckets[b].params):
                 self._submit(self._upload, b)
         self.wait()
         if self.uploads is not None:
-            torch.cuda.current_stream(self.opt.device).wait_stream(self.uploads)
+            torch.cuda.current_stream(self.device).wait_stream(self.uploads)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from parallax import comm
 from parallax.context import ParallelContext
+from parallax.optim.zero.buffers.packing import Piece
+from parallax.optim.zero.torch_contract import grad_scale
 
 
 def global_grad_norm(
@@ -68,48 +71,58 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
-class NormMethods:
-    """ZeroOptimizer's ``grad_norm`` and ``clip_grad_norm_``, from its reduced gradients (or, with
-    the optimizer offloaded, from each bucket's share taken on the host)."""
+def counted_pieces(
+    pieces: Sequence[Piece], params: Sequence[torch.Tensor], tp_rank: int
+) -> list[bool]:
+    """Which of this rank's pieces count in the global norm: those of tp-sharded parameters on
+    every tp rank, the tp-replicated ones on tp rank 0 only (every tp rank holds the same)."""
+    return [
+        tp_rank == 0 or getattr(params[pc.param], "tp_shard", None) is not None for pc in pieces
+    ]
 
-    @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm over dp, tp and pp (every rank must call it); reduces the
-        gradients first if ``step()`` has not yet."""
-        self._reduce()
-        host = self.host.local_part(norm_type) if self.host is not None else 0.0
-        replicated = [
-            getattr(self.params[pc.param], "tp_shard", None) is None for pc in self.flat.pieces
-        ]
-        skip = self.host.buckets if self.host is not None else ()  # offloaded: in ``host``
-        counted = (  # tp-replicated pieces count on tp rank 0 only
-            [g for k, g in group if not replicated[k] or self.ctx.tp_rank == 0]
-            # staged buckets: their 16-bit gradients, the norm taken in fp32
-            for group in self.flat.reduced_grads_by_bucket(self._coefs, True, skip)
-        )
-        total = global_grad_norm(counted, self.ctx, norm_type, self.device, host)
-        if self._fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
-            if self.ctx.dp_size > 1:
-                total = total / self.ctx.dp_size
-            if self._unscale is not None:
-                total = total * self._unscale
+
+class StepScale:
+    """What the reduced gradients of this step still owe: the dp average and the clip
+    coefficients. With ``fold`` (a fused optimizer that takes a ``grad_scale``) the reduction
+    leaves dp sums and both are divided out inside the optimizer's kernel, no pass of their own;
+    otherwise the reduction averages and a clip scales the gradients in place, or, for staged
+    buckets, when ``step()`` makes their fp32 gradients (``coefs``)."""
+
+    def __init__(self, fold: bool, dp: int, device: torch.device) -> None:
+        self.fold, self.dp, self.device = fold, dp, device
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: nothing clipped yet."""
+        self.coefs: list[torch.Tensor] = []  # clip coefficients, for staged buckets
+        self.unscale: torch.Tensor | None = None  # clip coefficients folded into the step
+
+    def true_norm(self, total: torch.Tensor) -> torch.Tensor:
+        """The norm of the averaged, clipped gradients, from that of what the buffers hold."""
+        if self.fold:  # the reduced gradients hold dp sums (and no clip coefficient yet)
+            if self.dp > 1:
+                total = total / self.dp
+            if self.unscale is not None:
+                total = total * self.unscale
         return total
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
-        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
-        total = self.grad_norm(norm_type)
-        coef = clip_coefficient(total, max_norm)
-        if self.host is not None:
-            self.host.clip(coef)  # (no folding when offloaded: the others are scaled below)
-        if self._fold:  # applied by the optimizer's kernel in step()
-            self._unscale = coef if self._unscale is None else self._unscale * coef
-            return total
-        for out in self.flat.grad_outs:
+    def clip(self, coef: torch.Tensor, outs: Iterable[torch.Tensor | None], staged: bool) -> None:
+        """Scale by ``coef``: folded, or the reduced gradients ``outs`` now (and the ``staged``
+        buckets' when they are made)."""
+        if self.fold:  # applied by the optimizer's kernel in step()
+            self.unscale = coef if self.unscale is None else self.unscale * coef
+            return
+        for out in outs:
             if out is not None:
                 out.mul_(coef)
-        if self.staged:
-            self._coefs.append(coef)
-        return total
+        if staged:
+            self.coefs.append(coef)
+
+    def folded(self, inner: torch.optim.Optimizer) -> AbstractContextManager:
+        """Around the wrapped optimizer's step: let its kernel divide the reduced gradients by
+        ``dp / clip coefficients`` where it folds them."""
+        if not self.fold or (self.dp == 1 and self.unscale is None):
+            return nullcontext()
+        if self.unscale is None:
+            return grad_scale(inner, torch.full((), float(self.dp), device=self.device))
+        return grad_scale(inner, self.dp / self.unscale)

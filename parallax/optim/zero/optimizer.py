@@ -1,0 +1,396 @@
+"""ZeRO 1, 2 and 3: a wrapper that shards any torch optimizer's state over the data-parallel group.
+
+Every dp rank holds the whole model (parameters and gradients, in flat per-dtype buffers the
+parameters are views into) but keeps optimizer state for its own slice of each bucket only.
+A step is: reduce-scatter the gradients over dp (fp32, averaged), step the wrapped optimizer on
+this rank's fp32 master slice, all-gather the updated slices back into the model. Sharding is
+within ``ctx.dp_group``; tp and pp peers hold different parameters and shard them separately.
+Stages 2 and 3 shard the reduced gradients and the weights too
+(:mod:`~parallax.optim.zero.stage`). The optimizer is made of parts, each given what it reads
+(:mod:`parallax.optim.zero` lists them); this module puts them together and asks them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallax.context import ParallelContext
+from parallax.optim.zero.arguments import accept, check_passes
+from parallax.optim.zero.assembly import build_reduction, lay_out, wrap_pieces
+from parallax.optim.zero.bucketwise import BucketwiseSteps
+from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
+from parallax.optim.zero.buffers.homes import grad_homes
+from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL
+from parallax.optim.zero.memory_report import MemoryReport, measure
+from parallax.optim.zero.norms import StepScale, clip_coefficient, counted_pieces, global_grad_norm
+from parallax.optim.zero.offload.host_kernels import host_options
+from parallax.optim.zero.offload.host_steps import HostSteps
+from parallax.optim.zero.offload.share import offloaded_buckets
+from parallax.optim.zero.stage import stage_of
+from parallax.optim.zero.state_io import StateIO
+from parallax.optim.zero.torch_contract import OptimizerFacade, takes_grad_scale
+from parallax.optim.zero.weights.deferred_gathers import DeferredGathers
+from parallax.optim.zero.weights.sharded_weights import ShardedWeights
+
+log = logging.getLogger(__name__)
+
+
+class ZeroOptimizer(OptimizerFacade):
+    """Shard ``optimizer_class``'s state over ``ctx.dp_group``; see the module docstring.
+
+    ``stage`` (1, 2 or 3: :class:`~parallax.optim.zero.stage.ZeroStage`) and ``modules``: the model
+    chunks holding ``params``, needed at stage 3 (whose weights are sharded: every parameter of
+    theirs that requires a gradient must be in ``params``, the others are frozen) and at stage 2
+    optional (each backward pass then reduces only the chunks it ran). ``reshard_after_forward``
+    (stage 3): see :mod:`parallax.optim.zero.weights.unit_gathers`. At stages 2 and 3 ``overlap``
+    does not apply: every pass is reduced as it ends.
+
+    ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
+    memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
+    reduced; ``step_in_backward``: right then, during the backward (nothing may clip the
+    gradients after it), else in ``step()``. ``offload_fraction``: the share of the elements
+    offloaded, the first buckets reduced (the last layers: their host steps have the most
+    backward left to hide under); the others stay on the device. See
+    :mod:`parallax.optim.zero.offload.host_steps`.
+
+    ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
+    or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
+    left alone. Build it after the model has its final device and dtype: the parameters become
+    views into the optimizer's buffers.
+
+    ``overlap``: in a step opened by ``zero_grad()``, reduce-scatter a bucket from a backward hook
+    as soon as each of its parameters has had ``backward_passes_per_step`` gradient accumulations
+    (the micro-batches of a pipeline schedule times the accumulation steps). ``step()`` always
+    completes the reduction, so fewer passes, unused parameters, a step begun without
+    ``zero_grad()`` or ``overlap=False`` are all correct; more passes raise. Buckets go out in a
+    fixed order, from the end of ``param_order`` (the order the forward pass uses the parameters,
+    e.g. ``model.parameters()``; default: as given, groups concatenated), and a parameter without a
+    gradient holds back its bucket and all later ones until ``step()``. The hooks' collectives share
+    ``ctx.dp_group`` with the model's: a model that communicates over dp in its backward must build
+    the same graph on every dp rank, or use overlap=False. With 16-bit parameters at dp >= 2,
+    overlap keeps each bucket's fp32 reduced gradient in a persistent slice (4/dp bytes per
+    parameter); without it, the fp32 result is written over the bucket's own 16-bit gradient bytes.
+    At dp=1 no fp32 gradient outlives the step of its bucket (see
+    :meth:`~parallax.optim.zero.stage.ZeroStage.grad_home`). Either way, after the reduction the
+    ``.grad`` of 16-bit parameters holds unspecified values.
+
+    On GPUs at dp >= 2 the reduction's copies and collectives run on a side stream; with one
+    backward pass per step, so does the copy of each fresh gradient into the buffer
+    (``side_stream_grad_copies``). Turn that off when gradients come out of CUDA graphs
+    (torch.compile's reduce-overhead mode): their memory is reused by the next replay on the
+    compute stream, which would not wait for a copy on another stream.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer_class: type[torch.optim.Optimizer],
+        ctx: ParallelContext,
+        *,
+        stage: int = 1,
+        modules: Iterable[nn.Module] | nn.Module | None = None,
+        reshard_after_forward: bool = True,
+        offload: bool = False,
+        offload_fraction: float = 1.0,
+        step_in_backward: bool = False,
+        overlap: bool = True,
+        backward_passes_per_step: int = 1,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        param_order: Iterable[torch.Tensor] | None = None,
+        side_stream_grad_copies: bool = True,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
+        modules = self.stage.check_modules(modules)
+        self.stage.check_offload(offload, offload_fraction)
+        if offload:
+            optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
+        # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
+        got = accept(
+            ctx, params, optimizer_class, backward_passes_per_step, bucket_numel, param_order
+        )
+        self.names, self.params, self.device = got.names, got.params, got.device
+        self._group_names = got.group_names
+        self.units, self.layout = lay_out(self.stage, modules, got, ctx.dp_size, bucket_numel)
+        numels = [b.numel for b in self.layout.buckets]
+        hosted = offloaded_buckets(numels, offload_fraction) if offload else []
+        homes = self._grad_homes()
+        self.flat = FlatBuffers(
+            self.params, self.layout, ctx.dp_rank, self.device, homes, self.stage, hosted
+        )
+        self._adopt(wrap_pieces(optimizer_class, self.flat, got, optimizer_kwargs))
+        # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
+        self._stream = (
+            torch.cuda.Stream(self.device)
+            if self.device.type == "cuda" and ctx.dp_size > 1
+            else None
+        )
+        self._side_copies = side_stream_grad_copies
+        groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
+        self._build_step(groups, offload, step_in_backward, backward_passes_per_step)
+        self._build_weights(bucket_numel, reshard_after_forward)
+        self.state_io = StateIO(
+            self.names, self.params, self._group_names, self.flat, self.inner, ctx, self.device
+        )
+        log.debug("%r: %s", self, self.memory_report())
+
+    def _build_step(self, groups: list[int], offload: bool, early: bool, passes: int) -> None:
+        """The parts a step goes through: the scales it owes, the staged buckets, the host's
+        steps (``offload``; ``early``: during the backward) and the gradient reduction."""
+        flat, ctx = self.flat, self.ctx
+        # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
+        # the dp average and the clip coefficient then cost no pass over the gradients
+        fold = takes_grad_scale(self.inner) and not offload  # (host: scaled apart)
+        self.scale = StepScale(fold, ctx.dp_size, self.device)
+        self.staged = BucketwiseSteps(flat, groups)
+        self._counted = counted_pieces(flat.pieces, self.params, ctx.tp_rank)
+        has = [False] * len(self.params)  # which parameters got a gradient since zero_grad()
+        self.host = None
+        if offload:
+            counted = self._counted
+            self.host = HostSteps(flat, self.inner, ctx, self.device, groups, counted, has, early)
+        self.reducer, self.grads = build_reduction(
+            self.stage,
+            flat,
+            self.names,
+            ctx,
+            overlap=self.overlap,
+            passes=passes,
+            average=not fold,
+            device=self.device,
+            stream=self._stream,
+            copies=self._stream if self._side_copies and self.overlap else None,
+            sink=self.host,
+            has=has,
+        )
+        self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
+
+    def _build_weights(self, bucket_numel: int, reshard_after_forward: bool) -> None:
+        """The weights between steps: the all-gathers a forward may wait for (stages 1, 2), or
+        the shards and their gathers around each use (stage 3)."""
+        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
+        self.zero3 = None
+        if self.stage.shards_weights:
+            self.zero3 = ShardedWeights(
+                self.units,
+                self.params,
+                self.flat.store,
+                self.ctx,
+                self.reducer,
+                bucket_numel,
+                reshard_after_forward,
+            )
+
+    def _grad_homes(self) -> list[str]:
+        """Where each bucket's fp32 reduced gradient lives (a method: tests force others)."""
+        return grad_homes(self.layout, self.overlap, self.stage)
+
+    @property
+    def _fold(self) -> bool:
+        return self.scale.fold
+
+    @torch.no_grad()
+    def reload_master_weights(self) -> None:
+        """Copy the model's current parameter values into the fp32 masters (no communication).
+
+        Call it after writing weights into the model behind the optimizer's back; otherwise, for
+        non-fp32 parameters, the masters are the truth and the next step overwrites them.
+        """
+        self.wait_params()
+        self.flat.reload_masters()
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.reducer.passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, value: int) -> None:
+        """Counts from the next gradient on; set it between steps (a change in the middle of
+        one raises at the next gradient if that gradient's bucket already went out)."""
+        check_passes(value)
+        self.reducer.passes = value
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _reduce(self) -> list[bool]:
+        """Finish the gradient reduction (once per step); which parameters got a gradient on
+        any dp rank."""
+        if self._flags is None:
+            self.grads.reattach()
+            self.reducer.finish()
+            self._flags = self.grads.global_flags(self.ctx.dp_group, self.device)
+        return self._flags
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce gradients (if not done yet), step the fp32 slices, gather the parameters.
+
+        A parameter no dp rank saw a gradient for is skipped, as torch optimizers skip a
+        ``.grad`` of None: no weight decay, no moment update.
+        """
+        self.wait_params()  # buckets no forward read since the last step
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flags = self._reduce()
+        if self.host is not None:  # on the host, bucket by bucket (some maybe done already)
+            self.host.step(flags)
+        self._step_inner(flags)  # the buckets on the device
+        self.gathers.track(
+            self.flat.gather_params(
+                self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
+            )
+        )
+        if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
+            self.zero3.gathers.release_all()
+        self._end_step(open=False)
+        return loss
+
+    def _step_inner(self, flags: list[bool]) -> None:
+        stepped = False  # pieces whose fp32 gradient already has its home: one step for all
+        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
+            t.grad = g if g is not None and flags[pc.param] else None
+            stepped = stepped or g is not None
+        with self.scale.folded(self.inner):
+            if stepped:
+                self.inner.step()
+            self.staged.step(self.inner, flags, self.scale.coefs)  # the others, bucket by bucket
+
+    def _end_step(self, open: bool) -> None:
+        self.reducer.reset(open)
+        if self.host is not None:
+            self.host.wait()
+            self.host.reset()
+        self._flags = None
+        self.scale.reset()
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients and accumulation, and open the next step (the buckets
+        of an opened step are reduced during the backward, with ``overlap``).
+
+        With ``set_to_none`` (the default) ``.grad`` becomes None, as in torch: the backward
+        pass's first gradient is then copied into the parameter's view of the gradient buffer
+        (one pass over it instead of zeroing and adding). Otherwise ``.grad`` stays a zeroed
+        view. Whether a parameter got a gradient is tracked by hooks either way. Call it on
+        every rank between steps: after ``step()`` (and, for 16-bit parameters, after
+        ``grad_norm()``), gradients hold unspecified (partly reduced) values. Called in the
+        middle of an opened step instead (after ``zero_grad()``, before ``grad_norm()`` or
+        ``step()``), it first makes the step's remaining reduce-scatters on every rank, so the
+        ranks' collectives stay aligned whatever each of them launched.
+        """
+        self.reducer.discard()
+        self._end_step(open=True)
+        self.grads.clear(self.flat.grad_buffers, set_to_none)
+
+    # -- the gradient norm ---------------------------------------------------------------------
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over dp, tp and pp (every rank must call it), from the
+        reduced gradients (offloaded buckets: each one's share, taken on the host); reduces the
+        gradients first if ``step()`` has not yet."""
+        self._reduce()
+        host = self.host.local_part(norm_type) if self.host is not None else 0.0
+        skip = self.host.buckets if self.host is not None else ()  # offloaded: in ``host``
+        counted = (  # staged buckets: their 16-bit gradients, the norm taken in fp32
+            [g for k, g in group if self._counted[k]]
+            for group in self.flat.reduced_grads_by_bucket(self.scale.coefs, True, skip)
+        )
+        total = global_grad_norm(counted, self.ctx, norm_type, self.device, host)
+        return self.scale.true_norm(total)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before.
+        (Staged buckets are scaled when ``step()`` makes their fp32 gradients.)"""
+        total = self.grad_norm(norm_type)
+        coef = clip_coefficient(total, max_norm)
+        if self.host is not None:
+            self.host.clip(coef)  # (no folding when offloaded: the others are scaled below)
+        self.scale.clip(coef, self.flat.grad_outs, bool(self.staged))
+        return total
+
+    # -- the parameter all-gather under the next forward ------------------------------------------
+    def overlap_param_gather(self, *modules: nn.Module) -> list:
+        """Let each step's all-gather of the updated parameters run under the next forward.
+
+        ``step()`` then returns with the all-gathers in flight, launched in forward order, and a
+        forward pre-hook on each of ``modules``' parameter holders (see
+        :func:`parallax.optim.zero.weights.deferred_gathers.hook_points`) waits for the buckets it
+        reads. Every parameter must be read inside the forward of a module that holds it (or of a
+        compiled ancestor), not through another module's attribute. Anything else that reads
+        parameters between ``step()`` and the next forward calls :meth:`wait_params` first; this
+        optimizer's own methods do. Returns the hooks' handles; removing them all turns the deferral
+        off again. At stage 3 there is nothing to defer (every use gathers): []."""
+        if self.stage.shards_weights:
+            return []
+        return self.gathers.register(modules)
+
+    def wait_params(self) -> None:
+        """Finish every parameter all-gather still in flight (see :meth:`overlap_param_gather`):
+        call it before reading parameters outside a hooked forward, e.g. to save or evaluate."""
+        self.gathers.wait_all()
+
+    # -- the weights outside a forward (stage 3 shards them) ------------------------------------
+    def weight(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter ``p``'s current values on this tp rank, whole (any parameter of the
+        modules, frozen ones included). At stage 3 a collective over dp: every dp rank asks
+        for the same parameters in the same order; one tensor is made, never a whole block."""
+        self.wait_params()
+        if self.zero3 is None:
+            return p.detach()
+        return self.zero3.weight(p)
+
+    def materialized(self, unit: int) -> AbstractContextManager:
+        """Stage 3: a context in which unit ``unit``'s weights (``self.units[unit]``) can be
+        overwritten whole, with no collective (see :meth:`ShardedWeights.materialized`)."""
+        return self.zero3.materialized(unit)
+
+    def gathered(self) -> AbstractContextManager:
+        """A context with every weight whole, e.g. to export the model (at stage 3 a collective
+        that gathers the whole stage on every rank; otherwise it only waits for the weights)."""
+        if self.zero3 is None:
+            self.wait_params()
+            return nullcontext()
+        return self.zero3.gathered()
+
+    # -- the state, as full logical tensors (:mod:`~parallax.optim.zero.state_io`) ---------------
+    def state_meta(self) -> dict[str, Any]:
+        """JSON-able description of the state: hyperparameters and, per parameter name, the
+        state keys that :meth:`state_tensors` yields. Collective: call on every rank."""
+        self.wait_params()
+        return self.state_io.meta()
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``("<name>.<state>", full logical tensor)`` one at a time. Collective: every
+        rank must consume it all."""
+        self.wait_params()
+        return self.state_io.tensors()
+
+    def load_state_tensors(self, meta: dict[str, Any], get: Callable[[str], torch.Tensor]) -> None:
+        """Load from ``meta`` and ``get(key) -> full tensor``, one tensor at a time, at any
+        dp and tp size. Also writes the masters into the model. No collective: a caller whose
+        ranks may fail differently (a rank-local read error) agrees on the outcome itself."""
+        self.wait_params()
+        self.state_io.load(meta, get)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
+        return measure(
+            self.flat, self.inner, self.params, self.stage, self.reducer, self.host, self.zero3
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer({type(self.inner).__name__}, {len(self.params)} params, "
+            f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, stage={self.stage}, "
+            f"overlap={self.overlap})"
+        )
