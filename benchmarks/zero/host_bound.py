@@ -1,6 +1,7 @@
 """How fast can this host step an offloaded optimizer? The floor under ``--offload optimizer``:
-each host phase of :class:`parallax.optim.zero.offload.host_steps.HostSteps` timed alone on this machine's
-CPU (and its PCIe link, where a GPU is there), then scaled to a model's trainable parameters.
+each host phase of :class:`parallax.optim.zero.offload.host_steps.HostSteps` timed alone on
+this machine's CPU (and its PCIe link, where a GPU is there), then scaled to a model's
+trainable parameters.
 
     python -m benchmarks.zero.host_bound [--elements 2**28] [--params 7.54e9 --passes 8]
     python -m benchmarks.zero.host_bound --smoke      # small tensors, writes nothing
