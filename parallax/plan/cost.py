@@ -242,8 +242,8 @@ def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -
     only (the host's adds under the whole passes); where they take longer the step waits for
     the link (a few adds queue at most, :mod:`parallax.optim.zero.offload.accumulators`).
     OpenVLA-7B under a 32 GiB cap at micro-batch 8, whose copies take about 1.5 times its
-    backwards, ran 23.4 s a step against 12.5 s at micro-batch 32 (benchmarks/RESULTS.md, run 6a8fd6ee2dca; the queue
-    was not bounded then).
+    backwards, ran 23.4 s a step against 12.5 s at micro-batch 32 (benchmarks/RESULTS.md, run
+    6a8fd6ee2dca; the queue was not bounded then).
     """
     if not layout.offload:
         return 0.0
