@@ -103,7 +103,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     nearest (timed)."""
     precision = "bf16" if device.type == "cuda" else "fp32"
     flags = dict(model=row.model, global_batch_size=row.batch, finetune=row.finetune)
-    if args.pad_to_multiple_of > 1 and registry.find(row.model).pads_text:
+    if args.pad_to_multiple_of > 1 and registry.find(row.model).data.pads_text:
         flags["pad_to_multiple_of"] = args.pad_to_multiple_of  # (the others' text is fixed)
     if args.grad_clip is not None:
         flags["grad_clip"] = args.grad_clip
@@ -141,9 +141,9 @@ def batch_source(run, ctx):
         data = SyntheticVQA(num_samples=4 * run.global_batch_size, image_scale=scale,
                             image_sizes=((112, 112),), text_only_fraction=0.0)  # fmt: skip
     else:
-        data = recipe.dataset("synthetic", run)
-    loader = recipe.loader(data, run, ctx)
-    builder = recipe.collator(run.model_config, data, run.checkpoint)
+        data = recipe.data.dataset("synthetic", run)
+    loader = recipe.data.loader(data, run, ctx)
+    builder = recipe.data.collator(run, data)
     return lambda: [builder(s) for s in loader.next_batch()]
 
 

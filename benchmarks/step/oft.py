@@ -143,7 +143,7 @@ def parallax_train(args, config, device, dtype, compile: bool, saving: str = "")
     from parallax.run import TrainConfig
     from parallax.train.trainer import Trainer
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         model=args.model,
         action_head="l1",
         action_chunk=args.chunk,

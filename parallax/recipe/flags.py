@@ -25,8 +25,9 @@ CORE = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 
 def option_classes() -> list[type]:
-    """The core options and each family's own, in ``--help``'s order."""
-    return [TrainConfig, *registry.option_classes().values()]
+    """The core options and each family's own, in ``--help``'s order (a family registered with
+    another's recipe class shares its declarations)."""
+    return [TrainConfig, *dict.fromkeys(registry.option_classes().values())]
 
 
 def words() -> dict[str, str]:

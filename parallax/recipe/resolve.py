@@ -75,6 +75,8 @@ def resolve(
 ) -> Run:
     """The :class:`Run` of ``cfg``. ``recipe`` overrides the family found from ``cfg.model``;
     ``model_config`` (and ``checkpoint``) the model it resolves to."""
+    if isinstance(cfg, Run):
+        raise TypeError("resolve() takes a TrainConfig; this Run is resolved already")
     cfg.check()
     recipe = recipe or registry.find(cfg.model)
     name = registry.strip_family(cfg.model, recipe)

@@ -83,6 +83,16 @@ class TrainConfig(
     # declarations when the run is resolved for it
     family_values: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, **values: Any) -> TrainConfig:
+        """A config of option values by name, a family's among them (what flags and TOML keys
+        give; those that are not core options ride in ``family_values`` and are checked
+        against the family's declarations when the run is resolved)."""
+        core = {f.name for f in dataclasses.fields(cls)}
+        family = dict(values.pop("family_values", {}))
+        family.update({k: values.pop(k) for k in list(values) if k not in core})
+        return cls(**values, family_values=family)
+
     def check(self) -> None:
         """Raise one ``ValueError`` naming every problem no layout could run: the types, each
         option's own checks and the rules between options (the layout is checked later)."""

@@ -26,11 +26,27 @@ KINDS = (int, float, bool, str)
 Kind = tuple[type, bool]  # (int | float | bool | str, whether None is allowed)
 
 
+def _hints(cls: type) -> dict[str, Any]:
+    """The evaluated annotations of ``cls`` and its bases; a class whose annotations name what
+    only type checkers import (:class:`~parallax.run.Run`'s recipe) adds none of its own."""
+    hints: dict[str, Any] = {}
+    for base in reversed(cls.__mro__):
+        if "__annotations__" not in base.__dict__:
+            continue
+        try:
+            hints.update(typing.get_type_hints(base))
+        except NameError:
+            continue
+    return hints
+
+
 def field_kinds(cls: type) -> dict[str, Kind]:
     """``{field: (type, optional)}`` for every field of dataclass ``cls`` of a simple type."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kinds = {}
     for f in dataclasses.fields(cls):
+        if f.name not in hints:
+            continue
         hint = hints[f.name]
         union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
         args = typing.get_args(hint) if union else (hint,)

@@ -56,4 +56,4 @@ def test_every_memory_form_is_a_valid_run_where_the_plan_asks_for_it():
     assert {f for *_, f in plan} == {"", *SAVING}
     assert ("parallax+budget", "parallax", False, "budget") not in plan
     for _, _, compile, form in plan:
-        TrainConfig(model="tiny", finetune="lora", compile=compile, **SAVING.get(form, {}))
+        TrainConfig.of(model="tiny", finetune="lora", compile=compile, **SAVING.get(form, {}))

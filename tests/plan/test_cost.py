@@ -16,8 +16,7 @@ HOST = dict(host_gbs=1.0, host_adam_s=0.5)
 
 
 def _offloaded(clip: float, h2d_gbs: float) -> tuple[float, float]:
-    model = toy([1e5] * 4, [None] * 4)
-    model.run.grad_clip = clip
+    model = toy([1e5] * 4, [None] * 4, grad_clip=clip)
     layout = Layout(dp=1, micro_batch_size=1, zero=2, offload=1.0)
     profile = machine(80.0).with_(h2d_gbs=h2d_gbs, **HOST)
     t = step_time(model, layout, profile, plan_memory(model, layout))

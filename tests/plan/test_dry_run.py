@@ -6,13 +6,16 @@ import io
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 from parallax.train import parse_args
+from parallax.train.cli import resolve_run
 from parallax.train.dry_run import print_plan
 
 
 def test_the_table_has_the_memory_columns(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = io.StringIO()
-    print_plan(parse_args(["--dry-run", "--dp", "2", "--activation-checkpointing"]), file=out)
+    print_plan(
+        resolve_run(parse_args(["--dry-run", "--dp", "2", "--activation-checkpointing"])), file=out
+    )
     text = " ".join(out.getvalue().split())
     for word in ("zero 1", "activation checkpointing (all)", "gathered", "card needs", "host"):
         assert word in text, text

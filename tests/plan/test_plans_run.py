@@ -13,6 +13,7 @@ from parallax.plan.report import command
 from parallax.recipe import registry
 from parallax.testing import run_ranks
 from parallax.train import main, parse_args
+from parallax.train.cli import resolve_run
 from parallax.train.dry_run import print_plan
 
 PRESETS = [p for family in registry.FAMILIES.values() for p in family.presets]
@@ -35,7 +36,9 @@ def test_every_printed_layout_dry_runs(model, monkeypatch):
         per_node = min(gpus, 8)
         for c in result.ranked:
             line = command(["--model", model, "--precision", "bf16"], c, gpus // per_node, per_node)
-            print_plan(parse_args([*_train_argv(line), "--dry-run"]), file=io.StringIO())
+            print_plan(
+                resolve_run(parse_args([*_train_argv(line), "--dry-run"])), file=io.StringIO()
+            )
 
 
 def test_layout_auto_trains_the_tiny_model(tmp_path, capsys, caplog):
@@ -50,13 +53,12 @@ def test_layout_auto_trains_the_tiny_model(tmp_path, capsys, caplog):
 
 
 def _auto_rank(out: str) -> tuple[int, int, int, int]:
-    from parallax.recipe import resolve
     from parallax.testing import context
     from parallax.train.cli import resolve_run, run
 
     argv = ["--layout", "auto", "--gpu-memory", "1", "--steps", "1", "--out", out]
-    cfg = resolve(parse_args([*argv, "--save-interval", "0"]))  # planned for WORLD_SIZE=2
-    run(resolve_run(cfg), context(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
+    cfg = resolve_run(parse_args([*argv, "--save-interval", "0"]))  # planned for WORLD_SIZE=2
+    run(cfg, context(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp))
     return cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size
 
 

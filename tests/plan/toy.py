@@ -10,7 +10,7 @@ from parallax.models.stages import StageBlock
 from parallax.plan.blocks import BlockParams
 from parallax.plan.machine import Link, Machine
 from parallax.plan.model import Model
-from parallax.run import TrainConfig
+from parallax.run import Run, TrainConfig
 
 FLOPS = 1e9  # forward matmul FLOPs of one block on one sample
 TOKENS = 100  # rows of its matmuls per sample
@@ -18,31 +18,37 @@ PARAMS = 1_000_000  # bf16 parameters per block, all sharded by tp
 FREE = Link(busbw_gbs=1e9, latency_us=0.0)  # communication that costs nothing
 
 
-class ToyRecipe:
-    name, objective, pin_first = "toy", "tokens", 0
+class ToyModel:
+    """The model side the planner asks: where the first stage starts, which layouts it takes."""
+
+    pin_first = 0
 
     def __init__(self, tp: bool) -> None:
         self.tp = tp
 
-    def check_layout(self, config, cfg, dims) -> None:
+    def check_layout(self, run, dims) -> None:
         if dims.tp > 1 and not self.tp:
             raise ValueError("the toy cannot shard over tp")
 
 
-def toy(saved: list[float], scopes: list[str | None], batch: int = 8, tp: bool = False) -> Model:
+class ToyRecipe:
+    name = "toy"
+
+    def __init__(self, tp: bool) -> None:
+        self.model, self.objective = ToyModel(tp), SimpleNamespace(kind="tokens")
+
+
+def toy(
+    saved: list[float],
+    scopes: list[str | None],
+    batch: int = 8,
+    tp: bool = False,
+    grad_clip: float = 1.0,
+) -> Model:
     """Blocks of ``FLOPS`` and ``PARAMS`` each; block ``i`` keeps ``saved[i]`` bytes a sample
     (split by tp), or 1 kB when its ``scopes[i]`` recomputes."""
-    flags = TrainConfig(precision="bf16", global_batch_size=batch)
-    run = SimpleNamespace(
-        flags=flags,
-        recipe=ToyRecipe(tp),
-        model_config=None,
-        precision="bf16",
-        global_batch_size=batch,
-        compile=False,
-        grad_clip=1.0,
-        overlap_grad_reduce=True,
-    )
+    flags = TrainConfig(precision="bf16", global_batch_size=batch, grad_clip=grad_clip)
+    run = Run(**flags.core_options(), recipe=ToyRecipe(tp), model_name="toy", model_config=None)
     n = len(saved)
     blocks = [StageBlock(f"b{i}", FLOPS) for i in range(n)]
     estimates = [

@@ -107,9 +107,9 @@ def test_checkpoint_scope_flag():
     assert parse_args(["--activation-checkpointing"]).checkpointing is True
     assert parse_args([]).checkpointing is False
     with pytest.raises(ValueError, match="needs --activation-checkpointing"):
-        parse_args(["--checkpoint-scope", "vision"])
+        resolve(parse_args(["--checkpoint-scope", "vision"]))
     with pytest.raises(ValueError, match="one of all, vision, text"):
-        parse_args(["--activation-checkpointing", "--checkpoint-scope", "mlp"])
+        resolve(parse_args(["--activation-checkpointing", "--checkpoint-scope", "mlp"]))
 
 
 def test_plan_counts_the_activations_that_stay():

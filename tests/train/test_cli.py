@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from parallax.recipe import resolve
+
 KEYS = {"step", "loss", "action_accuracy", "l1", "lr", "grad_norm", "tokens_per_s", "mfu"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -411,11 +413,12 @@ def test_dry_run_outside_torchrun_says_it_plans_one_process(monkeypatch):
     import io
 
     from parallax.train import parse_args
+    from parallax.train.cli import resolve_run
     from parallax.train.dry_run import print_plan
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = io.StringIO()
-    print_plan(parse_args(["--dry-run"]), file=out)
+    print_plan(resolve_run(parse_args(["--dry-run"])), file=out)
     assert "not under torchrun: planning for one process; pass --dp N" in out.getvalue()
     assert "tp1 pp1 dp1 = 1 rank;" in out.getvalue()
 
@@ -429,7 +432,7 @@ def test_toml_config_and_flag_override(tmp_path):
     assert (cfg.steps, cfg.global_batch_size, cfg.schedule) == (9, 64, "gpipe")
     path.write_text("stepz = 3\n")
     with pytest.raises(ValueError, match="unknown keys"):
-        parse_args(["--config", str(path)])
+        resolve(parse_args(["--config", str(path)]))
 
 
 @pytest.mark.parametrize(
@@ -450,7 +453,7 @@ def test_toml_values_are_checked_against_their_flags(tmp_path, toml, message):
     path = tmp_path / "run.toml"
     path.write_text(toml + "\n")
     with pytest.raises(ValueError) as err:
-        parse_args(["--config", str(path)])
+        resolve(parse_args(["--config", str(path)]))
     assert str(err.value).startswith(f"--config {path}: {message}"), str(err.value)
 
 
@@ -465,7 +468,7 @@ def test_command_line_values_and_config_fields_are_checked():
         (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
-            parse_args(argv)
+            resolve(parse_args(argv))
     cfg = parse_args(["--lr", "1", "--tp", "2"])  # an integer is a fine float
     assert (cfg.lr, type(cfg.lr), cfg.tp) == (1.0, float, 2)
     with pytest.raises(ValueError, match=re.escape('steps = "100": expected an integer')):

@@ -26,7 +26,7 @@ def _run(tmp_path, console, steps=12, total=5000):
         log_interval=5,
         total_steps=total,
         console=console,
-        recipe=registry.recipe("openvla"),
+        objective=registry.recipe("openvla").objective,
     )
     rows = []
     for step in range(1, steps + 1):

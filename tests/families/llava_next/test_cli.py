@@ -22,10 +22,10 @@ def _cli(out: str, *args: str, tp: int = 1, stop_after: int | None = None) -> st
 
     dp = 2 // tp
     ctx = context(tp=tp, dp=dp)
-    try:
+    try:  # a run is resolved before it starts (every rank alike), then trains
         cfg = parse_args(["--tp", str(tp), "--dp", str(dp), "--out", out, *args])
         run(resolve_run(cfg), ctx, stop_after=stop_after)
-    except UserError as err:
+    except (UserError, ValueError) as err:
         return str(err)
     return None
 
@@ -112,11 +112,12 @@ def test_bad_inputs_fail_on_every_rank_before_training(image):
 @pytest.mark.parametrize("layout", [("2", "2", "2")])
 def test_dry_run_plans_the_7b_at_any_layout(layout, capsys):
     from parallax.train import parse_args
+    from parallax.train.cli import resolve_run
     from parallax.train.dry_run import print_plan
 
     tp, pp, dp = layout
     argv = ["--model", "llava-v1.6-vicuna-7b", "--precision", "bf16", "--dry-run"]
-    print_plan(parse_args([*argv, "--tp", tp, "--pp", pp, "--dp", dp]))
+    print_plan(resolve_run(parse_args([*argv, "--tp", tp, "--pp", pp, "--dp", dp])))
     out = capsys.readouterr().out
     assert f"tp{tp} pp{pp} dp{dp}" in out and "vision_tower.* (decay)" in out, out
     assert "2e-06" in out and "2e-05" in out

@@ -44,8 +44,8 @@ def _run(tp: int, pp: int, dp: int, **kw):
     # a vocabulary that tp=2 pads (131 rows): the padding must stay out of the loss
     trainer = Trainer(resolve(cfg, model_config=tiny_config()), ctx)
     recipe, data = trainer.recipe, _data()
-    loader = recipe.loader(data, trainer.run, ctx)
-    collate = recipe.collator(trainer.model_config, data, None)
+    loader = recipe.data.loader(data, trainer.run, ctx)
+    collate = recipe.data.collator(trainer.run, data)
     before = {n: full_tensor(p, ctx.tp_group).clone() for n, p in trainer.named_parameters()}
     history, widths = [], []
     for _ in range(STEPS):
@@ -94,13 +94,13 @@ def test_layouts_match_one_process(reference, tp, pp, dp):
 def test_default_lr_groups_are_llava_v16_and_stage_1_trains_the_projector_only():
     cfg = _cfg(lr=None, model="llava-v1.6-vicuna-7b")
     recipe = registry.find(cfg.model)
-    assert recipe.default_lr("llava-v1.6-vicuna-7b") == 2e-5
-    assert recipe.default_lr_groups("llava-v1.6-vicuna-7b", 2e-5) == {
+    assert recipe.model.default_lr("llava-v1.6-vicuna-7b") == 2e-5
+    assert recipe.model.default_lr_groups("llava-v1.6-vicuna-7b", 2e-5) == {
         "vision_tower.*": pytest.approx(2e-6)
     }
     trainer = Trainer(resolve(_cfg(lr=None), model_config=tiny_config()), ParallelContext.local())
     named = trainer.named_parameters()
-    lrs = {n: g["lr"] for g in param_groups(named, trainer.cfg) for n, _ in g["params"]}
+    lrs = {n: g["lr"] for g in param_groups(named, trainer.run) for n, _ in g["params"]}
     assert lrs["vision_tower.patch_embed.proj.weight"] == pytest.approx(3e-4)
     assert lrs["multi_modal_projector.linear_1.weight"] == pytest.approx(3e-3)
     assert lrs["language_model.model.layers.0.mlp.down_proj.weight"] == pytest.approx(3e-3)
@@ -116,23 +116,24 @@ def test_default_lr_groups_are_llava_v16_and_stage_1_trains_the_projector_only()
 def test_flops_and_tokens_count_no_padding():
     """A padded microbatch counts what its samples count one by one (with the collator's
     ``lengths``/``num_tiles`` or read from the padding and ``image_sizes``)."""
-    recipe, config, data = registry.recipe("llava"), tiny_config(), _data()
-    collate, cfg = recipe.collator(config, data, None), _cfg()
+    run, data = resolve(_cfg(), model_config=tiny_config()), _data()
+    model, collate = run.recipe.model, run.recipe.data.collator(run, data)
     samples = [data[i] for i in range(6)]
     mb = collate(samples)
     bare = {k: v for k, v in mb.items() if k not in ("lengths", "num_tiles")}
     alone = [collate([s]) for s in samples]
-    want = sum(recipe.flops(config, [m], cfg) for m in alone)
-    assert recipe.flops(config, [mb], cfg) == pytest.approx(want)
-    assert recipe.flops(config, [bare], cfg) == pytest.approx(want)
+    want = sum(model.flops(run, [m]) for m in alone)
+    assert model.flops(run, [mb]) == pytest.approx(want)
+    assert model.flops(run, [bare]) == pytest.approx(want)
     tokens = sum(m["input_ids"].numel() for m in alone)
-    assert recipe.tokens(config, [mb]) == recipe.tokens(config, [bare]) == tokens
+    assert model.tokens(run, [mb]) == model.tokens(run, [bare]) == tokens
     assert mb["input_ids"].numel() > tokens  # the batch is padded
 
 
 def test_a_microbatch_whose_image_tokens_do_not_fit_is_named():
-    recipe, config, data = registry.recipe("llava"), tiny_config(), _data()
-    mb = recipe.collator(config, data, None)([data[i] for i in range(4)])
-    assert recipe.input_problem(config, mb, _cfg()) is None
+    run, data = resolve(_cfg(), model_config=tiny_config()), _data()
+    side = run.recipe.data
+    mb = side.collator(run, data)([data[i] for i in range(4)])
+    assert side.input_problem(run, mb) is None
     mb["image_sizes"][0] = torch.tensor([0, 0])  # its image tokens now belong to no image
-    assert "image tokens in input_ids" in recipe.input_problem(config, mb, _cfg())
+    assert "image tokens in input_ids" in side.input_problem(run, mb)

@@ -285,15 +285,19 @@ def test_dry_run_shows_what_trains(capsys):
     import io
 
     from parallax.train import parse_args
+    from parallax.train.cli import resolve_run
     from parallax.train.dry_run import print_plan
 
     out = io.StringIO()
     cfg = parse_args(["--dry-run", "--finetune", "lora", "--tp", "2", "--train", "projector"])
-    print_plan(cfg, file=out)
+    print_plan(resolve_run(cfg), file=out)
     text = out.getvalue()
     assert "LoRA r=32 alpha=16" in text and "fully trained: projector" in text
     with pytest.raises(ValueError, match="--train 'projectr' matches no"):
-        print_plan(parse_args(["--finetune", "lora", "--train", "projectr"]), file=io.StringIO())
+        print_plan(
+            resolve_run(parse_args(["--finetune", "lora", "--train", "projectr"])),
+            file=io.StringIO(),
+        )
 
 
 def _custom(out: str, tp: int, pp: int) -> list[float]:

@@ -52,7 +52,7 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     ctx = context(tp=tp, pp=pp, dp=dp)
     init, vlm.init_parameters = vlm.init_parameters, lambda *args, **kwargs: None
     try:
-        trainer = Trainer(resolve(cfg), ctx)
+        trainer = Trainer(cfg, ctx)
     finally:
         vlm.init_parameters = init
     trainer.train_step(_microbatches(trainer, ctx, cfg))  # AdamW makes its state in a step

@@ -15,7 +15,7 @@ from parallax.train.lr_schedule import lr_lambda
 
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_step_schedule_is_multisteplr(warmup):
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         lr=0.5, lr_schedule="step", lr_decay_steps=7, lr_decay=0.1, warmup_steps=warmup
     )
     p = torch.nn.Parameter(torch.zeros(1))
@@ -38,12 +38,9 @@ def test_flags_refuse_what_cannot_run():
     cfg = parse_args(
         ["--action-head", "l1", "--film", "--lr-schedule", "step", "--lr-decay-steps", "9"]
     )
-    assert (cfg.action_head, cfg.action_chunk, cfg.film, cfg.lr_decay_steps) == (
-        "l1",
-        None,
-        True,
-        9,
-    )
+    assert cfg.family_values == {"action_head": "l1", "film": True} and cfg.lr_decay_steps == 9
+    own = resolve(cfg).family_options  # the family's own options, declared in its package
+    assert (own.action_head, own.action_chunk, own.film) == ("l1", None, True)
     for argv, msg in (
         (["--action-chunk", "4"], "needs --action-head l1"),
         (["--film"], "needs --action-head l1"),
@@ -53,7 +50,7 @@ def test_flags_refuse_what_cannot_run():
         (["--action-head", "l2"], "one of tokens, l1"),
     ):
         with pytest.raises(ValueError, match=msg):
-            parse_args(argv)
+            resolve(parse_args(argv))
 
 
 def _trainer(**kw):
@@ -62,7 +59,7 @@ def _trainer(**kw):
     base = dict(
         action_head="l1", action_chunk=3, film=True, global_batch_size=2, micro_batch_size=2
     )
-    return Trainer(resolve(TrainConfig(**{**base, **kw})), ParallelContext.local())
+    return Trainer(resolve(TrainConfig.of(**{**base, **kw})), ParallelContext.local())
 
 
 def test_the_model_takes_the_datas_inputs_and_the_flags_chunk():
@@ -75,12 +72,13 @@ def test_the_model_takes_the_datas_inputs_and_the_flags_chunk():
         2,
         True,
     )
-    assert trainer.recipe.metric_sums[0] == "current_l1_sum"
+    assert trainer.recipe.objective.metric_sums[0] == "current_l1_sum"
     trained = {n for n, p in trainer.named_parameters() if p.requires_grad}
     assert "language_model.lm_head.weight" not in trained  # skipped: no gradient, no state
     assert "vision_backbone.featurizer.blocks.0.attn.qkv.weight" in trained
     tokens = _trainer(action_head="tokens", action_chunk=None, film=False)
-    assert tokens.model_config.oft is None and tokens.recipe.metric_sums[0] == "action_correct"
+    assert tokens.model_config.oft is None
+    assert tokens.recipe.objective.metric_sums[0] == "action_correct"
 
 
 def test_lora_trains_ofts_modules_whole_beside_the_adapters():
@@ -107,7 +105,7 @@ def test_an_oft_model_cannot_train_on_tokens_and_options_must_agree():
 
     tiny = _trainer().model_config
     with pytest.raises(ValueError, match="train it with --action-head l1"):
-        Trainer(resolve(TrainConfig(), model_config=tiny), ParallelContext.local())
+        Trainer(resolve(TrainConfig.of(), model_config=tiny), ParallelContext.local())
     other = dataclasses.replace(tiny, oft=OFTConfig(chunk=5))
     with pytest.raises(ValueError, match="this run's flags ask for chunks of 3"):
         _trainer_with(other)
@@ -116,18 +114,21 @@ def test_an_oft_model_cannot_train_on_tokens_and_options_must_agree():
 def _trainer_with(config):
     from parallax.train.trainer import Trainer
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         action_head="l1", action_chunk=3, film=True, global_batch_size=2, micro_batch_size=2
     )
     return Trainer(resolve(cfg, model_config=config), ParallelContext.local())
 
 
 def test_dry_run_plans_an_oft_run():
+    from parallax.train.cli import resolve_run
     from parallax.train.dry_run import print_plan
 
     out = io.StringIO()
     print_plan(
-        parse_args(["--dry-run", "--action-head", "l1", "--finetune", "lora", "--pp", "2"]),
+        resolve_run(
+            parse_args(["--dry-run", "--action-head", "l1", "--finetune", "lora", "--pp", "2"])
+        ),
         file=out,
     )
     assert "LoRA r=32" in out.getvalue()

@@ -11,7 +11,7 @@ import torch
 from parallax import ParallelContext
 from parallax.families.openvla.action_tokenizer import normalize_actions
 from parallax.families.openvla.oft.data import synthetic_task
-from parallax.run import TrainConfig
+from parallax.families.openvla.oft.options import OFTOptions
 
 FLAGS = (
     *("--action-head", "l1", "--steps", "80", "--global-batch-size", "8"),
@@ -23,8 +23,8 @@ FLAGS = (
 def mean_action_l1(seed: int = 0, episodes: int = 200) -> float:
     """L1 of predicting the mean normalised action for every chunk of the held-out episodes
     (the training data's statistics normalise, as the model's targets)."""
-    cfg = TrainConfig(action_head="l1")
-    train, held_out = synthetic_task(cfg, seed), synthetic_task(cfg, seed + 1)
+    options = OFTOptions(action_head="l1")
+    train, held_out = synthetic_task(options, seed), synthetic_task(options, seed + 1)
     stats = train.statistics[train.name]["action"]
     k, steps = held_out.config.chunk, held_out.samples_per_episode
     chunks = []

@@ -28,14 +28,15 @@ RUNS = {
 
 def _cfg(kind: str, **kw) -> TrainConfig:
     base = dict(steps=STEPS, global_batch_size=4, micro_batch_size=1, seed=5, **OFT)
-    return TrainConfig(**{**base, **RUNS[kind], **kw})
+    return TrainConfig.of(**{**base, **RUNS[kind], **kw})
 
 
 def _data(cfg) -> SyntheticTask:
     """The recipe's synthetic OFT task, small: 6 episodes of 32 px."""
     from parallax.families.openvla.oft.data import synthetic_task
+    from parallax.recipe import resolve
 
-    task = synthetic_task(cfg, cfg.seed)
+    task = synthetic_task(resolve(cfg).family_options, cfg.seed)
     return SyntheticTask(task.config, num_episodes=6, image_size=32)
 
 
@@ -53,7 +54,7 @@ def _run(ctx, cfg):
         dp_size=ctx.dp_size,
         seed=cfg.seed,
     )
-    build = trainer.recipe.collator(trainer.model_config, data, None)
+    build = trainer.recipe.data.collator(trainer.run, data)
     history = []
     for _ in range(STEPS):
         out = trainer.train_step([build(m) for m in loader.next_batch()])
@@ -134,12 +135,12 @@ def test_padded_text_matches_one_process(reference):
     data = _data(cfg)
 
     def batch(run) -> dict:
-        return run.recipe.collator(run.model_config, data, None)([data[0]])
+        return run.recipe.data.collator(run, data)([data[0]])
 
     runs = resolve(cfg), resolve(_cfg("full"))
     padded, plain = (batch(r)["input_ids"].shape[1] for r in runs)
     assert padded % 16 == 0 and plain < padded, (plain, padded)  # the run does pad
-    tokens = [r.recipe.tokens(r.model_config, [batch(r)]) for r in runs]
+    tokens = [r.recipe.model.tokens(r, [batch(r)]) for r in runs]
     assert tokens[0] == tokens[1]  # tokens/s counts the data, not the pads
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -110,7 +110,7 @@ def _eval_run(tp: int, pp: int, dp: int, chunks: int = 1) -> list[float]:
     cfg = _cfg(tp=tp, pp=pp, dp=dp, eval_interval=1, eval_batches=2, **kw)
     trainer = Trainer(resolve(cfg), ctx)
     data = SyntheticTask(num_episodes=20, episode_length=2, image_size=32, seed=cfg.seed + 1)
-    collate = registry.recipe("openvla").collator(trainer.model_config, data, None)
+    collate = registry.recipe("openvla").data.collator(trainer.run, data)
     evaluator = Evaluator(trainer, data, collate, Path(cfg.out))
     evaluator.path = Path("/dev/null")
     row = evaluator.run(0)
@@ -132,7 +132,7 @@ def test_evaluation_flags_reach_the_config():
     cfg = parse_args(["--eval-interval", "3", "--eval-batches", "1", "--eval-data", "held/out"])
     assert (cfg.eval_interval, cfg.eval_batches, cfg.eval_data) == (3, 1, "held/out")
     with pytest.raises(ValueError, match="--eval-interval must be >= 0"):
-        parse_args(["--eval-interval", "-1"])
+        resolve(parse_args(["--eval-interval", "-1"]))
 
 
 def test_only_a_family_that_pads_its_text_takes_pad_to_multiple_of():
@@ -140,18 +140,16 @@ def test_only_a_family_that_pads_its_text_takes_pad_to_multiple_of():
 
     run = resolve(TrainConfig(model="tiny", pad_to_multiple_of=64))
     assert run.model_config.text_multiple == 64
-    from types import SimpleNamespace
-
     from parallax.families.openvla.estimate import TEXT_TOKENS, text_tokens
 
     # the planner's width for real data: a typical prompt, rounded up as the collator pads it
-    real = SimpleNamespace(data="rlds:anywhere")
-    assert text_tokens(run.recipe, run.model_config, real) == 64 > TEXT_TOKENS
     plain = resolve(TrainConfig(model="tiny"))
-    assert text_tokens(plain.recipe, plain.model_config, real) == TEXT_TOKENS
+    data = run.recipe.data
+    assert text_tokens(data, run.replace(data="rlds:anywhere")) == 64 > TEXT_TOKENS
+    assert text_tokens(data, plain.replace(data="rlds:anywhere")) == TEXT_TOKENS
     # and the synthetic task's, measured on its collator (each width its own)
-    padded = text_tokens(run.recipe, run.model_config, run)
-    assert padded % 64 == 0 and text_tokens(plain.recipe, plain.model_config, plain) < padded
+    padded = text_tokens(data, run)
+    assert padded % 64 == 0 and text_tokens(data, plain) < padded
     for model in ("llava-tiny", "siglip-tiny"):
         with pytest.raises(ValueError, match="--pad-to-multiple-of: the .* family's batches"):
             resolve(TrainConfig(model=model, pad_to_multiple_of=8))

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parallax.recipe import resolve
 from tests.train.test_cli import metrics, single
 
 pytest.importorskip("crc32c")
@@ -205,13 +206,13 @@ def test_mixture_specs_and_which_data_streams(rlds, tmp_path):
     ]
     assert not is_streamed(str(tmp_path / "missing"))  # the episode reader says what is missing
     cfg = parse_args(["--data", spec, "--out", str(tmp_path / "run")])
-    mix = OpenVLARecipe().dataset(cfg.data, cfg)
+    mix = OpenVLARecipe().data.dataset(cfg.data, cfg)
     assert isinstance(mix, Mixture) and mix.weights == pytest.approx([0.7, 0.3])
     stats = mix.statistics  # each dataset keeps its own, of its own action dimension
     assert {name: len(s["action"]["q01"]) for name, s in stats.items()} == {"arm": 7, "so100": 6}
     assert (tmp_path / "run" / "data_index").is_dir()  # the scans, for the other ranks
     with pytest.raises(ValueError, match="give every dataset of a mixture a weight"):
-        OpenVLARecipe().dataset(f"rlds:{rlds}@0.7,lerobot:{so100}", cfg)
+        OpenVLARecipe().data.dataset(f"rlds:{rlds}@0.7,lerobot:{so100}", cfg)
 
 
 def test_toml_data_list_and_key_configs(rlds, tmp_path):
@@ -229,7 +230,7 @@ def test_toml_data_list_and_key_configs(rlds, tmp_path):
     cfg = parse_args(["--config", str(toml), "--out", str(tmp_path / "run")])
     assert (cfg.steps, cfg.workers, cfg.augment, cfg.data_config) == (3, 2, False, str(keys))
     assert [d["weight"] for d in cfg.data] == [2.0, 1.0]
-    mix = OpenVLARecipe().dataset(cfg.data, cfg)
+    mix = OpenVLARecipe().data.dataset(cfg.data, cfg)
     assert mix.names == ["arm", "arm_again"] and mix.weights == pytest.approx([2 / 3, 1 / 3])
     assert mix.statistics["arm"]["action"]["mask"] == [True] * 5 + [False, False]
     json.dumps(cfg.to_dict())  # checkpoints keep the list as JSON
@@ -239,9 +240,9 @@ def test_toml_data_list_and_key_configs(rlds, tmp_path):
     ):
         toml.write_text(bad)
         with pytest.raises(ValueError, match=message):
-            parse_args(["--config", str(toml)])
+            resolve(parse_args(["--config", str(toml)]))
     with pytest.raises(ValueError, match="--workers must be >= 0"):
-        parse_args(["--workers", "-1"])
+        resolve(parse_args(["--workers", "-1"]))
 
 
 def test_predict_action_reads_the_runs_statistics_and_crops_the_centre(reference, tmp_path):

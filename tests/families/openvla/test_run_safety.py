@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
+from parallax.families.openvla.objective import ActionTokenObjective
 from parallax.families.openvla.recipe import OpenVLARecipe
+from parallax.families.openvla.sides import OpenVLAData, OpenVLAModel
+from parallax.recipe import Recipe
 from parallax.testing import run_ranks
 
 _DATASETS: dict = {}  # per worker process
@@ -33,23 +36,22 @@ RUN = [
 ]
 
 
-class _Poisoned(OpenVLARecipe):
-    """OpenVLA with the synthetic dataset built once per worker and, from ``poison_step`` on
-    (counted from this invocation's first microbatch), an inf in dp rank 0's pixels, which
-    makes the loss and the gradients NaN on every rank."""
+class _PoisonedData(OpenVLAData):
+    """OpenVLA's data with the synthetic dataset built once per worker and, from
+    ``poison_step`` on (counted from this invocation's first microbatch), an inf in dp rank 0's
+    pixels, which makes the loss and the gradients NaN on every rank."""
 
-    name = "poisoned"
     poison_step: int | None = None
 
-    def dataset(self, spec, cfg):
-        if (spec, cfg.seed) not in _DATASETS:
-            _DATASETS[spec, cfg.seed] = super().dataset(spec, cfg)
-        return _DATASETS[spec, cfg.seed]
+    def dataset(self, spec, run):
+        if (spec, run.seed) not in _DATASETS:
+            _DATASETS[spec, run.seed] = super().dataset(spec, run)
+        return _DATASETS[spec, run.seed]
 
-    def collator(self, config, dataset, checkpoint):
+    def collator(self, run, dataset):
         import torch.distributed as dist
 
-        build, calls = super().collator(config, dataset, checkpoint), [0]
+        build, calls = super().collator(run, dataset), [0]
 
         def poisoned(samples):
             mb = build(samples)
@@ -61,14 +63,22 @@ class _Poisoned(OpenVLARecipe):
         return poisoned
 
 
+class _Poisoned(OpenVLARecipe):
+    name = "poisoned"
+
+    def __init__(self, poison_step: int | None) -> None:
+        data = _PoisonedData()
+        data.poison_step = poison_step
+        Recipe.__init__(self, OpenVLAModel(data), data, ActionTokenObjective())
+
+
 def _train(out: str, *args: str, poison_step: int | None = None):
     """``run`` on this rank: ``None`` when it finished, else the UserError's message."""
     from parallax.recipe import registry
     from parallax.testing import context
     from parallax.train import cli, parse_args
 
-    recipe = _Poisoned()
-    recipe.poison_step = poison_step
+    recipe = _Poisoned(poison_step)
     # no presets of its own (OpenVLA's are openvla's), and gone afterwards: the worker
     # processes serve later tests, whose --model tiny must stay OpenVLA's
     registry.register("poisoned", recipe, presets=())

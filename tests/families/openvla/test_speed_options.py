@@ -117,7 +117,7 @@ def test_flags():
     )
     assert parse_args(["--fused-projections"]).fused_projections
     with pytest.raises(ValueError, match="--logits some: expected one of labelled, all"):
-        parse_args(["--logits", "some"])
+        resolve(parse_args(["--logits", "some"]))
 
 
 # -- compiled blocks ---------------------------------------------------------------------------
@@ -282,6 +282,7 @@ def test_padded_text_matches_the_default(reference):
     assert width % 16 == 0 and width > (builder([data[0]])["labels"] != -100).nonzero()[-1, 1] + 1
     unpadded = resolve(_cfg()).model_config
     plain = BatchBuilder(unpadded, data.statistics, text_tokenizer(unpadded))([data[0]])
-    recipe = resolve(cfg).recipe  # tokens/s counts the data, not the pads
-    assert recipe.tokens(config, [builder([data[0]])]) == recipe.tokens(unpadded, [plain])
+    padded_run, plain_run = resolve(cfg), resolve(_cfg())  # tokens/s counts the data, not pads
+    model = padded_run.recipe.model
+    assert model.tokens(padded_run, [builder([data[0]])]) == model.tokens(plain_run, [plain])
     _same(_run(ParallelContext.local(), cfg), reference)

@@ -11,7 +11,7 @@ from parallax import ParallelContext
 from parallax.data import PairFolder, TarShards, write_pair_folder, write_tar_shards
 from parallax.families.siglip.data import IndexedPairs, open_pairs
 from parallax.families.siglip.recipe import SiglipRecipe
-from parallax.recipe import registry
+from parallax.recipe import registry, resolve
 from parallax.run import TrainConfig
 
 
@@ -35,11 +35,11 @@ def test_data_folders_and_tar_shards_stream_through_the_recipe(tmp_path, layout)
     else:
         write_pair_folder(tmp_path, _pairs(12), fmt=layout)
     cfg = TrainConfig(model="siglip-tiny", data=str(tmp_path), global_batch_size=4)
-    cfg = cfg.replace(micro_batch_size=2)
-    data = recipe.dataset(cfg.data, cfg)
+    run = resolve(cfg.replace(micro_batch_size=2), recipe=recipe)
+    data = recipe.data.dataset(run.data, run)
     assert isinstance(data, TarShards if layout == "tar" else PairFolder)
-    loader = recipe.loader(data, cfg, ParallelContext.local())
-    collate = recipe.collator(recipe.resolve("siglip-tiny").config, data, None)
+    loader = recipe.data.loader(data, run, ParallelContext.local())
+    collate = recipe.data.collator(run, data)
     for _ in range(3):  # one epoch of 12 pairs, every pair once
         mbs = [collate(samples) for samples in loader.next_batch()]
         assert [mb["pixel_values"].shape for mb in mbs] == [(2, 3, 32, 32)] * 2
@@ -51,17 +51,17 @@ def test_data_folders_and_tar_shards_stream_through_the_recipe(tmp_path, layout)
 
 def test_synthetic_eval_split_and_bad_specs():
     recipe = SiglipRecipe()
-    cfg = TrainConfig(model="siglip-tiny", global_batch_size=8, eval_batches=3)
-    held = recipe.eval_dataset(None, cfg)
+    cfg = resolve(TrainConfig(model="siglip-tiny", global_batch_size=8, eval_batches=3))
+    held = recipe.data.eval_dataset(None, cfg)
     assert len(held) == 24 and held[0]["key"].startswith("eval-")
     assert len(held.class_names()) == 18
     with pytest.raises(ValueError, match="synthetic:N"):
         open_pairs("synthetic:x", 32, 0)
     with pytest.raises(Exception, match="no such file"):
-        recipe.dataset("no/such/dir", cfg)
+        recipe.data.dataset("no/such/dir", cfg)
     cfg = cfg.replace(data="/some/folder")
     with pytest.raises(ValueError, match="--eval-data"):
-        recipe.eval_dataset(None, cfg)
+        recipe.data.eval_dataset(None, cfg)
 
 
 def test_checkpoints_are_found_by_their_config_json(tmp_path):

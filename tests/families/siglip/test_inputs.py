@@ -48,7 +48,8 @@ def test_bad_input_fails_on_every_rank_before_any_collective():
     assert "--micro-batch-size 2" in sizes
     assert "global batch size 6 is not divisible by micro batch size 1 x dp 4" in batch
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        SiglipRecipe().check_layout(tiny("siglip"), _cfg(), ParallelDims(pp=2))
+        run = resolve(_cfg(), recipe=SiglipRecipe(), model_config=tiny("siglip"))
+        run.recipe.model.check_layout(run, ParallelDims(pp=2))
 
 
 def test_collator_truncates_and_counts_long_captions_and_resizes_images():

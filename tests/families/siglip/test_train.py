@@ -90,11 +90,12 @@ def _grads(tp: int, dp: int, micro: int, n: int = GLOBAL) -> dict:
     for family in ("siglip", "clip"):
         config = tiny(family)
         cfg = _cfg(tp=tp, dp=dp, micro_batch_size=micro, global_batch_size=n)
-        model = recipe.build(
-            config, range(1), ctx, cfg=cfg, dtype=torch.float32, device="cpu", checkpoint=None
+        run = resolve(cfg, recipe=recipe, model_config=config)
+        model = recipe.model.build(
+            run, range(1), ctx, dtype=torch.float32, device="cpu", checkpoint=None
         )
         mbs = _local(ctx, cfg, *_batch(config, n))
-        loss, sums = recipe.forward_backward([model], mbs, ctx, cfg)
+        loss, sums = recipe.objective.forward_backward([model], mbs, ctx, run)
         grads = {}
         for name, p in model.named_parameters():
             g = p.grad.detach().clone()
@@ -110,16 +111,12 @@ def _grads(tp: int, dp: int, micro: int, n: int = GLOBAL) -> dict:
 def _reference_grads(n: int = GLOBAL) -> dict:
     recipe, out = SiglipRecipe(), {}
     for family in ("siglip", "clip"):
-        config, cfg = tiny(family), _cfg()
-        model = recipe.build(
-            config,
-            range(1),
-            ParallelContext.local(),
-            cfg=cfg,
-            dtype=torch.float32,
-            device="cpu",
+        config = tiny(family)
+        run = resolve(_cfg(), recipe=recipe, model_config=config)
+        model = recipe.model.build(
+            run, range(1), ParallelContext.local(), dtype=torch.float32, device="cpu",
             checkpoint=None,
-        )
+        )  # fmt: skip
         loss = dense_loss(model(*_batch(config, n)))
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -247,8 +244,8 @@ def _eval_sums(tp: int, dp: int) -> list[float]:
     ctx, recipe = _ctx(tp, dp), SiglipRecipe()
     cfg = _cfg(tp=tp, dp=dp, eval_interval=1, eval_batches=2, data="synthetic:64")
     trainer = Trainer(resolve(cfg, recipe=recipe), ctx)
-    data = recipe.eval_dataset(None, cfg)
-    evaluator = Evaluator(trainer, data, recipe.collator(trainer.model_config, data, None), Path())
+    data = recipe.data.eval_dataset(None, trainer.run)
+    evaluator = Evaluator(trainer, data, recipe.data.collator(trainer.run, data), Path())
     evaluator.path = Path("/dev/null")
     return list(evaluator.run(0).values())
 
