@@ -101,7 +101,7 @@ def test_a_transformers_5_checkpoint_without_a_pad_id_loads_and_matches(tmp_path
     assert (cfg.vocab_size, cfg.image_token_index, cfg.pad_token_id) == (128, 126, 127)
     sd = hf_tensors(cfg)
     save_file(sd, str(tmp_path / "model.safetensors"))
-    assert LlavaRecipe().resolve(str(tmp_path)).config.pad_token_id == 127
+    assert LlavaRecipe().model.resolve(str(tmp_path)).config.pad_token_id == 127
     model = LlavaNext.from_pretrained(tmp_path, dtype=torch.float32)
     batch = make_batch(replace(cfg, tokenizer="tiny"), sizes=[(30, 40), None])  # ids < 128
     assert (batch["input_ids"][1] == 127).any()  # the shorter sample is padded with it
