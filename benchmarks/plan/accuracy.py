@@ -30,8 +30,8 @@ from parallax.context import ParallelContext
 from parallax.families.llava_next.synthetic import SyntheticVQA
 from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
-from parallax.plan.model import Model
 from parallax.plan.search import Searcher, option_problems, search
+from parallax.plan.workload import Workload
 from parallax.recipe import registry, resolve
 from parallax.run import TrainConfig
 from parallax.train.memory_limit import cap_gpu_memory, default_allocator
@@ -116,7 +116,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     machine = machine.with_(gpus_per_node=1, nodes=1, gpu_memory_gib=card)
     if row.limit is not None:  # torch's fraction caps the allocator, not the CUDA context
         machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)
-    model = Model(run)
+    model = Workload(run)
     result = search(model, machine, 1, top=1)
     if result.ranked:
         return run, result.ranked[0], True

@@ -23,7 +23,7 @@ from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.models import vlm
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 from parallax.train.trainer import Trainer
@@ -48,7 +48,7 @@ def measure(model: str, dp: int, zero: int, ctx) -> dict:
     builder = BatchBuilder(config, data.statistics, text_tokenizer(config))
     trainer.train_step([builder(m) for m in loader.next_batch()])  # AdamW makes its state
     r = trainer.optimizer.memory_report()
-    mem = rank_memory(Model(cfg), Layout.of(cfg, dp), 0, cfg.overlap_grad_reduce)
+    mem = rank_memory(Workload(cfg), Layout.of(cfg, dp), 0, cfg.overlap_grad_reduce)
     staging = mem.buffers if zero == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
     formula = mem.weights + mem.gradients + mem.optimizer + staging
     counted = r.total_bytes + (0 if zero == 3 else _frozen_bytes(trainer))

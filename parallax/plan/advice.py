@@ -11,13 +11,14 @@ from parallax.dims import ParallelDims
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
 from parallax.plan.memory import GIB, RankMemory, plan_memory
-from parallax.plan.model import Model
 from parallax.plan.search import Searcher
+from parallax.plan.workload import Workload
+from parallax.run import TrainConfig
 
 SHOWN = 4  # fitting alternatives printed
 
 
-def cap_of(cfg) -> tuple[float, str, bool] | None:
+def cap_of(cfg: TrainConfig) -> tuple[float, str, bool] | None:
     """``(bytes, the flag, whether the CUDA context counts)`` of the run's memory cap."""
     limit = getattr(cfg, "gpu_memory_limit", None)
     if limit is not None:  # torch's per-process fraction: the context is outside it
@@ -69,7 +70,7 @@ def _changes(old: Layout, new: Layout) -> list[str]:
 
 
 def fit_advice(
-    model: Model, cfg, dims: ParallelDims, plans: list[RankMemory], machine: Machine
+    model: Workload, cfg: TrainConfig, dims: ParallelDims, plans: list[RankMemory], machine: Machine
 ) -> str | None:
     """Whether the layout fits the run's cap, and the nearest changes that would make it."""
     cap = cap_of(cfg)

@@ -18,7 +18,7 @@ import torch
 from parallax.plan import report, search
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import GIB, Machine, target
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.run import Run, TrainConfig
 
 log = logging.getLogger("parallax.train")
@@ -74,7 +74,7 @@ def choose(run: Run) -> Run:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     machine = machine_of(run, world, per_node)
     fixed = {k: getattr(run, k) for k in given(run)}
-    result = search.search(Model(run), machine, world, fixed, top=1)
+    result = search.search(Workload(run), machine, world, fixed, top=1)
     if not result.ranked:
         why = report.nothing_fits(result, world, run.finetune == "lora")
         raise ValueError(f"--layout auto: {why}")

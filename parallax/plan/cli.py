@@ -17,9 +17,9 @@ from rich.console import Console
 from parallax.plan import calibrate
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import LINKS, Machine, target
-from parallax.plan.model import Model
 from parallax.plan.report import command, layouts_table, nothing_fits
 from parallax.plan.search import MARGIN, Result, search
+from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.recipe.flags import parse_args, train_parser
 
@@ -92,7 +92,7 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
     limit = cfg.gpu_memory_limit
     if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
-    model = Model(run)
+    model = Workload(run)
     result = search(model, machine, world, fixed, top=args.top, margin=args.margin)
     console.print(_header(run, model, machine, world, nodes, args.margin), highlight=False)
     if not result.ranked:
@@ -105,7 +105,7 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
     return result, line
 
 
-def _header(run, model: Model, machine: Machine, world: int, nodes: int, margin: float) -> str:
+def _header(run, model: Workload, machine: Machine, world: int, nodes: int, margin: float) -> str:
     link = next((k for k, v in LINKS.items() if v == machine.intra), "measured")
     kind = "measured" if machine.measured else "a shipped default, not measured"
     mode = "LoRA" if run.finetune == "lora" else "full fine-tuning"

@@ -24,7 +24,7 @@ from parallax.models.estimate import Part
 from parallax.pipeline import make_schedule, simulate
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Link, Machine
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 
 # element-wise bytes moved in an eager forward per byte kept for the backward, and the share
 # --compile leaves of them (fused kernels): fitted to OpenVLA-7B full fine-tuning, LoRA and
@@ -101,7 +101,7 @@ def part_times(part: Part, layout: Layout, machine: Machine, compiled: bool):
     return n * (gemm + attention + elementwise), n * comm, n * gemm
 
 
-def _stage(model: Model, layout: Layout, machine: Machine, blocks: range, grads) -> _Stage:
+def _stage(model: Workload, layout: Layout, machine: Machine, blocks: range, grads) -> _Stage:
     """One virtual stage's forward and backward per microbatch."""
     compiled = bool(model.run.compile)
     forward = backward = recompute = tp = 0.0
@@ -125,7 +125,7 @@ def _stage(model: Model, layout: Layout, machine: Machine, blocks: range, grads)
     return _Stage(forward, backward, recompute, tp)
 
 
-def _grad_factors(model: Model, tp: int) -> list[tuple[float, float]]:
+def _grad_factors(model: Workload, tp: int) -> list[tuple[float, float]]:
     """Per block: (1 when input gradients are needed there, the share of weights that train)."""
     out, seen = [], False
     for b in model.params(tp):
@@ -141,7 +141,7 @@ def _pipeline(schedule: str, pp: int, m: int, chunks: int, fwd: tuple, bwd: tupl
 
 
 def step_time(
-    model: Model, layout: Layout, machine: Machine, memory, exact: bool = True
+    model: Workload, layout: Layout, machine: Machine, memory, exact: bool = True
 ) -> StepTime:
     """The predicted step at ``layout`` (``memory``: its :class:`RankMemory` per pp rank);
     without ``exact``, a lower bound: the pipeline's idling not simulated."""
@@ -224,7 +224,7 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
     return exposed, zero3
 
 
-def _offload(model: Model, layout, machine, memory, m, compute, last_backward) -> float:
+def _offload(model: Workload, layout, machine, memory, m, compute, last_backward) -> float:
     """Exposed seconds of offload's work per step (:mod:`parallax.optim.zero.offload.host_steps`).
 
     Under the passes: each pass's gradients go down to the host accumulator and, after the

@@ -51,7 +51,7 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     @classmethod
-    def of(cls, cfg, dp: int) -> Layout:
+    def of(cls, cfg: TrainConfig, dp: int) -> Layout:
         """The layout ``cfg`` (a TrainConfig or a Run) asks for at data-parallel size ``dp``."""
         return cls(
             tp=cfg.tp,
@@ -116,7 +116,7 @@ class Layout:
         return ", ".join(parts)
 
 
-def _offloaded(cfg) -> float:
+def _offloaded(cfg: TrainConfig) -> float:
     """The share of the optimizer on the host that ``cfg`` asks for."""
     if getattr(cfg, "offload", "none") == "none":
         return 0.0

@@ -44,7 +44,7 @@ from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
 from parallax.optim.zero.stage import ElementBytes, ZeroStage, stage_of
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
-from parallax.plan.model import Model, peak_weighted
+from parallax.plan.workload import Workload, peak_weighted
 
 GIB = 2**30
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
@@ -130,7 +130,7 @@ class _Counts:
         return 2 * (self.t2 + self.f2) + 4 * (self.t4 + self.f4)
 
 
-def rank_memory(model: Model, layout: Layout, pp_rank: int, overlap: bool = True) -> RankMemory:
+def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = True) -> RankMemory:
     """What pipeline rank ``pp_rank`` holds at ``layout`` (``overlap``: ZeRO-1 reduces during
     the backward, ``--overlap-grad-reduce``)."""
     held = _held(model, layout, pp_rank)
@@ -171,7 +171,7 @@ class _Held:
     counts: _Counts
 
 
-def _held(model: Model, layout: Layout, pp_rank: int) -> _Held:
+def _held(model: Workload, layout: Layout, pp_rank: int) -> _Held:
     key = ("held", layout.tp, layout.pp, layout.chunks, pp_rank)
     if key not in model.cache:
         ranges = model.ranges(layout.pp, layout.chunks)
@@ -268,7 +268,7 @@ def _building(c: _Counts, layout: Layout) -> float:
     return float(c.full_bytes) + 2.0 * c.t2 + 4.0 * c.t4
 
 
-def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, float]:
+def _activations(model: Workload, layout: Layout, pp_rank: int) -> tuple[float, float]:
     """(activations at the schedule's peak, the backward's workspace) of a pipeline rank."""
     kept, largest = _per_sample(model, layout, pp_rank)
     mb = layout.micro_batch_size
@@ -278,7 +278,7 @@ def _activations(model: Model, layout: Layout, pp_rank: int) -> tuple[float, flo
     return peak_weighted(states, [mb * k for k in kept]), mb * largest
 
 
-def _per_sample(model: Model, layout: Layout, pp_rank: int) -> tuple[list[float], float]:
+def _per_sample(model: Workload, layout: Layout, pp_rank: int) -> tuple[list[float], float]:
     """Per local stage, the bytes one sample keeps (with what the stage receives and sends);
     and the largest piece's backward transient."""
     ckpt, compiled = layout.checkpointing, bool(model.run.compile)
@@ -317,7 +317,7 @@ def _transient(parts: list, ckpt: bool | str, compiled: bool, tp: int) -> float:
     return worst
 
 
-def plan_memory(model: Model, layout: Layout, overlap: bool = True) -> list[RankMemory]:
+def plan_memory(model: Workload, layout: Layout, overlap: bool = True) -> list[RankMemory]:
     """Every pipeline rank's memory at ``layout``."""
     return [rank_memory(model, layout, p, overlap) for p in range(layout.pp)]
 

@@ -23,7 +23,8 @@ from parallax.plan.cost import StepTime, step_time
 from parallax.plan.layout import OPTION_NAMES, Layout
 from parallax.plan.machine import Machine
 from parallax.plan.memory import GIB, RankMemory, node_host_bytes, plan_memory
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
+from parallax.run import TrainConfig
 from parallax.run.option import needs_problems, problems
 from parallax.run.rules import RULES
 
@@ -61,7 +62,7 @@ class Result:
     usable_host: float = 0.0
 
 
-def option_problems(cfg) -> list[str]:
+def option_problems(cfg: TrainConfig) -> list[str]:
     """What the options' own rules say of ``cfg`` (:mod:`parallax.run.rules` without the
     types, data and output checks, which no layout changes)."""
     return problems(cfg) + needs_problems(cfg) + [p for rule in RULES if (p := rule(cfg))]
@@ -75,7 +76,7 @@ def _allowed(fixed: dict[str, Any], name: str, value: Any) -> bool:
     return name not in fixed or fixed[name] == value
 
 
-def _checkpointing(model: Model, fixed: dict[str, Any]) -> list[bool | str]:
+def _checkpointing(model: Workload, fixed: dict[str, Any]) -> list[bool | str]:
     scopes = {p.scope for e in model.estimates for p in e.parts if p.scope}
     options: list[bool | str] = [False] + ([True] if scopes else [])
     options += sorted(scopes) if len(scopes) > 1 else []  # a scope alone is "all" again
@@ -110,7 +111,7 @@ def _memory_options(dp: int, fixed: dict[str, Any]) -> list[tuple[int, bool, boo
     ]
 
 
-def _schedules(model: Model, pp: int, m: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+def _schedules(model: Workload, pp: int, m: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
     if pp == 1:
         return [(fixed.get("schedule", "1f1b"), fixed.get("chunks", 1))]
     out = [("1f1b", 1)] if m >= pp else [("gpipe", 1)]
@@ -127,7 +128,7 @@ def _schedules(model: Model, pp: int, m: int, fixed: dict[str, Any]) -> list[tup
     return [(s, c) for s, c in out if _allowed(fixed, "chunks", c)]
 
 
-def layouts(model: Model, world: int, per_node: int, fixed: dict[str, Any]):
+def layouts(model: Workload, world: int, per_node: int, fixed: dict[str, Any]):
     """Every candidate layout (before memory, rules and the family's checks)."""
     batch = model.global_batch
     for tp in divisors(min(world, per_node)):
@@ -152,7 +153,7 @@ def layouts(model: Model, world: int, per_node: int, fixed: dict[str, Any]):
 class Searcher:
     """One search's caches: the family's and the options' verdicts per layout shape."""
 
-    def __init__(self, model: Model, machine: Machine, margin: float = MARGIN) -> None:
+    def __init__(self, model: Workload, machine: Machine, margin: float = MARGIN) -> None:
         self.model, self.machine, self.margin = model, machine, margin
         self.usable_gpu = machine.gpu_memory_gib * GIB * (1 - margin)
         self.usable_host = machine.host_memory_gib * GIB * (1 - margin)
@@ -195,7 +196,7 @@ class Searcher:
 
 
 def search(
-    model: Model,
+    model: Workload,
     machine: Machine,
     world: int,
     fixed: dict[str, Any] | None = None,

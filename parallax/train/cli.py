@@ -27,7 +27,7 @@ from parallax.plan import auto
 from parallax.recipe import resolve
 from parallax.recipe.flags import parse_args
 from parallax.run import Run, TrainConfig
-from parallax.train import sinks, state
+from parallax.train import checkpoints, sinks
 from parallax.train.agreement import USER_ERRORS, UserError, agree
 from parallax.train.dry_run import print_plan
 from parallax.train.failures import Ending, Preempted, Preemption, is_comm_failure, sigterm_held
@@ -58,7 +58,7 @@ def run(
     (the SIGTERM handler's, see :mod:`parallax.train.failures`) makes a SIGTERM save and raise
     :class:`Preempted`."""
     out = Path(resolved.out)
-    agree(ctx, "--out", lambda: state.check_out(out, resolved.resume, resolved.overwrite))
+    agree(ctx, "--out", lambda: checkpoints.check_out(out, resolved.resume, resolved.overwrite))
     agree(ctx, "--log-to", lambda: sinks.check(resolved.log_to) if ctx.rank == 0 else None)
     held = agree(ctx, "--out", lambda: RunLock.acquire(out) if ctx.rank == 0 else None)
     preemption = preemption or Preemption()

@@ -24,7 +24,7 @@ from parallax.plan.advice import fit_advice
 from parallax.plan.layout import Layout
 from parallax.plan.machine import target
 from parallax.plan.memory import GIB, RankMemory, plan_memory
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.recipe.adapt import lora_enabled, whole_model
 from parallax.run import Run, TrainConfig
 from parallax.run import param_groups as groups
@@ -56,7 +56,7 @@ def check_run(run: Run, dims: ParallelDims):
 def memory_plan(run: Run, dims: ParallelDims) -> list[RankMemory]:
     """Every pipeline rank's memory at ``dims`` (the run checked first, as a run would)."""
     check_run(run, dims)
-    return plan_memory(Model(run), Layout.of(run, dims.dp), run.overlap_grad_reduce)
+    return plan_memory(Workload(run), Layout.of(run, dims.dp), run.overlap_grad_reduce)
 
 
 def _blocks_text(names: tuple[str, ...]) -> str:
@@ -158,7 +158,7 @@ def print_plan(cfg: Run, file=None) -> None:
     raises ``ValueError`` for anything a real run would refuse."""
     dims = _dims(cfg)
     schedule = check_run(cfg, dims)
-    model = Model(cfg)
+    model = Workload(cfg)
     plans = plan_memory(model, Layout.of(cfg, dims.dp), cfg.overlap_grad_reduce)
     machine = target(
         gpus_per_node=min(dims.world_size, 8),

@@ -15,6 +15,7 @@ import os
 import torch
 
 from parallax.context import ParallelContext
+from parallax.run import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def default_allocator() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)
 
 
-def apply_gpu_memory_limit(cfg, ctx: ParallelContext) -> None:
+def apply_gpu_memory_limit(cfg: TrainConfig, ctx: ParallelContext) -> None:
     """Cap this process's GPU memory at ``cfg.gpu_memory_limit`` GiB (no collective: every rank
     checks its own device, and a cap larger than the device is a ``ValueError``)."""
     limit = cfg.gpu_memory_limit
@@ -60,7 +61,7 @@ def cap_gpu_memory(limit: float | None, device: torch.device) -> int:
     return total
 
 
-def out_of_memory_message(cfg, step: int, err: BaseException) -> str:
+def out_of_memory_message(cfg: TrainConfig, step: int, err: BaseException) -> str:
     """What a user reads when step ``step`` ran out of GPU memory: the cap, the step, and the
     options of this run that would help."""
     cap = (

@@ -25,7 +25,7 @@ from parallax.context import ParallelContext
 from parallax.data import write_statistics
 from parallax.data.episodes import STATISTICS
 from parallax.run import Run
-from parallax.train import lora, sinks, state
+from parallax.train import checkpoints, lora, sinks
 from parallax.train.agreement import USER_ERRORS, UserError, agree
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Preempted, Preemption
@@ -96,8 +96,8 @@ def open_session(run: Run, ctx: ParallelContext) -> Session:
         )
     s = Session(run, ctx, Path(run.out), data, loader, trainer, builder, evaluator, 0, None)
     if ckpt is not None:
-        agree(ctx, f"checkpoint {ckpt.path}", lambda: state.check_resumable(ckpt, trainer))
-        s.start = s.saved = agree(ctx, "--resume", lambda: state.load(trainer, ckpt, loader))
+        agree(ctx, f"checkpoint {ckpt.path}", lambda: checkpoints.check_resumable(ckpt, trainer))
+        s.start = s.saved = agree(ctx, "--resume", lambda: checkpoints.load(trainer, ckpt, loader))
         where = ckpt.meta.get("layout")
         log.info("resumed from %s at step %d (written at %s)", ckpt.path, s.start, where)
     elif run.resume:
@@ -111,7 +111,7 @@ def _prepare_out(s: Session) -> None:
     statistics written (what ``predict_action`` un-normalises by)."""
     if s.ctx.rank == 0:
         if s.run.overwrite:
-            state.clear_run(s.out)
+            checkpoints.clear_run(s.out)
         s.out.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "eval.jsonl"):
             if s.start:
@@ -194,7 +194,7 @@ def _save(s: Session, step: int) -> None:
     """A checkpoint of ``step``; a failed save (a full disk) is an error every rank agrees on
     (one message, rank 0's), and the latest checkpoint stays as it was."""
     try:
-        state.save(s.trainer, step, s.loader, {"metrics": s.monitor.last})
+        checkpoints.save(s.trainer, step, s.loader, {"metrics": s.monitor.last})
     except CheckpointError as err:
         raise UserError(f"{err} ({_kept(s.saved, s.out)})") from None
     s.saved = step
@@ -203,7 +203,7 @@ def _save(s: Session, step: int) -> None:
 def _kept(saved: int | None, out: Path) -> str:
     if saved is None:
         return "no checkpoint was written"
-    path = state.checkpoint_root(out) / f"step_{saved:08d}"
+    path = checkpoints.checkpoint_root(out) / f"step_{saved:08d}"
     return f"the latest checkpoint, {path}, is the last good one"
 
 
@@ -228,9 +228,9 @@ def next_microbatches(loader, builder) -> tuple[list, str | None]:
 
 
 def _find_resume(run: Run):
-    ckpt = state.find_resume(run.out)
+    ckpt = checkpoints.find_resume(run.out)
     if ckpt is not None:
-        state.check_steps_left(ckpt, run.steps)
+        checkpoints.check_steps_left(ckpt, run.steps)
     return ckpt
 
 

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from parallax.run import TrainConfig
+
 SINKS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # name -> the package it needs
 
 
@@ -54,7 +56,7 @@ def check(log_to: str | None) -> None:
             )
 
 
-def open_sinks(cfg, out: Path, layout: dict[str, int], start: int = 0) -> list[Sink]:
+def open_sinks(cfg: TrainConfig, out: Path, layout: dict[str, int], start: int = 0) -> list[Sink]:
     """The sinks of ``cfg.log_to`` (call on rank 0 only); ``start``: the resume step."""
     opened: list[Sink] = []
     for name in names(cfg.log_to):
@@ -99,7 +101,7 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, cfg, out: Path, layout: dict[str, int], start: int) -> None:
+    def __init__(self, cfg: TrainConfig, out: Path, layout: dict[str, int], start: int) -> None:
         import wandb  # optional: the extra 'wandb'
 
         name = Path(cfg.out).resolve().name

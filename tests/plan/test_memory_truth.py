@@ -22,7 +22,7 @@ from parallax.optim.zero.offload.share import offloaded_buckets
 from parallax.plan import blocks
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.testing import context, run_ranks
 from tests.plan.toy import toy
 
@@ -107,7 +107,7 @@ def _planned(tp: int, dp: int, stage, dtype, overlap, share, frozen) -> dict[str
     """The planner's bytes of pipeline rank 0 at this layout."""
     counted = _counted(dtype, frozen)
     hand = toy([0.0], [None])  # a one-block model's run, schedule and activations
-    model = Model(hand.run, hand.blocks, hand.estimates, lambda tp: [counted])
+    model = Workload(hand.run, hand.blocks, hand.estimates, lambda tp: [counted])
     mem = rank_memory(model, Layout(tp=tp, dp=dp, zero=stage, offload=share), 0, overlap)
     return dict(
         weights=mem.weights,

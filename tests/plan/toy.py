@@ -9,7 +9,7 @@ from parallax.models.estimate import BlockEstimate, Part, Split
 from parallax.models.stages import StageBlock
 from parallax.plan.blocks import BlockParams
 from parallax.plan.machine import Link, Machine
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.run import Run, TrainConfig
 
 FLOPS = 1e9  # forward matmul FLOPs of one block on one sample
@@ -44,7 +44,7 @@ def toy(
     batch: int = 8,
     tp: bool = False,
     grad_clip: float = 1.0,
-) -> Model:
+) -> Workload:
     """Blocks of ``FLOPS`` and ``PARAMS`` each; block ``i`` keeps ``saved[i]`` bytes a sample
     (split by tp), or 1 kB when its ``scopes[i]`` recomputes."""
     flags = TrainConfig(precision="bf16", global_batch_size=batch, grad_clip=grad_clip)
@@ -75,7 +75,7 @@ def toy(
         block = BlockParams(f"b{tp}", p, p, 0, (p, 0), ((2, p),), (), (2 * p,), p)
         return [block] * n
 
-    return Model(run, blocks, estimates, params)
+    return Workload(run, blocks, estimates, params)
 
 
 def machine(gpu_gib: float, link: Link = FREE, gpus_per_node: int = 8) -> Machine:

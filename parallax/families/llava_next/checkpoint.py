@@ -33,6 +33,7 @@ from parallax.families.llava_next import vocab as llava_vocab
 from parallax.families.llava_next.config import LlavaNextConfig
 from parallax.models.hf_io import CheckpointReader, fit_problems, fused_parts, read_param
 from parallax.models.meta import materialize
+from parallax.models.vit_config import ViTConfig
 from parallax.tensor import logical_shape
 
 EMBED, HEAD = "language_model.model.embed_tokens.weight", "language_model.lm_head.weight"
@@ -137,7 +138,7 @@ def _vision_sources(rest: str, shape: tuple[int, ...], prefix: str) -> list[tupl
     return [(f"{layer}{target[(module, sub)]}.{kind}", shape)]
 
 
-def _clip_layer(cfg) -> dict[str, tuple[int, ...]]:
+def _clip_layer(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
     w, f = cfg.width, cfg.mlp_hidden
     out = {
         f"self_attn.{p}_proj.{k}": ((w, w) if k == "weight" else (w,))

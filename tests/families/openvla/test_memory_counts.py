@@ -10,7 +10,7 @@ from parallax.data import BatchLoader, SyntheticTask
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 from parallax.testing import context, run_ranks
@@ -60,7 +60,7 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     stage = options.get("zero", 1)
     outside = [p for c in trainer.chunks for p in c.parameters() if not p.requires_grad]
     frozen = 0 if stage == 3 else sum(p.numel() * p.element_size() for p in outside)
-    mem = rank_memory(Model(cfg), Layout.of(cfg, dp), ctx.pp_rank, cfg.overlap_grad_reduce)
+    mem = rank_memory(Workload(cfg), Layout.of(cfg, dp), ctx.pp_rank, cfg.overlap_grad_reduce)
     staging = mem.buffers if stage == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
     predicted = mem.weights + mem.gradients + mem.optimizer + staging
     host = getattr(report, "host_bytes", 0)

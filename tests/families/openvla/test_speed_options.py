@@ -17,7 +17,7 @@ from parallax.pipeline import executor, p2p
 from parallax.recipe import resolve
 from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
-from parallax.train import parse_args, state
+from parallax.train import checkpoints, parse_args
 from parallax.train.trainer import Trainer
 from tests.families.openvla.test_trainer import _cfg, _run, separate
 
@@ -226,18 +226,18 @@ def _resume(out):
 
     a = build(True, "a")
     step(*a)
-    state.save(a[0], 1, a[1])
+    checkpoints.save(a[0], 1, a[1])
     second = step(*a)
     b = build(False, "b")
-    b_ckpt = state.find_resume(f"{out}/a")
-    state.check_resumable(b_ckpt, b[0])
-    assert state.load(b[0], b_ckpt, b[1]) == 1
+    b_ckpt = checkpoints.find_resume(f"{out}/a")
+    checkpoints.check_resumable(b_ckpt, b[0])
+    assert checkpoints.load(b[0], b_ckpt, b[1]) == 1
     b_second = step(*b)
-    state.save(b[0], 2, b[1])
+    checkpoints.save(b[0], 2, b[1])
     c = build(True, "c")
-    c_ckpt = state.find_resume(f"{out}/b")
-    state.check_resumable(c_ckpt, c[0])
-    state.load(c[0], c_ckpt, c[1])
+    c_ckpt = checkpoints.find_resume(f"{out}/b")
+    checkpoints.check_resumable(c_ckpt, c[0])
+    checkpoints.load(c[0], c_ckpt, c[1])
     names = Checkpoint(b_ckpt.path).names()
     stored = [n for n in names if "proj" in n and "layers.0." in n and ".master" in n]
     return second, b_second, weights(a[0]), weights(b[0]), weights(c[0]), step(*b), step(*c), stored

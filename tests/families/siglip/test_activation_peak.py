@@ -20,7 +20,7 @@ from parallax.families.siglip.estimate import block_estimates
 from parallax.families.siglip.model import Siglip
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
-from parallax.plan.model import Model
+from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 
@@ -72,7 +72,7 @@ def test_the_step_peak_is_what_the_model_predicts(checkpointing):
     config = _config()
     run = resolve(TrainConfig(model="siglip-tiny", precision="fp32", global_batch_size=BATCH))
     estimates = block_estimates(config, run)  # the planner's view of this config's one block
-    model = Model(run, estimates=estimates)
+    model = Workload(run, estimates=estimates)
     layout = Layout(micro_batch_size=BATCH, checkpointing=checkpointing)
     rank = rank_memory(model, layout, 0)
     grads = 4 * sum(p.numel() for p in Siglip(config, device="meta").parameters())

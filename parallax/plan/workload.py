@@ -1,8 +1,8 @@
-"""A run's model as the planner needs it, whatever the layout: its blocks and their costs, what
-one sample keeps and computes in each (:meth:`Recipe.block_estimates`), the parameters of each
-block at a tp (:mod:`parallax.plan.blocks`), the pipeline splits and the schedules' in-flight
-microbatches. Everything is computed once and cached, so a search over thousands of layouts is
-arithmetic."""
+"""A run's workload as the planner needs it, whatever the layout: the model's blocks and their
+costs, what one sample keeps and computes in each (:meth:`ModelSide.block_estimates`), the
+parameters of each block at a tp (:mod:`parallax.plan.blocks`), the pipeline splits and the
+schedules' in-flight microbatches. Everything is computed once and cached, so a search over
+thousands of layouts is arithmetic."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from parallax.models.estimate import BlockEstimate
 from parallax.pipeline import make_schedule, split
 from parallax.plan.blocks import BlockParams, block_params
 from parallax.plan.layout import Layout
+from parallax.run import Run
 
 
-class Model:
+class Workload:
     """See the module docstring; ``run`` is a resolved :class:`~parallax.run.Run`."""
 
-    def __init__(self, run, blocks=None, estimates=None, params=None) -> None:
+    def __init__(self, run: Run, blocks=None, estimates=None, params=None) -> None:
         """``blocks``, ``estimates`` and ``params`` (a function of tp) stand in for the
         recipe's (a model described by its numbers alone, as the tests do)."""
         self.run, self.recipe, self.config = run, run.recipe, run.model_config
