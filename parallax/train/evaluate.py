@@ -19,7 +19,7 @@ from parallax import comm
 from parallax.data import BatchLoader
 from parallax.recipe import batch_args
 from parallax.recipe.objective import metric_values
-from parallax.train.inputs import InputError
+from parallax.train.batch_checks import InputError
 
 log = logging.getLogger("parallax.train")
 

@@ -32,9 +32,9 @@ from parallax.recipe import Microbatch
 from parallax.recipe.adapt import lora_enabled, whole_model
 from parallax.run import Run
 from parallax.tensor.sharding import unshard_tensor
-from parallax.train import inputs, lora
+from parallax.train import batch_checks, lora
 from parallax.train.build import build_stages, compile_options
-from parallax.train.inputs import InputError
+from parallax.train.batch_checks import InputError
 from parallax.train.lr_schedule import lr_lambda
 from parallax.train.memory_limit import apply_gpu_memory_limit
 from parallax.train.optimizer import build_optimizer
@@ -171,7 +171,7 @@ class Trainer:
         wait_s: float = 0.0,
         stop: bool = False,
     ) -> tuple[float, bool]:
-        return inputs.check(self, microbatches, problem, wait_s, stop)
+        return batch_checks.check(self, microbatches, problem, wait_s, stop)
 
     def train_step(
         self,
