@@ -33,8 +33,8 @@ from parallax.recipe.adapt import lora_enabled, whole_model
 from parallax.run import Run
 from parallax.tensor.sharding import unshard_tensor
 from parallax.train import batch_checks, lora
-from parallax.train.build import build_stages, compile_options
 from parallax.train.batch_checks import InputError
+from parallax.train.build import build_stages, compile_options
 from parallax.train.lr_schedule import lr_lambda
 from parallax.train.memory_limit import apply_gpu_memory_limit
 from parallax.train.optimizer import build_optimizer
