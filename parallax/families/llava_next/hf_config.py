@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
 from parallax.models.llama_hf import text_config_from_hf
 from parallax.models.vit import ViTConfig
 
-if TYPE_CHECKING:
-    from parallax.families.llava_next.config import LlavaNextConfig
+# the config class these build (LlavaNextConfig, which imports this module: taken as a parameter)
+Config = TypeVar("Config")
 
 VICUNA_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 CLIP_L_336 = ViTConfig(
@@ -54,7 +54,7 @@ ADDED_TOKENS = 2  # <image>, <pad>
 VOCAB_MULTIPLE = 64
 
 
-def config_from_hf(cls: type[LlavaNextConfig], d: dict, source: str | None) -> LlavaNextConfig:
+def config_from_hf(cls: type[Config], d: dict, source: str | None) -> Config:
     """``cls`` from either config.json format, or a ``ValueError`` naming what is unsupported."""
     if d.get("model_type") == "llava_next" or ("vision_config" in d and "text_config" in d):
         return _from_llava_hf(cls, d, source)
@@ -67,7 +67,7 @@ def config_from_hf(cls: type[LlavaNextConfig], d: dict, source: str | None) -> L
     )
 
 
-def config_to_hf(config: LlavaNextConfig) -> dict:
+def config_to_hf(config: Any) -> dict:
     """config.json in the llava-hf format, built from the fields."""
     v, t = config.vision, config.text
     d = {
@@ -141,7 +141,7 @@ def _require(d: dict, key: str, allowed: tuple, default) -> None:
         raise ValueError(f"{key}={value!r} is not supported (only {allowed})")
 
 
-def _from_llava_hf(cls: type[LlavaNextConfig], d: dict, source: str | None) -> LlavaNextConfig:
+def _from_llava_hf(cls: type[Config], d: dict, source: str | None) -> Config:
     _require(d, "vision_feature_select_strategy", ("default",), "default")
     _require(d, "projector_hidden_act", ("gelu",), "gelu")
     _require(d, "use_image_newline_parameter", (True,), True)
@@ -181,7 +181,7 @@ def _pad_token_id(d: dict, image_token: int, vocab: int) -> int:
     return vocab - 1 if vocab - 1 != image_token else vocab - 2
 
 
-def _from_original(cls: type[LlavaNextConfig], d: dict, source: str | None) -> LlavaNextConfig:
+def _from_original(cls: type[Config], d: dict, source: str | None) -> Config:
     _require(d, "mm_projector_type", ("mlp2x_gelu",), None)
     _require(d, "mm_patch_merge_type", ("spatial_unpad",), None)
     _require(d, "image_aspect_ratio", ("anyres",), None)
