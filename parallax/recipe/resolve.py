@@ -14,8 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from parallax.recipe import registry
 from parallax.recipe.base import Recipe
+from parallax.recipe.registry import find, owner_of, strip_family
 from parallax.run import FULL_DEFAULTS, LORA_DEFAULTS, Run, TrainConfig
 from parallax.run.option import flag, needs_problems, problems
 from parallax.run.rules import type_problems
@@ -58,7 +58,7 @@ def family_options(cfg: TrainConfig, recipe: Recipe) -> Any:
 
 
 def _foreign(key: str, recipe: Recipe) -> str:
-    owner = registry.owner_of(key)
+    owner = owner_of(key)
     whose = f"an option of the {owner} family" if owner else "not an option of any family"
     return (
         f"{flag(key)} is {whose}; the {recipe.name} family does not read it: drop it, or pick "
@@ -78,8 +78,8 @@ def resolve(
     if isinstance(cfg, Run):
         raise TypeError("resolve() takes a TrainConfig; this Run is resolved already")
     cfg.check()
-    recipe = recipe or registry.find(cfg.model)
-    name = registry.strip_family(cfg.model, recipe)
+    recipe = recipe or find(cfg.model)
+    name = strip_family(cfg.model, recipe)
     own = family_options(cfg, recipe)
     if model_config is None:
         spec = recipe.model.resolve(name)

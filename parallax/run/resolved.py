@@ -17,12 +17,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from parallax.run.config import TrainConfig
 
-if TYPE_CHECKING:
-    from parallax.recipe import Recipe
+
+class Family(Protocol):
+    """What a run holds of its family: a :class:`parallax.recipe.Recipe` (named here by what it
+    has, since the recipe layer sits above this one)."""
+
+    name: str
+    options: type | None
+    model: Any  # a parallax.recipe.ModelSide
+    data: Any  # a parallax.recipe.DataSide
+    objective: Any  # a parallax.recipe.Objective
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +39,7 @@ class Run(TrainConfig):
     its own options, the model's config (after the run's options) and the checkpoint it starts
     from."""
 
-    recipe: Recipe
+    recipe: Family
     model_name: str  # --model without its FAMILY: prefix
     model_config: Any
     checkpoint: Path | None = None
