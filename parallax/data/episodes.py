@@ -24,7 +24,6 @@ complete, and contains no pickle.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import logging
@@ -42,6 +41,7 @@ from safetensors.torch import save_file
 
 from parallax.atomic import as_created, fsync_dir, fsync_file, publish_dir, temp_sibling
 from parallax.checkpoint.stream import CheckpointError, read_header
+from parallax.data.chunks import SampleIndex
 from parallax.data.stats import (
     DatasetError,
     check_finite,
@@ -60,11 +60,16 @@ Sample = dict[str, Any]  # {"image": (H, W, 3) uint8, "instruction": str, "actio
 
 @dataclass
 class Episode:
-    """One episode in memory: the unit the writer takes."""
+    """One episode in memory: the unit the writer takes (tensors, or numpy arrays, which it
+    takes as tensors)."""
 
     images: torch.Tensor  # (T, H, W, 3) uint8
     actions: torch.Tensor  # (T, D) float32
     instruction: str
+
+    def __post_init__(self) -> None:
+        self.images = torch.as_tensor(self.images)
+        self.actions = torch.as_tensor(self.actions)
 
 
 def _check_episode(ep: Episode, k: int, image_shape: tuple | None, action_dim: int | None):
@@ -161,11 +166,13 @@ class EpisodeDataset:
 
     Opening checks everything that can be checked cheaply (index, statistics, every episode
     file's safetensors header against the index), so a bad dataset fails before training.
-    Images are read lazily, one step at a time, through a few cached memory maps.
+    Images are read lazily, one step at a time, through a few cached memory maps. With
+    ``chunk > 1`` every sample also carries the next ``chunk`` actions (``"actions"``
+    ``(chunk, D)``, OpenVLA-OFT's rule: :mod:`parallax.data.chunks`).
     """
 
-    def __init__(self, path: str | Path, max_open_files: int = 16) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, max_open_files: int = 16, chunk: int = 1) -> None:
+        self.path, self.chunk = Path(path), chunk
         if not self.path.is_dir():
             raise DatasetError(
                 f"dataset directory {self.path} does not exist; pass 'synthetic' for the "
@@ -195,7 +202,8 @@ class EpisodeDataset:
             )
         for k, entry in enumerate(self.episodes):
             self._check_file(k, entry)
-        self._ends = np.cumsum([e["length"] for e in self.episodes]).tolist()
+        lengths = [e["length"] for e in self.episodes]
+        self.index = SampleIndex(lengths, chunk, f"dataset {self.path}")
         self._max_open = max_open_files
         self._open: OrderedDict[int, Any] = OrderedDict()
 
@@ -212,15 +220,11 @@ class EpisodeDataset:
             raise DatasetError(f"episode {k} ({file}): expected shapes {want}, found {got}")
 
     def __len__(self) -> int:
-        return self._ends[-1]
+        return len(self.index)
 
     def locate(self, index: int) -> tuple[int, int]:
         """(episode, step) of sample ``index``."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        episode = bisect.bisect_right(self._ends, index)
-        start = self._ends[episode - 1] if episode else 0
-        return episode, index - start
+        return self.index.locate(index)
 
     def _handle(self, episode: int):
         handle = self._open.pop(episode, None)
@@ -234,17 +238,22 @@ class EpisodeDataset:
     def __getitem__(self, index: int) -> Sample:
         episode, step = self.locate(int(index))
         handle = self._handle(episode)
-        action = handle.get_slice("actions")[step : step + 1][0]  # (D,) float32
-        if not torch.isfinite(action).all():  # a dataset written before writers checked
+        actions = handle.get_slice("actions")[step : step + self.chunk]  # (K, D) float32
+        if not torch.isfinite(actions).all():  # a dataset written before writers checked
             raise DatasetError(
-                f"{self.path}: episode {episode} ({self.episodes[episode]['file']}), step "
-                f"{step}: the action {action.tolist()} is not finite (NaN or inf)"
+                f"{self.path}: episode {episode} ({self.episodes[episode]['file']}), steps "
+                f"{step}..{step + self.chunk - 1}: an action is not finite (NaN or inf): "
+                f"{actions.tolist()}"
             )
-        return {
+        sample = {
             "image": handle.get_slice("images")[step : step + 1][0],  # (H, W, 3) uint8
             "instruction": self.episodes[episode]["instruction"],
-            "action": action,
+            "action": actions[0],  # (D,)
+            "dataset": self.name,
         }
+        if self.chunk > 1:
+            sample["actions"] = actions  # (K, D): the chunk lies inside the episode
+        return sample
 
     def __getstate__(self) -> dict[str, Any]:  # picklable for worker processes: drop the maps
         state = dict(self.__dict__)

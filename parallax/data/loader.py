@@ -42,11 +42,15 @@ class Dataset(Protocol):
     def __getitem__(self, index: int) -> Sample: ...
 
 
-def load_dataset(spec: str, *, seed: int = 0, image_size: int | None = None) -> Dataset:
+def load_dataset(
+    spec: str, *, seed: int = 0, image_size: int | None = None, chunk: int = 1
+) -> Dataset:
     """``"synthetic"`` for the built-in task (``seed``, ``image_size``), else a dataset dir:
     parallax's episode format, or ``rlds:PATH`` / ``lerobot:PATH`` / ``libero:PATH`` / a
     directory in one of those formats, read in place (random access; the streaming loader
-    :class:`~parallax.data.stream.StreamLoader` is the faster way to train on them)."""
+    :class:`~parallax.data.stream.StreamLoader` is the faster way to train on them). With
+    ``chunk > 1`` a directory's samples carry the next ``chunk`` actions
+    (:mod:`parallax.data.chunks`)."""
     if spec == "synthetic":
         return SyntheticTask(seed=seed, **({"image_size": image_size} if image_size else {}))
 
@@ -63,8 +67,8 @@ def load_dataset(spec: str, *, seed: int = 0, image_size: int | None = None) -> 
         except DatasetError:  # nothing known: the episode reader says what is missing
             fmt = None
     if fmt in (None, "parallax"):
-        return EpisodeDataset(one.path)
-    return SourceDataset(open_source(one))
+        return EpisodeDataset(one.path, chunk=chunk)
+    return SourceDataset(open_source(one), chunk=chunk)
 
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> None:

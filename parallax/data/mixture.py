@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from parallax.data.chunks import chunk_lengths
 from parallax.data.episodes import EpisodeDataset
 from parallax.data.indexed import IndexedSource
 from parallax.data.keys import BUILTIN, FORMATS, KeyConfig, config_from_mapping
 from parallax.data.lerobot import LeRobotSource
 from parallax.data.libero import LiberoSource
 from parallax.data.rlds import RLDSSource, find_rlds_dir
-from parallax.data.source import Source, chunk_lengths
+from parallax.data.source import Source
 from parallax.data.stats import DatasetError, merge_statistics
 from parallax.data.synthetic import SyntheticTask
 

@@ -10,7 +10,7 @@ plain, picklable data; every file handle lives in an :class:`OpenEpisode`.
 A raw sample is ``{"image": (H, W, 3) uint8, "instruction": str, "action": (D,) float32,
 "dataset": name, "episode": int, "step": int}`` plus, when asked for, ``"wrist_image"``,
 ``"state": (S,) float32`` and the action chunk ``"actions": (K, D) float32`` (OpenVLA-OFT's
-targets: :func:`chunk_lengths` says which steps are samples then).
+targets: :func:`parallax.data.chunks.chunk_lengths` says which steps are samples then).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from parallax.atomic import atomic_write_bytes
+from parallax.data.chunks import SampleIndex, action_chunk
 from parallax.data.keys import KeyConfig, transform_episode
 from parallax.data.stats import DatasetError, check_finite, compute_statistics
 
@@ -47,24 +48,6 @@ class EpisodeRef:
     where: Any  # the reader's locator (plain data)
     label: str  # how messages name it: "<file>: episode k (...)"
     index: int = 0  # its number in the source
-
-
-def chunk_lengths(lengths, chunk: int) -> np.ndarray:
-    """Samples per episode when each sample carries the next ``chunk`` actions.
-
-    OpenVLA-OFT's rule (its RLDS ``chunk_act_obs`` with ``window_size=1`` and
-    ``future_action_window_size=K-1``): a ``T``-step episode keeps its first ``T - K + 1``
-    steps as samples, so every chunk lies inside the episode; an episode shorter than ``K``
-    gives none. (Its gather also clamps the future indices to the last step, repeating the
-    final action, which that truncation never reaches: :func:`action_chunk` does the same.)"""
-    return np.maximum(np.asarray(lengths, dtype=np.int64) - (chunk - 1), 0)
-
-
-def action_chunk(actions: np.ndarray, step: int, chunk: int) -> np.ndarray:
-    """Actions ``step .. step + chunk - 1`` of an episode ``(T, D)`` -> ``(chunk, D)``, indices
-    past the end clamped to the last step (OFT's padding: the final action repeated)."""
-    index = np.minimum(np.arange(step, step + chunk), len(actions) - 1)
-    return np.asarray(actions, dtype=np.float32)[index]
 
 
 class OpenEpisode:
@@ -258,7 +241,7 @@ class Source:
         chunk: int = 1,
     ) -> dict[str, Any]:
         """One raw sample (numpy arrays; see the module doc); ``chunk > 1`` adds ``"actions"``
-        ``(chunk, D)``, the next ``chunk`` actions (:func:`action_chunk`)."""
+        ``(chunk, D)``, the next ``chunk`` actions (:func:`~parallax.data.chunks.action_chunk`)."""
         out: dict[str, Any] = {
             "image": opened.image(step, "primary"),
             "instruction": opened.instruction(step),
@@ -282,24 +265,27 @@ class Source:
 
 class SourceDataset:
     """Random access to a source's samples (the :class:`~parallax.data.Dataset` protocol), for
-    the plain :class:`~parallax.data.BatchLoader`: a few recently used episodes stay open."""
+    the plain :class:`~parallax.data.BatchLoader`: a few recently used episodes stay open. With
+    ``chunk > 1`` every sample also carries the next ``chunk`` actions (``"actions"``, OFT's
+    rule: :mod:`parallax.data.chunks`)."""
 
-    def __init__(self, source: Source, max_open: int = 8) -> None:
-        self.source = source
+    def __init__(self, source: Source, max_open: int = 8, chunk: int = 1) -> None:
+        self.source, self.chunk = source, chunk
         self.name, self.statistics = source.name, source.statistics
+        self.index = SampleIndex(source.lengths, chunk, f"dataset {source.name!r}")
         self._max_open = max_open
         self._open: OrderedDict[int, OpenEpisode] = OrderedDict()
 
     def __len__(self) -> int:
-        return self.source.num_transitions
+        return len(self.index)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        episode, step = self.source.locate(int(index))
+        episode, step = self.index.locate(int(index))
         opened = self._open.pop(episode, None) or self.source.open_episode(episode)
         self._open[episode] = opened
         while len(self._open) > self._max_open:
             self._open.popitem(last=False)[1].close()
-        raw = self.source.sample(opened, step)
+        raw = self.source.sample(opened, step, chunk=self.chunk)
         return {
             **raw,
             "image": torch.from_numpy(raw["image"].copy()),

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from parallax.data.augment import AugmentConfig
+from parallax.data.chunks import chunk_lengths
 from parallax.data.loader import check_batch_sizes
 from parallax.data.mixture import Mixture, common_image_size, sources_and_weights
 from parallax.data.order import MixtureOrder, SourceOrder
-from parallax.data.source import Source, chunk_lengths
+from parallax.data.source import Source
 from parallax.data.stats import DatasetError, merge_statistics
 from parallax.data.workers import Decoder, Recipe, WorkerPool
 
@@ -110,7 +111,7 @@ class StreamLoader:
 
     def _source_order(self, source: Source) -> SourceOrder:
         """The order of the source's samples: every step, or with chunks only the steps whose
-        chunk fits in the episode (:func:`~parallax.data.source.chunk_lengths`)."""
+        chunk fits in the episode (:func:`~parallax.data.chunks.chunk_lengths`)."""
         key = f"data.{source.name}"
         lengths = chunk_lengths(source.lengths, self.chunk)
         return SourceOrder(lengths, seed=self.seed, key=key, **self._order_args)

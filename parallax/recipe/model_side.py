@@ -99,6 +99,11 @@ class ModelSide:
         """Raise ``ValueError`` for a layout the family cannot run (same verdict on every rank:
         it sees only the run and the dims)."""
 
+    def resume_problem(self, run: Run, saved: Mapping[str, Any]) -> str | None:
+        """Why ``run`` cannot resume a checkpoint whose run had the options ``saved`` (its
+        ``config``), in the family's words (a head or chunk that differs), or None."""
+        return None
+
     def fully_trained(self, run: Run) -> tuple[str, ...]:
         """Module globs of this run's new modules that train whole beside LoRA's adapters
         (``--train`` without being asked; OpenVLA-OFT's head) and that the family's export

@@ -10,6 +10,7 @@ verdict before any collective; the layout's own checks come with the model
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from parallax.run.option import needs_problems, options, problems
@@ -95,6 +96,27 @@ def _zero(cfg: Any) -> str | None:
     return None
 
 
+def _outputs(cfg: Any) -> str | None:
+    """What the run writes inside ``--out`` must be writable where it goes: a file standing where
+    a folder goes (or the reverse) would fail only after training, with the weights unsaved."""
+    out = Path(cfg.out)
+    wanted = {"checkpoints": True, "metrics.jsonl": False, "eval.jsonl": False}
+    if cfg.export_hf:
+        wanted["hf"] = True
+    if cfg.log_to and "tensorboard" in cfg.log_to:
+        wanted["tb"] = True
+    for name, folder in wanted.items():
+        path = out / name
+        if path.exists() and path.is_dir() != folder:
+            kind = "a file" if folder else "a folder"
+            flag = {"hf": "--export-hf", "tb": "--log-to tensorboard"}.get(name, "the run")
+            return (
+                f"{flag} writes {path}, which is {kind} here: move it away or give another --out "
+                "(nothing has run yet)"
+            )
+    return None
+
+
 def _step_schedule(cfg: Any) -> str | None:
     if cfg.lr_schedule == "step" and cfg.lr_decay_steps is None:
         return "--lr-schedule step needs --lr-decay-steps N (the step the lr drops at)"
@@ -119,6 +141,7 @@ def config_problems(cfg: Any) -> list[str]:
     found += problems(cfg)
     found += needs_problems(cfg)
     found += data_problems(cfg.data)
-    found += out_problems(cfg.out)
+    outside = out_problems(cfg.out)  # the folder itself, then what goes inside it
+    found += outside or [p for p in (_outputs(cfg),) if p]
     found += [p for rule in RULES if (p := rule(cfg))]
     return found

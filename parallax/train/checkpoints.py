@@ -218,6 +218,10 @@ def check_resumable(ckpt: Checkpoint, trainer) -> None:
         raise CheckpointError(
             f"{ckpt.path} was written by a {family} run; this run trains {trainer.recipe.name}"
         )
+    saved = ckpt.meta.get("config") or {}
+    problem = trainer.recipe.model.resume_problem(trainer.run, saved)
+    if problem:
+        raise CheckpointError(problem)
     problem = lora.check_resume(ckpt.meta, trainer, ckpt.path)
     if problem:
         raise CheckpointError(problem)

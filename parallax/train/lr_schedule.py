@@ -75,13 +75,16 @@ def schedule_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list
         f"--resume at step {step}: the learning-rate schedule follows this run's flags "
         f"({', '.join(changed)}): step {step + 1} trains at lr {lr:.3g}"
     ]
-    old_steps = saved.get("steps")
-    if (
-        saved.get("lr_schedule") == "cosine"
-        and isinstance(old_steps, int)
-        and step >= old_steps
-        and cfg.steps > old_steps
-    ):
+    old_steps, warmup = saved.get("steps"), saved.get("warmup_steps") or 0
+    extended = isinstance(old_steps, int) and step >= old_steps and cfg.steps > old_steps
+    if extended and saved.get("lr_schedule") == "cosine" and old_steps <= warmup:
+        lines.append(
+            f"the saved run ended at step {old_steps}, still in its warm-up of {warmup} steps "
+            f"(it never decayed): with --steps {cfg.steps} the warm-up goes on to step "
+            f"{cfg.warmup_steps}, then the cosine to step {cfg.steps}"
+        )
+        return lines
+    if extended and saved.get("lr_schedule") == "cosine":
         floor = saved.get("min_lr", 0.0)
         instead = (  # a rate must be positive: a floor of 0 has no constant equivalent
             f"To continue at the floor instead, pass --lr-schedule constant --lr {floor:g} "

@@ -23,6 +23,7 @@ from parallax.families.openvla.lora_flops import openvla_linear_costs, openvla_l
 from parallax.families.openvla.model import OpenVLA
 from parallax.families.openvla.objective import loss_token_count
 from parallax.families.openvla.oft.head import LORA_EXCLUDE
+from parallax.families.openvla.oft.options import OFTOptions
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
@@ -52,7 +53,11 @@ class OpenVLAData(DataSide):
         random-access datasets."""
         if is_streamed(spec):
             return open_mixture(run.replace(data=spec))
-        return load_dataset(spec, seed=run.seed)
+        return load_dataset(spec, seed=run.seed, chunk=self.chunk(run))
+
+    def chunk(self, run: Run) -> int:
+        """Actions per sample: one (OFT's data side: its chunk)."""
+        return 1
 
     def eval_dataset(self, spec: str | None, run: Run) -> Any:
         """``--eval-data`` (read with random access, in a fixed order), or for the synthetic
@@ -61,7 +66,7 @@ class OpenVLAData(DataSide):
             return SyntheticTask(seed=run.seed + 1)
         if spec is None:
             return super().eval_dataset(spec, run)
-        return load_dataset(spec, seed=run.seed)
+        return load_dataset(spec, seed=run.seed, chunk=self.chunk(run))
 
     def loader(self, dataset: Any, run: Run, ctx) -> Any:
         """Streamed robot data: :class:`~parallax.data.StreamLoader`, its images resized to the
@@ -133,6 +138,27 @@ class OpenVLAModel(ModelSide):
     def blocks(self, config: OpenVLAConfig) -> list[StageBlock]:
         return OpenVLA.stage_blocks(config)
 
+    def resume_problem(self, run: Run, saved: Mapping[str, Any]) -> str | None:
+        """A checkpoint of the other head, or of OFT's head at another chunk or FiLM."""
+        was = OFTOptions(**{k: saved[k] for k in OFT_FIELDS if k in saved})
+        now: OFTOptions = run.family_options
+        if not was.l1 and not now.l1:
+            return None
+        if was.l1 != now.l1:
+            how = (
+                f"an OpenVLA-OFT run (L1 head, {_oft_words(was)})"
+                if was.l1
+                else ("a run of OpenVLA's action tokens (--action-head tokens)")
+            )
+            fix = f"resume with {_oft_flags(was)}" if was.l1 else "drop --action-head l1"
+            return f"the checkpoint was written by {how}; {fix}"
+        if (was.chunk, was.film) != (now.chunk, now.film):
+            return (
+                f"the checkpoint's OFT head predicts {_oft_words(was)}, this run asks for "
+                f"{_oft_words(now)}; resume with {_oft_flags(was)}"
+            )
+        return None
+
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
         kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
         config = run.model_config
@@ -199,3 +225,14 @@ class OpenVLAModel(ModelSide):
             real = ids != config.pad_token_id if real is None else real
             total += int(real.sum()) + ids.shape[0] * config.prefix_tokens
         return total
+
+
+OFT_FIELDS = ("action_head", "action_chunk", "film")
+
+
+def _oft_words(o: OFTOptions) -> str:
+    return f"chunks of {o.chunk}, FiLM {'on' if o.film else 'off'}"
+
+
+def _oft_flags(o: OFTOptions) -> str:
+    return f"--action-head l1 --action-chunk {o.chunk}" + (" --film" if o.film else "")

@@ -58,6 +58,9 @@ class OFTData(OpenVLAData):
             return synthetic_task(run.family_options, run.seed + 1)
         return super().eval_dataset(spec, run)
 
+    def chunk(self, run: Run) -> int:
+        return run.family_options.chunk
+
     def stream(self, run: Run, dataset) -> dict[str, Any]:
         return stream_kwargs(run.family_options, data_shape(dataset))
 
