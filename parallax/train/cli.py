@@ -30,7 +30,14 @@ from parallax.run import Run, TrainConfig
 from parallax.train import checkpoints, sinks
 from parallax.train.agreement import USER_ERRORS, UserError, agree
 from parallax.train.dry_run import print_plan
-from parallax.train.failures import Ending, Preempted, Preemption, is_comm_failure, sigterm_held
+from parallax.train.failures import (
+    Ending,
+    Preempted,
+    Preemption,
+    is_comm_failure,
+    sigterm_held,
+    watch_launcher,
+)
 from parallax.train.lock import RunLock
 from parallax.train.memory_limit import default_allocator
 from parallax.train.session import export_hf, train
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     default_allocator()
     ending = Ending(int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1))
     signal.signal(signal.SIGTERM, ending.on_sigterm)
+    watch_launcher(ending.preemption)  # no rank trains on once torchrun is gone
     resolved = ctx = None
     try:
         # what every rank checks alike, rank 0 says; a launcher's SIGTERM (a peer that already

@@ -15,6 +15,11 @@
   once. A rank whose peer died meanwhile finds its next collective failing and says so (status 1);
   under torchrun, one that cannot reach a step boundary within ``PREEMPT_GRACE_S`` (a peer hung
   in a collective) says why before torchrun's SIGKILL comes (30 s after its SIGTERM);
+* the launcher dies (``kill -9`` of torchrun): the kernel sends each worker SIGTERM
+  (``PR_SET_PDEATHSIG`` on Linux, :func:`watch_launcher`; elsewhere each step notices that the
+  worker's parent changed), and the ranks stop as for a preemption: a checkpoint after the
+  step, the ``--out`` lock released, one line (``the launcher ... is gone``); no rank trains on
+  headless;
 * Ctrl-C: rank 0 says it; status 130.
 
 Under torchrun the rank that reports a user error also writes its line to
@@ -43,6 +48,7 @@ SHOW_CURSOR = "\x1b[?25h"  # the live progress bar hides it; os._exit skips its 
 
 
 PREEMPT_GRACE_S = 25.0  # torchrun SIGKILLs its workers 30 s after their SIGTERM
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal to get when the parent dies
 REPEAT_S = 1.0  # a second delivery of the same signal (a scheduler's and torchrun's), not a second
 
 
@@ -63,6 +69,7 @@ class Preemption:
     def __init__(self) -> None:
         self.armed = False
         self.requested = False
+        self.launcher: int | None = None  # torchrun's agent, the parent this worker watches
         self.agreed = False  # the ranks agreed to stop: the save is under way
         self.saved: int | None = None  # the step whose checkpoint the preemption wrote
         self.first_at: float | None = None
@@ -72,6 +79,32 @@ class Preemption:
         for fn in reversed(self.cleanups):
             with contextlib.suppress(Exception):
                 fn()
+
+    def launcher_gone(self) -> bool:
+        """Whether the launcher this worker was started by has died (its parent changed)."""
+        return self.launcher is not None and os.getppid() != self.launcher
+
+    def stop_asked(self) -> bool:
+        """A SIGTERM came, or the launcher is gone (checked at every step)."""
+        if not self.requested and self.armed and self.launcher_gone():
+            self.requested, self.first_at = True, time.monotonic()
+        return self.requested
+
+
+def watch_launcher(preemption: Preemption) -> None:
+    """Under torchrun, have the kernel send this worker SIGTERM when its launcher dies (Linux's
+    ``PR_SET_PDEATHSIG``, through libc), and remember the launcher so that every step can
+    also see it gone where the signal is not available."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    preemption.launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes  # the one libc call, only on Linux
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if preemption.launcher_gone():  # it died before the call: the signal will not come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -169,7 +202,13 @@ class Ending:
         return self.end(INTERRUPTED, message if self.rank == 0 else None)
 
     def preempted(self, step: int) -> int:
-        message = f"{PROG}: preempted (SIGTERM): saved step {step}; --resume continues from it"
+        if self.preemption.launcher_gone():
+            message = (
+                f"{PROG}: the launcher (pid {self.preemption.launcher}) is gone: saved step "
+                f"{step} and stopped; start it again with --resume to continue"
+            )
+        else:
+            message = f"{PROG}: preempted (SIGTERM): saved step {step}; --resume continues from it"
         return self.end(TERMINATED, message if self.rank == 0 else None)
 
     def on_sigterm(self, signum, frame) -> None:
@@ -192,6 +231,8 @@ class Ending:
             return  # the same signal delivered twice (to the job and forwarded by torchrun)
         if p.requested:
             message = "stopped by a second SIGTERM before saving"
+        elif p.launcher_gone():
+            message = f"stopped: the launcher (pid {p.launcher}) is gone"
         else:
             message = "stopped by the launcher (SIGTERM), most likely because another rank failed"
         self._exit_now(f"{self._where()}: {message}; --resume continues from the last checkpoint")

@@ -176,7 +176,7 @@ def _one_step(s: Session, step: int, preemption: Preemption):
     waited = time.perf_counter() - began  # what the step waited for its batch
     try:  # every rank agrees on the batches before the step's first collective
         output = s.trainer.train_step(
-            microbatches, problem=problem, data_wait_s=waited, stop=preemption.requested
+            microbatches, problem=problem, data_wait_s=waited, stop=preemption.stop_asked()
         )
     except InputError as err:
         more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""

@@ -191,6 +191,38 @@ def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_p
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
 
 
+def test_ranks_leave_when_their_launcher_dies(tmp_path):
+    """kill -9 of torchrun: every worker saves after its step, releases the lock of --out and
+    leaves with one line; none trains on headless."""
+    out = tmp_path / "orphaned"
+    launcher = launch(2, "--out", str(out), *RUN, "--steps", "400", "--save-interval", "2")
+    _wait_for(out / "checkpoints" / "step_00000002", launcher)
+    workers = subprocess.run(
+        ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(launcher.pid, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=90)  # the workers hold the pipe until they leave
+    deadline = time.monotonic() + 30
+    while any(_alive(int(w)) for w in workers):
+        assert time.monotonic() < deadline, "a worker trains on without its launcher"
+        time.sleep(0.1)
+    ours = [line for line in err.splitlines() if line.startswith("parallax.train:")]
+    assert len(ours) == 1 and "the launcher (pid" in ours[0] and "is gone" in ours[0], err[-2000:]
+    saved = int(ours[0].split("saved step ")[1].split()[0])
+    assert (out / "checkpoints" / f"step_{saved:08d}").is_dir() and saved < 400
+    assert not (out / ".parallax.lock").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.exists() and state.read_text().split()[2] == "Z")  # a zombie has left
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
