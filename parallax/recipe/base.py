@@ -46,6 +46,8 @@ class Recipe:
 
     name: str = ""  # the family, as --model FAMILY:SPEC and checkpoints name it
     options: type | None = None  # the family's own options: a dataclass of opt() fields
+    # core options this family does not read: refused when given, never silently ignored
+    unread: tuple[str, ...] = ()
 
     def __init__(self, model: ModelSide, data: DataSide, objective: Objective) -> None:
         self.model, self.data, self.objective = model, data, objective

@@ -17,7 +17,7 @@ from typing import Any
 from parallax.recipe.base import Recipe
 from parallax.recipe.registry import find, owner_of, strip_family
 from parallax.run import FULL_DEFAULTS, LORA_DEFAULTS, Run, TrainConfig
-from parallax.run.option import flag, needs_problems, problems
+from parallax.run.option import as_given, flag, needs_problems, problems
 from parallax.run.rules import type_problems
 
 
@@ -45,9 +45,10 @@ def family_options(cfg: TrainConfig, recipe: Recipe) -> Any:
     given = dict(cfg.family_values)
     declared = recipe.options
     known = set() if declared is None else {f.name for f in dataclasses.fields(declared)}
-    foreign = [k for k in given if k not in known]
+    foreign = [_foreign(k, recipe) for k in given if k not in known]
+    foreign += unread_problems(cfg, recipe)
     if foreign:
-        raise ValueError("; ".join(_foreign(k, recipe) for k in foreign))
+        raise ValueError("; ".join(foreign))
     if declared is None:
         return None
     own = declared(**given)
@@ -55,6 +56,18 @@ def family_options(cfg: TrainConfig, recipe: Recipe) -> Any:
     if found:
         raise ValueError("; ".join(found))
     return own
+
+
+def unread_problems(cfg: TrainConfig, recipe: Recipe) -> list[str]:
+    """The core options ``cfg`` sets away from their defaults that ``recipe``'s family does not
+    read (its ``unread``): given, they would change nothing."""
+    defaults = TrainConfig()
+    return [
+        f"{as_given(name, getattr(cfg, name))}: the {recipe.name} family does not read it "
+        "(it would change nothing): drop it"
+        for name in recipe.unread
+        if getattr(cfg, name) != getattr(defaults, name)
+    ]
 
 
 def _foreign(key: str, recipe: Recipe) -> str:

@@ -79,6 +79,13 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def as_given(name: str, value: Any) -> str:
+    """An option as a command line gives it: ``--film``, ``--no-overlap``, ``--tp 2``."""
+    if value is False:
+        return "--no-" + flag(name)[2:]
+    return flag(name) if value is True else f"{flag(name)} {value}"
+
+
 # -- checks ------------------------------------------------------------------------------------
 def at_least(low: float, meaning: str = "") -> Check:
     def check(v: Any) -> str | None:
@@ -132,9 +139,7 @@ def needs_problems(cfg: Any, core: Any = None) -> list[str]:
         have = getattr(cfg, other) if hasattr(cfg, other) else getattr(core, other)
         if bool(have) if want is True else have == want:
             continue
-        shown = "" if isinstance(value, bool) else f" {value}"
-        name = flag(f.name) if value is not False else "--no-" + flag(f.name)[2:]
         wanted = "" if want is True else f" {want}"
         reason = f" ({why[0]})" if why else ""
-        found.append(f"{name}{shown} needs {flag(other)}{wanted}{reason}")
+        found.append(f"{as_given(f.name, value)} needs {flag(other)}{wanted}{reason}")
     return found

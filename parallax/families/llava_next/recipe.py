@@ -25,6 +25,7 @@ from parallax.recipe import Recipe
 
 class LlavaRecipe(Recipe):
     name = "llava"
+    unread = ("augment", "workers", "data_config")  # options of robot data
 
     def __init__(self) -> None:
         super().__init__(LlavaModel(), LlavaData(), AnswerObjective())

@@ -35,6 +35,8 @@ from parallax.recipe import Recipe
 
 class SiglipRecipe(Recipe):
     name = "siglip"
+    # options of robot data, of a language model's head and of fused projections
+    unread = ("augment", "workers", "data_config", "logits", "fused_projections")
 
     def __init__(self) -> None:
         super().__init__(SiglipModel(), SiglipData(), ContrastiveObjective())
