@@ -240,10 +240,10 @@ class EpisodeDataset:
         handle = self._handle(episode)
         actions = handle.get_slice("actions")[step : step + self.chunk]  # (K, D) float32
         if not torch.isfinite(actions).all():  # a dataset written before writers checked
+            bad = step + int((~torch.isfinite(actions)).any(-1).nonzero()[0])
             raise DatasetError(
-                f"{self.path}: episode {episode} ({self.episodes[episode]['file']}), steps "
-                f"{step}..{step + self.chunk - 1}: an action is not finite (NaN or inf): "
-                f"{actions.tolist()}"
+                f"{self.path}: episode {episode} ({self.episodes[episode]['file']}), step "
+                f"{bad}: the action {actions[bad - step].tolist()} is not finite (NaN or inf)"
             )
         sample = {
             "image": handle.get_slice("images")[step : step + 1][0],  # (H, W, 3) uint8

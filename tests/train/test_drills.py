@@ -131,6 +131,40 @@ def _nan_episode(tmp_path: Path, base: Path) -> list[str]:
     return ["--out", str(tmp_path / "o"), *BASE, "--data", str(data), "--workers", "0"]
 
 
+def _export_over_a_file(tmp_path: Path, base: Path) -> list[str]:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "hf").write_text("a file where the export goes")
+    return ["--out", str(out), *BASE, "--export-hf", "--save-interval", "0"]
+
+
+def _oft_flag_on_llava(tmp_path: Path, base: Path) -> list[str]:
+    return ["--out", str(tmp_path / "o"), *LLAVA, "--film"]
+
+
+def _robot_flag_on_siglip(tmp_path: Path, base: Path) -> list[str]:
+    return ["--out", str(tmp_path / "o"), "--model", "siglip-tiny", *BASE, "--augment"]
+
+
+def _oft_resumes_tokens(tmp_path: Path, base: Path) -> list[str]:
+    out = _copy(base, tmp_path)
+    return ["--out", str(out), *BASE, "--resume", "--steps", "6", "--action-head", "l1"]
+
+
+def _episodes(tmp_path: Path, episodes: int = 4) -> Path:
+    from parallax.data import convert
+
+    data = tmp_path / "ds"
+    assert convert.main(["synthetic", str(data), "--episodes", str(episodes)]) == 0
+    return data
+
+
+def _chunk_past_every_episode(tmp_path: Path, base: Path) -> list[str]:
+    data = _episodes(tmp_path)
+    oft = ["--action-head", "l1", "--action-chunk", "500", "--data", str(data)]
+    return ["--out", str(tmp_path / "o"), *BASE, *oft]
+
+
 @dataclass
 class Drill:
     name: str
@@ -176,6 +210,36 @@ DRILLS = [
         ("episode 1 (episodes/episode_000001.safetensors), step 2", "is not finite"),
         step=True,
     ),
+    Drill(
+        "export over a file",
+        _export_over_a_file,
+        2,
+        ("--export-hf writes", "hf, which is a file here", "nothing has run yet"),
+    ),
+    Drill(
+        "OFT flag on LLaVA",
+        _oft_flag_on_llava,
+        2,
+        ("--film is an option of the openvla family; the llava family does not read it",),
+    ),
+    Drill(
+        "robot flag on SigLIP",
+        _robot_flag_on_siglip,
+        2,
+        ("--augment: the siglip family does not read it",),
+    ),
+    Drill(
+        "OFT resumes a token run",
+        _oft_resumes_tokens,
+        2,
+        ("written by a run of OpenVLA's action tokens", "drop --action-head l1"),
+    ),
+    Drill(
+        "chunk past every episode",
+        _chunk_past_every_episode,
+        2,
+        ("every episode is shorter than the action chunk of 500 steps", "the longest has"),
+    ),
 ]
 
 
@@ -200,6 +264,37 @@ def test_drill(drill: Drill, base, tmp_path, capsys, monkeypatch):
         assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
         kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
         assert kept == ["step_00000002"], kept
+
+
+def test_oft_trains_on_an_episode_folder(tmp_path, capsys, caplog):
+    """--action-head l1 on the README's own data path (convert / write_dataset folders): every
+    sample carries its chunk; an episode shorter than it is named with its length."""
+    from parallax.data import Episode, write_dataset
+
+    rng = np.random.default_rng(0)
+    lengths = (12, 3, 10)
+    episodes = [
+        Episode(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
+                rng.normal(size=(n, 7)).astype(np.float32), "pick up the cup")
+        for n in lengths
+    ]  # fmt: skip
+    write_dataset(tmp_path / "mine", episodes, name="mine")
+    argv = ["--out", str(tmp_path / "o"), *BASE, "--steps", "2", "--data", str(tmp_path / "mine")]
+    status, err = run_main([*argv, "--action-head", "l1", "--action-chunk", "4"], capsys)
+    assert status == 0, err
+    assert "episode 1 (3 steps) shorter than the action chunk of 4 steps" in caplog.text
+    assert [r["step"] for r in metrics(tmp_path / "o")] == [1, 2]
+
+
+def test_a_resume_in_warm_up_says_so():
+    from parallax.run import TrainConfig
+    from parallax.train.lr_schedule import schedule_changes
+
+    saved = {"lr": 1e-3, "lr_schedule": "cosine", "warmup_steps": 20, "steps": 3}
+    run = TrainConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=20, steps=10)
+    lines = schedule_changes(saved, run, 3)
+    assert "still in its warm-up of 20 steps (it never decayed)" in lines[1], lines
+    assert not any("finished its cosine decay" in line for line in lines)
 
 
 def test_resume_follows_changed_schedule_flags_and_takes_a_stale_lock(base, tmp_path, caplog):
