@@ -268,9 +268,9 @@ class OpenVLA(VisionLanguageModel):
         projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""
         return OpenVLATensors(self.config, type(self))
 
-    def predict_action_chunk(self, images, instruction: str, proprio=None, **kwargs):
-        """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` from one forward pass
-        (:func:`.oft.predict.predict_action_chunk`)."""
+    def predict_action_chunk(self, images, instruction, proprio=None, **kwargs):
+        """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` of one sample, or ``(b, K, D)`` of a
+        batch, from one forward pass (:func:`.oft.predict.predict_action_chunk`)."""
         return predict_action_chunk(self, images, instruction, proprio, **kwargs)
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):
