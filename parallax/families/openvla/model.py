@@ -260,7 +260,9 @@ class OpenVLA(VisionLanguageModel):
         dtype: torch.dtype = torch.bfloat16,
         **kwargs,
     ) -> OpenVLA:
-        """Load a Hugging Face OpenVLA checkpoint (:func:`.checkpoint.load_pretrained`)."""
+        """Load a Hugging Face OpenVLA checkpoint, parallax's OFT export or OFT's own release
+        (:func:`.checkpoint.load_pretrained`; ``oft={"chunk": 8, "num_images": 2}``: OFT's
+        options its files cannot tell)."""
         return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
     def checkpoint_layout(self):
