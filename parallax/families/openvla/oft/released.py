@@ -86,8 +86,9 @@ def released_files(path: str | Path) -> dict[str, Path]:
     if not heads:
         others = [f.name for files in steps.values() for f in files.values()]
         raise FileNotFoundError(
-            f"{path}: expected OFT's action head, action_head--{{step}}_checkpoint.pt, beside "
-            f"{', '.join(others)}; refusing to start the head from random values"
+            f"{path}: expected the action head (OFT's action_head--{{step}}_checkpoint.pt or "
+            f"parallax's action_head.safetensors) beside {', '.join(others)}; refusing to start "
+            "the head from random values"
         )
     step = max(heads, key=_order)
     if len(heads) > 1:
