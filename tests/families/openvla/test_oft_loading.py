@@ -156,6 +156,9 @@ def test_oft_release_loads_and_predicts_as_the_export(folders, caplog):
         policy = load_policy(root / "release", chunk=2, num_images=2)
     assert "reading the newest, 3" in caplog.text
     assert policy.config.oft == exported.config.oft
+    given = {"chunk": 2, "num_images": 2}
+    direct = OpenVLA.from_pretrained(root / "release", dtype=torch.float32, oft=given)
+    assert direct.config.oft == exported.config.oft
     assert policy.config.norm_stats == exported.config.norm_stats  # dataset_statistics.json
     samples = _samples(exported.config, ("pick up the red block", "go left", "push it"))
     got, want = _predict(policy, samples), _predict(exported, samples)

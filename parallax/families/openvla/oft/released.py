@@ -154,8 +154,9 @@ def released_config(path: str | Path, saved, given: Mapping, hidden: int):
     if missing:
         raise ValueError(
             f"{path}: OFT's files do not tell the {' or the '.join(missing)}; pass "
-            f"{', '.join(f'{k}=' for k in missing)} to load_policy (OFT's chunks: 8 for LIBERO, "
-            "25 for ALOHA, 5 for Bridge, forks differ; its cameras: 2 for LIBERO, 3 for ALOHA)"
+            f"{', '.join(f'{k}=' for k in missing)} to load_policy (OpenVLA.from_pretrained: "
+            "oft={...}); OFT's chunks: 8 for LIBERO, 25 for ALOHA, 5 for Bridge, forks differ; "
+            "its cameras: 2 for LIBERO, 3 for ALOHA"
         )
     oft = OFTConfig(chunk=given["chunk"], num_images=given["num_images"], **found)
     normalization = given.get("normalization", "q99")
