@@ -12,7 +12,8 @@ OpenVLA-OFT (``--action-head l1``, ``shared/oft.md``) is the subpackage ``oft``:
 ``head`` (the L1 head, the proprio projector, OFT's key names), ``model`` (the first stage's
 sequence), ``batches``, ``objective`` (loss, metrics, FLOPs), ``data`` (what the data gives),
 ``sides`` (the recipe's model and data sides), ``predict`` (``predict_action_chunk``),
-``export`` and ``policy`` (a policy from a checkpoint or an export).
+``export``, ``released`` (OFT's own released folders) and ``policy`` (a policy from a
+checkpoint, an export or OFT's release).
 """
 
 from parallax.families import lazy_exports
@@ -20,18 +21,20 @@ from parallax.families import lazy_exports
 EXPORTS = {
     "ActionTokenizer": "action_tokenizer",
     "OFTConfig": "oft.config",
+    "OFTLoss": "oft.objective",
     "OpenVLA": "model",
     "OpenVLAConfig": "config",
     "OpenVLARecipe": "recipe",
     "TinyTokenizer": "prompt",
-    "action_metrics": "objectives",
+    "action_metrics": "objective",
     "build_prompt": "prompt",
-    "expand_labels": "objectives",
+    "expand_labels": "objective",
     "generate": "predict",
     "get_tokenizer": "prompt",
     "load_policy": "oft.policy",
-    "loss_token_count": "objectives",
+    "loss_token_count": "objective",
     "normalize_actions": "action_tokenizer",
+    "oft_loss": "oft.objective",
     "openvla_init_fn": "model",
     "pixel_values": "preprocess",
     "predict_action": "predict",
@@ -40,7 +43,7 @@ EXPORTS = {
     "prompt_ids": "prompt",
     "training_example": "prompt",
     "unnormalize_actions": "action_tokenizer",
-    "vla_loss": "objectives",
+    "vla_loss": "objective",
 }
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
 __all__ = sorted(EXPORTS)

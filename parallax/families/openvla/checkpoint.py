@@ -15,6 +15,7 @@ Saving is in :mod:`parallax.models.hf_export`; the generic reading in
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -23,6 +24,12 @@ from torch import nn
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.oft.export import load_oft_modules
 from parallax.families.openvla.oft.head import is_oft_name
+from parallax.families.openvla.oft.released import (
+    check_given,
+    is_oft_checkpoint,
+    is_released,
+    released_config,
+)
 from parallax.models.hf_io import CheckpointReader, fit_problems, hf_names, read_param
 from parallax.models.meta import materialize
 from parallax.models.vit import checkpoint_only_tensors
@@ -86,18 +93,21 @@ def load_pretrained(
     fused_projections: bool = False,
     config: OpenVLAConfig | None = None,
     seed: int = 0,
+    oft: Mapping | None = None,
     **model_kwargs,
 ):
     """Build ``cls(config, ctx, blocks=...)`` on meta and fill it from the checkpoint at ``path``.
 
     The result's ``load_stats`` tells what this rank read. ``model_kwargs`` go to the model
-    (``activation_checkpointing``, ``freeze_vision``). An OpenVLA-OFT model (``config.oft``)
-    reads its head, projector and FiLM from the files an OFT export wrote beside the
-    checkpoint, or, for a plain OpenVLA checkpoint, starts them from ``seed``'s layout-free
-    init (:mod:`.oft.export`).
+    (``activation_checkpointing``, ``freeze_vision``). An OpenVLA-OFT checkpoint, parallax's
+    export (``parallax_oft`` in config.json) or OFT's own release (:mod:`.oft.released`: its
+    options from the files and ``oft``, e.g. ``{"chunk": 8, "num_images": 2}``), reads its
+    head, projector and FiLM from their files and refuses a missing one; only a plain OpenVLA
+    checkpoint read with an OFT ``config`` (an OFT run's start) starts them from ``seed``'s
+    layout-free init (:mod:`.oft.export`). ``oft`` the checkpoint contradicts is refused.
     """
     t0 = time.perf_counter()
-    config = config or OpenVLAConfig.from_pretrained(path)
+    config = _checkpoint_config(path, config, oft or {})
     if fused_projections:
         config = config.with_options(fused_projections=True)
     reader = CheckpointReader(path)
@@ -113,7 +123,8 @@ def load_pretrained(
             sources = hf_names(name, logical_shape(param))
             param.copy_(read_param(reader, sources, getattr(param, "tp_shard", None)))
     if config.oft is not None:
-        load_oft_modules(model, path, seed)
+        required = is_oft_checkpoint(path)
+        load_oft_modules(model, path, seed, required=required, unused=unused_tensors(config))
     if model.has_vision and (ctx is None or ctx.rank == 0):
         before = reader.stats.bytes_read
         model.hf_unused = {n: reader.read(n) for n in unused_tensors(config) if n in present}
@@ -122,3 +133,14 @@ def load_pretrained(
     reader.stats.seconds = time.perf_counter() - t0
     model.load_stats = reader.stats
     return model
+
+
+def _checkpoint_config(path, config: OpenVLAConfig | None, oft: Mapping) -> OpenVLAConfig:
+    """``config``, else the checkpoint's (OFT's release: with the options its files and
+    ``oft`` give); OFT options ``oft`` that it contradicts are refused."""
+    if config is None and is_released(path):
+        saved = OpenVLAConfig.from_pretrained(path)
+        return released_config(path, saved, oft, saved.text.hidden_size)
+    config = config or OpenVLAConfig.from_pretrained(path)
+    check_given(config, oft, path)
+    return config

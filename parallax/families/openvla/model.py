@@ -260,7 +260,9 @@ class OpenVLA(VisionLanguageModel):
         dtype: torch.dtype = torch.bfloat16,
         **kwargs,
     ) -> OpenVLA:
-        """Load a Hugging Face OpenVLA checkpoint (:func:`.checkpoint.load_pretrained`)."""
+        """Load a Hugging Face OpenVLA checkpoint, parallax's OFT export or OFT's own release
+        (:func:`.checkpoint.load_pretrained`; ``oft={"chunk": 8, "num_images": 2}``: OFT's
+        options its files cannot tell)."""
         return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
 
     def checkpoint_layout(self):
@@ -268,9 +270,9 @@ class OpenVLA(VisionLanguageModel):
         projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""
         return OpenVLATensors(self.config, type(self))
 
-    def predict_action_chunk(self, images, instruction: str, proprio=None, **kwargs):
-        """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` from one forward pass
-        (:func:`.oft.predict.predict_action_chunk`)."""
+    def predict_action_chunk(self, images, instruction, proprio=None, **kwargs):
+        """OpenVLA-OFT: the next ``K`` actions ``(K, D)`` of one sample, or ``(b, K, D)`` of a
+        batch, from one forward pass (:func:`.oft.predict.predict_action_chunk`)."""
         return predict_action_chunk(self, images, instruction, proprio, **kwargs)
 
     def predict_action(self, image, instruction: str | None = None, unnorm_key=None, **kwargs):

@@ -120,26 +120,37 @@ class OFTBatchBuilder:
                     )
                 proprio.append(state)
             images.append(oft_pixel_values(sample_images(s, oft.num_images), self.config))
-        width = padded_width(max(len(i) for i in ids), self.config.text_multiple)
-        b = len(ids)
-        input_ids = torch.full((b, width), pad, dtype=torch.long)
-        attention = torch.zeros((b, width), dtype=torch.bool)
-        slots = torch.zeros((b, width), dtype=torch.bool)
-        for row, (i, n) in enumerate(zip(ids, lengths)):
-            input_ids[row, : len(i)] = torch.tensor(i)
-            attention[row, : len(i)] = True
-            slots[row, n : n + oft.slots] = True
         out = {
             "pixel_values": torch.stack(images),  # (b, 6 n, S, S)
-            "input_ids": input_ids,  # (b, t)
-            "attention_mask": attention,  # (b, t)
-            "action_mask": slots,  # (b, t)
-            "prompt_lengths": torch.tensor(lengths, dtype=torch.long),  # (b,)
+            **padded_prompts(ids, lengths, oft.slots, pad, self.config.text_multiple),
             "actions": torch.tensor(np.stack(actions), dtype=torch.float32),  # (b, K, D)
         }
         if oft.use_proprio:
             out["proprio"] = torch.tensor(np.stack(proprio), dtype=torch.float32)  # (b, P)
         return out
+
+
+def padded_prompts(
+    ids: Sequence[Sequence[int]], lengths: Sequence[int], slots: int, pad: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``action_mask`` ``(b, t)`` and
+    ``prompt_lengths`` ``(b,)`` of sequences from :func:`oft_prompt` (training and inference
+    pad alike, so a sample's forward is the same in both)."""
+    width = padded_width(max(len(i) for i in ids), multiple)
+    b = len(ids)
+    input_ids = torch.full((b, width), pad, dtype=torch.long)  # (b, t)
+    attention = torch.zeros((b, width), dtype=torch.bool)  # (b, t)
+    action_mask = torch.zeros((b, width), dtype=torch.bool)  # (b, t)
+    for row, (i, n) in enumerate(zip(ids, lengths)):
+        input_ids[row, : len(i)] = torch.tensor(i)
+        attention[row, : len(i)] = True
+        action_mask[row, n : n + slots] = True
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "action_mask": action_mask,
+        "prompt_lengths": torch.tensor(lengths, dtype=torch.long),  # (b,)
+    }
 
 
 def stage_inputs(config: OpenVLAConfig, mb: Mapping) -> tuple[torch.Tensor, ...]:

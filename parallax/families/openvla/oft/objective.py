@@ -5,7 +5,8 @@ action chunks ``(B, K, D)``, over the whole global batch (the trainer divides th
 batch's ``B x K x D``). The head reads the last stage's hidden states at the rows
 :func:`~.config.head_rows` lists (found on the host from the prompt lengths), the same on
 every tp rank. Metrics are OFT's logged ones: the L1 error of the chunk's first action
-(``curr_action_l1_loss``) and of the rest (``next_actions_l1_loss``).
+(``curr_action_l1_loss``) and of the rest (``next_actions_l1_loss``). :func:`oft_loss` computes
+both of a batch without the Trainer.
 
 FLOPs per sample (2 per multiply-add; a weight's forward ``2 N T``, its input gradient
 ``2 N T`` when something upstream trains, its weight gradient ``2 N T`` when it trains):
@@ -24,10 +25,12 @@ FLOPs per sample (2 per multiply-add; a weight's forward ``2 N T``, its input gr
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from parallax.families.openvla.config import OpenVLAConfig
+from parallax.families.openvla.oft.batches import OFTBatchBuilder, stage_inputs
 from parallax.families.openvla.oft.config import head_rows
 from parallax.models.flops import llama_layer_params, vit_components
 from parallax.recipe import MetricSpec, TokenObjective
@@ -80,6 +83,57 @@ def l1_loss(chunk, hidden: torch.Tensor, target) -> tuple[torch.Tensor, torch.Te
             ]
         )
     return err.sum(), sums
+
+
+@dataclass(frozen=True)
+class OFTLoss:
+    """OFT's objective of one batch: ``loss`` the mean absolute error over every action element
+    (differentiable); ``metrics`` OFT's logged ones, ``l1_current`` (the chunk's first action)
+    and ``l1_next`` (the rest; absent for chunks of 1), detached 0-dim tensors."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def oft_loss(model, batch, *, statistics: Mapping | None = None, tokenizer=None) -> OFTLoss:
+    """OpenVLA-OFT's L1 objective of ``batch`` without the Trainer: the loss the Trainer
+    reports for the same microbatch (its sum over ``b x K x D``), and its metrics.
+
+    ``batch``: raw samples (collated here by :class:`~.batches.OFTBatchBuilder` with
+    ``statistics``, else the model's ``norm_stats``, and ``tokenizer``, else the model's) or a
+    collated microbatch. OFT's L1 objective has no noise (unlike its DDIM alternative, which
+    parallax does not implement): the loss is a deterministic function of the weights and the
+    inputs, so there is no noise to pass. ``model``: a whole OFT model on this rank (pp 1; any
+    tp, each rank giving the same result); gradients flow, as in training."""
+    config = model.config
+    if config.oft is None:
+        raise ValueError("oft_loss needs an OpenVLA-OFT model (--action-head l1)")
+    if not (model.has_vision and model.has_head):
+        raise ValueError("oft_loss needs the whole model on this rank: under a pipeline, train")
+    mb = batch if isinstance(batch, Mapping) else _collate(model, batch, statistics, tokenizer)
+    problem = input_problem(config, mb)
+    if problem is not None:
+        raise ValueError(f"oft_loss: the microbatch {problem}")
+    device = next(model.parameters()).device
+    rows, actions = loss_target(config, mb)  # (b K D,), (b, K, D) on the host
+    inputs = tuple(x.to(device) for x in stage_inputs(config, mb))
+    flag, model.return_hidden = model.return_hidden, True
+    try:
+        hidden = model(*inputs)  # (b, S, h)
+    finally:
+        model.return_hidden = flag
+    total, sums = l1_loss(model, hidden, (rows.to(device), actions.to(device)))
+    metrics = {"l1_current": sums[0] / sums[1]}
+    if config.oft.chunk > 1:
+        metrics["l1_next"] = sums[2] / sums[3]
+    return OFTLoss(total / actions.numel(), metrics)
+
+
+def _collate(model, samples: Sequence[Mapping], statistics, tokenizer) -> dict:
+    stats = statistics if statistics is not None else model.config.norm_stats
+    if not stats:
+        raise ValueError("oft_loss: raw samples need statistics (the model has no norm_stats)")
+    return OFTBatchBuilder(model.config, stats, tokenizer or model.tokenizer)(samples)
 
 
 def predicted_actions(chunk, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

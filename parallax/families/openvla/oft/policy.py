@@ -7,6 +7,12 @@
   and the fully trained modules). The statistics come from ``OUT/dataset_statistics.json``.
 - An **export** (``OUT/hf``: :mod:`.export`) is read by :meth:`OpenVLA.from_pretrained`
   (its ``config.json`` names the OFT options; the head, projector and FiLM files beside it).
+- **OFT's own release** (a ``config.json`` without parallax's OFT section, beside
+  ``action_head--{step}_checkpoint.pt`` and the rest: :mod:`.released`) likewise, its options
+  from the files' shapes and from the keyword arguments where the files cannot tell.
+
+A head, projector or FiLM file an OFT checkpoint lacks is refused, naming it: never a random
+head.
 
 Either loads at any tp and pp (``ctx``): each rank reads only its stage's tensors, sliced.
 """
@@ -23,6 +29,7 @@ from parallax.checkpoint import Checkpoint, latest_checkpoint, load_module
 from parallax.context import ParallelContext
 from parallax.families.openvla.config import OpenVLAConfig
 from parallax.families.openvla.model import OpenVLA
+from parallax.families.openvla.oft.released import check_given
 from parallax.models.stages import partition
 from parallax.recipe import registry, resolve
 from parallax.recipe.adapt import build_chunk
@@ -39,13 +46,36 @@ OWN = ("action_head", "action_chunk", "film")  # the family's own options among 
 
 
 def load_policy(
-    path: str | Path, ctx: ParallelContext | None = None, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    ctx: ParallelContext | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    chunk: int | None = None,
+    num_images: int | None = None,
+    action_dim: int | None = None,
+    proprio_dim: int | None = None,
+    film: bool | None = None,
+    normalization: str | None = None,
 ) -> OpenVLA:
-    """The :class:`~parallax.families.openvla.OpenVLA` of a checkpoint or export (module doc)."""
+    """The :class:`~parallax.families.openvla.OpenVLA` of a checkpoint, an export or OFT's own
+    release (module doc). The keyword arguments are OFT's options: what OFT's files cannot tell
+    (``chunk``, ``num_images``; ``normalization`` ``"q99"``, the default, or ``"bounds"``
+    for OFT's min/max, ALOHA's), or checks (any option a checkpoint contradicts is refused)."""
     path = Path(path)
+    given = dict(
+        chunk=chunk,
+        num_images=num_images,
+        action_dim=action_dim,
+        proprio_dim=proprio_dim,
+        film=film,
+        normalization=normalization,
+    )
+    given = {k: v for k, v in given.items() if v is not None}
     if (path / "config.json").is_file():
-        return OpenVLA.from_pretrained(path, ctx, dtype=dtype)
-    return _from_training_checkpoint(path, ctx or ParallelContext.local(), dtype)
+        return OpenVLA.from_pretrained(path, ctx, dtype=dtype, oft=given)
+    model = _from_training_checkpoint(path, ctx or ParallelContext.local(), dtype)
+    check_given(model.config, given, path)
+    return model
 
 
 def _checkpoint_dir(path: Path) -> tuple[Path, Path]:

@@ -23,6 +23,7 @@ from parallax.families.openvla.oft.batches import (
     normalized_proprio,
     oft_pixel_values,
     oft_prompt,
+    padded_prompts,
 )
 from parallax.families.openvla.oft.config import head_rows
 from parallax.families.openvla.predict import config_with_statistics
@@ -43,29 +44,37 @@ def _statistics(model, unnorm_key: str | None, statistics) -> dict | None:
     return config.norm_stats[key]
 
 
-def oft_inputs(model, images, instruction: str, proprio, stats, tokenizer):
-    """The first stage's inputs for one sample, and its prompt length."""
+def oft_inputs(model, images: list, instructions: list[str], proprio, stats, tokenizer):
+    """The first stage's inputs for a batch (``images``: each sample's list of cameras;
+    ``proprio``: ``(b, P)`` raw states or ``None``), and the prompt lengths ``(b,)``."""
     oft, config = model.config.oft, model.config
-    images = list(images) if isinstance(images, Sequence) and not _is_image(images) else [images]
-    if len(images) != oft.num_images:
-        raise ValueError(f"the model takes {oft.num_images} images, got {len(images)}")
-    ids, length = oft_prompt(tokenizer, instruction, oft.slots, config.pad_token_id)
+    for i, cameras in enumerate(images):
+        if len(cameras) != oft.num_images:
+            raise ValueError(
+                f"the model takes {oft.num_images} images per sample, sample {i} has {len(cameras)}"
+            )
+    ids, lengths = zip(
+        *(oft_prompt(tokenizer, t, oft.slots, config.pad_token_id) for t in instructions)
+    )
+    mb = padded_prompts(ids, lengths, oft.slots, config.pad_token_id)
     device = next(model.parameters()).device
-    px = oft_pixel_values(images, config)[None].to(device)  # (1, 6 n, S, S)
-    ids_t = torch.tensor([ids], dtype=torch.long, device=device)  # (1, t)
-    attention = torch.ones_like(ids_t, dtype=torch.bool)
-    slots = torch.zeros_like(attention)
-    slots[0, length : length + oft.slots] = True
+    px = torch.stack([oft_pixel_values(cameras, config) for cameras in images])  # (b, 6 n, S, S)
     extra = ()
     if oft.use_proprio:
         if proprio is None:
             raise ValueError("the model has a proprio token: pass the robot state (proprio)")
+        state = np.asarray(proprio, dtype=np.float64)  # (b, P)
+        if state.shape != (len(images), oft.proprio_dim):
+            raise ValueError(
+                f"proprio of shape {state.shape} for {len(images)} samples, the model's proprio "
+                f"projector takes {oft.proprio_dim} dimensions each"
+            )
         if stats is not None:
-            state = normalized_proprio(proprio, stats)
-        else:
-            state = np.asarray(proprio, dtype=np.float64)
-        extra = (torch.tensor(state, dtype=torch.float32, device=device)[None],)  # (1, P)
-    return (px, ids_t, *extra, attention, slots), length
+            state = normalized_proprio(state, stats)
+        extra = (torch.tensor(state, dtype=torch.float32),)  # (b, P)
+    masks = mb["attention_mask"], mb["action_mask"]
+    inputs = (px, mb["input_ids"], *extra, *masks)
+    return tuple(x.to(device) for x in inputs), mb["prompt_lengths"]
 
 
 def _is_image(x) -> bool:
@@ -75,18 +84,37 @@ def _is_image(x) -> bool:
     return not isinstance(x, list | tuple)
 
 
+def _cameras(x) -> list:
+    """One sample's cameras as a list (one image or a list of them)."""
+    return [x] if _is_image(x) else list(x)
+
+
+def _batch_images(images, b: int) -> list[list]:
+    """Each sample's cameras: ``images`` a list of ``b`` samples' images (one or a list each),
+    or a batched array/tensor ``(b, ...)`` of one camera per sample or ``(b, n, ...)``."""
+    if isinstance(images, np.ndarray | torch.Tensor) and images.ndim not in (4, 5):
+        raise ValueError(
+            f"batched images must be (b, H, W, 3) / (b, 3, H, W), or (b, n, ...) for n "
+            f"cameras; got shape {tuple(images.shape)}"
+        )
+    if len(images) != b:
+        raise ValueError(f"{len(images)} samples of images for {b} instructions")
+    return [_cameras(sample) for sample in images]
+
+
 @torch.no_grad()
-def normalized_chunk(model, inputs: tuple, length: int) -> torch.Tensor:
-    """The normalised chunk ``(K, D)`` of one sample (collective over pp when split)."""
+def normalized_chunk(model, inputs: tuple, lengths: torch.Tensor) -> torch.Tensor:
+    """The normalised chunks ``(b, K, D)`` of a batch, one forward pass (collective over pp
+    when split)."""
     config = model.config
     seq = config.prefix_tokens + inputs[1].shape[1]
-    rows = head_rows(torch.tensor([length]), seq, config.prefix_tokens, config.oft.slots)
+    rows = head_rows(lengths, seq, config.prefix_tokens, config.oft.slots)  # (b K D,)
     hidden_flag = model.return_hidden
     model.return_hidden = True
     try:
         if model.has_vision and model.has_head:
-            hidden = model(*inputs)  # (1, S, h)
-            return model.oft_actions(hidden.flatten(0, 1)[rows.to(hidden.device)])[0]
+            hidden = model(*inputs)  # (b, S, h)
+            return model.oft_actions(hidden.flatten(0, 1)[rows.to(hidden.device)])
         return _pipelined(model, inputs, rows, seq)
     finally:
         model.return_hidden = hidden_flag
@@ -95,16 +123,17 @@ def normalized_chunk(model, inputs: tuple, length: int) -> torch.Tensor:
 def _pipelined(model, inputs, rows, seq: int) -> torch.Tensor:
     """One forward through the pipeline's stages, the actions broadcast from the last."""
     ctx, config = model.ctx, model.config
-    oft, h = config.oft, config.text.hidden_size
+    oft, h, b = config.oft, config.text.hidden_size, inputs[1].shape[0]
     schedule = gpipe(ctx.pp_size, 1)
     dtype = next(model.parameters()).dtype
-    metas = [TensorMeta((1, seq, h), dtype, False), TensorMeta((1, seq), torch.bool, False)]
+    metas = [TensorMeta((b, seq, h), dtype, False), TensorMeta((b, seq), torch.bool, False)]
 
     def last(out, m):
-        return model.oft_actions(out.flatten(0, 1)[rows.to(out.device)])[0].float()
+        return model.oft_actions(out.flatten(0, 1)[rows.to(out.device)]).float()  # (b, K, D)
 
     found = run_forward(schedule, {ctx.pp_rank: model}, ctx, [inputs], last, lambda s, m: metas)
-    actions = found[0] if found else torch.empty(oft.chunk, oft.action_dim, device=ctx.device)
+    shape = (b, oft.chunk, oft.action_dim)
+    actions = found[0] if found else torch.empty(shape, device=ctx.device)
     src = ctx.pp_peer(schedule.rank_of(schedule.num_stages - 1))
     comm.broadcast(actions, src=src, group=ctx.pp_group)
     return actions
@@ -113,26 +142,42 @@ def _pipelined(model, inputs, rows, seq: int) -> torch.Tensor:
 def predict_action_chunk(
     model,
     images,
-    instruction: str,
+    instruction: str | Sequence[str],
     proprio=None,
     *,
     unnorm_key: str | None = None,
     statistics=None,
     tokenizer=None,
 ) -> np.ndarray:
-    """The next ``K`` actions ``(K, D)`` (float64), de-normalised with the dataset's
-    statistics (``norm_stats[unnorm_key]`` or ``statistics``; normalised in [-1, 1] without
-    any), from the model's cameras (one image or a list of 1 to 3: primary, then wrist) and,
-    with a proprio token, the robot's raw state. ``images``: uint8 ``(H, W, 3)`` arrays or
-    tensors, float ``(3, H, W)`` in [0, 1], or PIL images."""
+    """The next ``K`` actions ``(K, D)`` (float64) of one sample, or ``(b, K, D)`` of a batch,
+    de-normalised with the dataset's statistics (``norm_stats[unnorm_key]`` or
+    ``statistics``; normalised in [-1, 1] without any), from one forward pass.
+
+    One sample: ``images`` one image or a list of 1 to 3 (primary, then wrist), ``instruction``
+    a string, ``proprio`` the robot's raw state ``(P,)`` when the model has a proprio token.
+    A batch: ``instruction`` a list of ``b`` strings, ``images`` a list of ``b`` samples' images
+    (each as for one sample) or a batched array/tensor ``(b, ...)`` or ``(b, n, ...)`` for ``n``
+    cameras, ``proprio`` ``(b, P)``. Images: uint8 ``(H, W, 3)`` arrays or tensors, float
+    ``(3, H, W)`` in [0, 1], or PIL images. Prompts of different lengths are right-padded; the
+    padding is masked out, so a sample's chunk does not depend on its batch (to fp32
+    rounding)."""
     if model.config.oft is None:
         raise ValueError("predict_action_chunk needs an OpenVLA-OFT model (--action-head l1)")
     tokenizer = tokenizer or model.tokenizer
     if tokenizer is None:
         raise ValueError("predict_action_chunk needs a tokenizer (install 'tokenizers')")
+    single = isinstance(instruction, str)
+    instructions = [instruction] if single else list(instruction)
+    if not instructions or not all(isinstance(t, str) for t in instructions):
+        raise ValueError("instruction: expected a string or a non-empty list of strings")
+    if single:
+        cameras, states = [_cameras(images)], None if proprio is None else [proprio]
+    else:
+        cameras, states = _batch_images(images, len(instructions)), proprio
     stats = _statistics(model, unnorm_key, statistics)
-    inputs, length = oft_inputs(model, images, instruction, proprio, stats, tokenizer)
-    normalized = normalized_chunk(model, inputs, length).float().cpu().numpy()
-    if stats is None:
-        return normalized.astype(np.float64)
-    return unnormalize_actions(normalized, stats["action"])
+    inputs, lengths = oft_inputs(model, cameras, instructions, states, stats, tokenizer)
+    normalized = normalized_chunk(model, inputs, lengths).float().cpu().numpy()  # (b, K, D)
+    if stats is not None:
+        normalized = unnormalize_actions(normalized, stats["action"])
+    out = normalized.astype(np.float64)
+    return out[0] if single else out
