@@ -63,6 +63,36 @@ def temp_sibling(path: str | os.PathLike, tag: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
 
 
+def write_problem(folder: str | os.PathLike) -> str | None:
+    """Why no file can be made in ``folder``, in words, or ``None``. Tried, not read from the
+    mode bits: root passes every permission check, yet a read-only mount or ``/proc`` refuses."""
+    probe = Path(folder) / f".parallax-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
+def file_problems(what: str, path: str | os.PathLike) -> list[str]:
+    """Why ``what`` (the flag, ``--out``) cannot write the file ``path``: checked before the
+    work that makes the file, so nothing is measured or drawn only to be lost."""
+    path = Path(path)
+    said = f"{what} {path}"
+    if path.is_dir():
+        return [f"{said} is a directory: name a file in it (e.g. {path / 'NAME'})"]
+    parent = path.parent
+    if not parent.exists():
+        return [f"{said}: the folder {parent} does not exist (make it first: mkdir -p {parent})"]
+    if not parent.is_dir():
+        return [f"{said}: {parent} is a file, not a folder"]
+    why = write_problem(parent)
+    return [f"{said}: cannot write in {parent} ({why})"] if why else []
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the directory."""
     path = Path(path)

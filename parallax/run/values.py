@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax import tomlfile
+from parallax.atomic import write_problem
 
 KINDS = (int, float, bool, str)
 Kind = tuple[type, bool]  # (int | float | bool | str, whether None is allowed)
@@ -165,9 +165,8 @@ def out_problems(out: str) -> list[str]:
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         return [f"--out {out}: {existing} is a file, so no directory can be made below it"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"--out {out}: no permission to write in {existing}"]
-    return []
+    why = write_problem(existing)
+    return [f"--out {out}: cannot write in {existing} ({why})"] if why else []
 
 
 def read_toml_file(path: Path, what: str) -> dict[str, Any]:
