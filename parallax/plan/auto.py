@@ -18,7 +18,7 @@ import torch
 from parallax.plan import report, search
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import GIB, Machine, target
-from parallax.plan.ruled_out import none_searched
+from parallax.plan.ruled_out import ruled_out
 from parallax.plan.workload import Workload
 from parallax.run import Run, TrainConfig
 
@@ -81,8 +81,8 @@ def choose(run: Run) -> Run:
     fixed = {k: getattr(run, k) for k in given(run)}
     model = Workload(run)
     result = search.search(model, machine, world, fixed, top=1)
-    if not result.searched:
-        raise ValueError(f"--layout auto: {none_searched(model, world, per_node, fixed)}")
+    if why := ruled_out(result, model, world, per_node, fixed):
+        raise ValueError(f"--layout auto: {why}")
     if not result.ranked:
         why = report.nothing_fits(result, world, run.finetune == "lora")
         raise ValueError(f"--layout auto: {why}")

@@ -19,7 +19,7 @@ from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import GIB, LINKS, Machine, target
 from parallax.plan.options import PlanOptions, parse_plan, world
 from parallax.plan.report import command, layouts_table, nothing_fits
-from parallax.plan.ruled_out import none_searched
+from parallax.plan.ruled_out import ruled_out
 from parallax.plan.search import Result, search
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
@@ -73,8 +73,8 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
     model = Workload(run)
     result = search(model, machine, gpus, fixed, top=opts.top, margin=opts.margin)
-    if not result.searched:
-        raise ValueError(none_searched(model, gpus, per_node, fixed))
+    if why := ruled_out(result, model, gpus, per_node, fixed):
+        raise ValueError(why)
     console.print(_header(run, model, machine, gpus, nodes, opts.margin), highlight=False)
     if note:
         console.print(note, highlight=False)

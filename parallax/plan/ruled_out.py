@@ -1,16 +1,19 @@
-"""Why the search found no layout to try: which flag given rules out which layouts.
+"""Why the search found no layout to try, or none the run accepts: which flag given rules out
+which layouts.
 
 The search keeps every layout flag given (:data:`parallax.plan.layout.LAYOUT_OPTIONS`); when
 they leave nothing, "none searched" would say nothing. The reasons follow the search's own
 order: tp within a node, tp x pp x dp making the world, the global batch over dp, the
-micro-batch over a rank's batch; anything else is found by leaving each flag out in turn.
+micro-batch over a rank's batch; anything else is found by leaving each flag out in turn. When
+layouts were searched but the run refuses each (a tp that does not divide the heads, more
+stages than blocks), the run's reasons are said with the flags that force them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from parallax.plan.search import divisors, layouts
+from parallax.plan.search import Result, Searcher, divisors, layouts
 from parallax.plan.workload import Workload
 from parallax.run.option import flag
 
@@ -70,12 +73,14 @@ def _batch(batch: int, grids: list[tuple], fixed: dict[str, Any]) -> str | None:
     return None
 
 
-def _left_out(model: Workload, world: int, per_node: int, fixed: dict[str, Any]) -> list[str]:
-    """The flags without which some layout would be searched."""
+def _left_out(
+    model: Workload, world: int, per_node: int, fixed: dict[str, Any], ok=lambda layout: True
+) -> list[str]:
+    """The flags without which some layout (one that ``ok`` takes) would be searched."""
     found = []
     for name in fixed:
         others = {k: v for k, v in fixed.items() if k != name}
-        if next(iter(layouts(model, world, per_node, others)), None) is not None:
+        if any(ok(layout) for layout in layouts(model, world, per_node, others)):
             found.append(given(name, fixed[name]))
     return found
 
@@ -93,3 +98,31 @@ def none_searched(model: Workload, world: int, per_node: int, fixed: dict[str, A
             both = ", ".join(given(k, v) for k, v in fixed.items())
             why = f"{both} leave no layout between them"
     return f"no layout of {world} GPUs can be searched: {why}"
+
+
+def none_valid(
+    result: Result, model: Workload, world: int, per_node: int, fixed: dict[str, Any]
+) -> str:
+    """Why the run refuses every layout searched, and the flags given without which it would
+    take some."""
+    reasons = "; ".join(f"{n} layouts: {p}" for p, n in result.problems.items())
+    said = f"no layout of {world} GPUs is valid for this run ({reasons})"
+    searcher = Searcher(model, result.machine)
+    flags = _left_out(model, world, per_node, fixed, lambda lay: searcher.problem(lay) is None)
+    if len(flags) == 1:
+        said += f"; {flags[0]} rules them out (without it the run takes other layouts)"
+    elif flags:
+        said += f"; each of {', '.join(flags)} rules them out (leave one out)"
+    return said
+
+
+def ruled_out(
+    result: Result, model: Workload, world: int, per_node: int, fixed: dict[str, Any]
+) -> str | None:
+    """The message when no layout was searched or the run takes none of them, else ``None``
+    (what fits in memory is :func:`parallax.plan.report.nothing_fits`'s)."""
+    if not result.searched:
+        return none_searched(model, world, per_node, fixed)
+    if not result.fitting and not result.closest:
+        return none_valid(result, model, world, per_node, fixed)
+    return None
