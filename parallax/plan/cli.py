@@ -23,7 +23,8 @@ from parallax.plan.ruled_out import ruled_out
 from parallax.plan.search import Result, search
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
-from parallax.recipe.flags import parse_args, train_parser
+from parallax.recipe.flags import option_classes, parse_args, train_parser
+from parallax.run import command_line as cl
 
 
 def machine_of(opts: PlanOptions, nodes: int, per_node: int) -> tuple[Machine, str | None]:
@@ -51,9 +52,15 @@ def machine_of(opts: PlanOptions, nodes: int, per_node: int) -> tuple[Machine, s
 
 
 def given_options(train_argv: list[str]) -> set[str]:
-    """The parallax.train options ``train_argv`` sets."""
-    known, _ = train_parser().parse_known_args(train_argv)
-    return {k for k, v in vars(known).items() if v is not None}
+    """The parallax.train options ``train_argv`` sets (its ``--config`` file's among them); a
+    ``ValueError`` for a flag that is neither the planner's nor parallax.train's."""
+    values, unknown = cl.parse_known(train_argv, option_classes(), train_parser())
+    if unknown:
+        raise ValueError(
+            f"unrecognized arguments: {' '.join(unknown)} (neither the planner's flags, "
+            "parallax.plan --help, nor parallax.train's, parallax.train --help)"
+        )
+    return set(values)
 
 
 def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
@@ -61,10 +68,10 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
     and the ``--machine`` profile are checked before the model is built."""
     opts, train_argv = parse_plan(argv)
     gpus, nodes, per_node = world(opts)
-    machine, note = machine_of(opts, nodes, per_node)
-    if "precision" not in given_options(train_argv):
-        train_argv = [*train_argv, "--precision", "bf16"]
     given = given_options(train_argv)
+    machine, note = machine_of(opts, nodes, per_node)
+    if "precision" not in given:
+        train_argv = [*train_argv, "--precision", "bf16"]
     cfg = parse_args(train_argv)
     run = resolve(cfg)
     fixed = {k: getattr(cfg, k) for k in LAYOUT_OPTIONS if k in given}

@@ -142,6 +142,7 @@ def _usage(p: argparse.ArgumentParser, head: str, tail: str) -> str:
 def plan_parser() -> argparse.ArgumentParser:
     p = cl.parser([PlanOptions], "parallax.plan", DESCRIPTION)
     p.epilog = EPILOG
+    p.allow_abbrev = False  # an abbreviation is parallax.train's to read
     p.usage = _usage(p, "[calibrate]", "[--model MODEL] [any parallax.train flag]")
     return p
 

@@ -58,6 +58,7 @@ def _no_model(monkeypatch) -> None:
             "--nodes 2 x --gpus-per-node 4 is 8 GPUs, not --gpus 4",
         ),
         (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of 8 GPUs"),
+        (["--bogus", "1"], "unrecognized arguments: --bogus 1 (neither the planner's"),
     ],
 )
 def test_a_bad_planner_flag_is_one_message_before_any_model(argv, said, capsys, monkeypatch):
@@ -65,6 +66,12 @@ def test_a_bad_planner_flag_is_one_message_before_any_model(argv, said, capsys, 
     status, out, err = _plan(argv, capsys)
     assert status == 2 and out == ""
     assert said in _one_error(err, "parallax.plan")
+
+
+def test_a_bad_run_flag_after_the_planners_is_the_trainers_message(capsys):
+    status, out, err = _plan(["--gpus", "2", "--lr", "-1e-3"], capsys)  # "-1e-3": a value
+    assert status == 2 and out == ""
+    assert "--lr must be positive, got -0.001" in _one_error(err, "parallax.plan")
 
 
 def test_every_bad_flag_is_in_the_one_message(capsys, monkeypatch):
