@@ -77,20 +77,31 @@ def write_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def folder_problems(what: str, folder: str | os.PathLike) -> list[str]:
+    """Why ``what`` (the flag and its value) cannot write files in ``folder``, made first where
+    it is missing: the nearest folder that exists must take new files."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"{what}: {existing} is a file, so no folder can be made below it"]
+    why = write_problem(existing)
+    return [f"{what}: cannot write in {existing} ({why})"] if why else []
+
+
 def file_problems(what: str, path: str | os.PathLike) -> list[str]:
-    """Why ``what`` (the flag, ``--out``) cannot write the file ``path``: checked before the
-    work that makes the file, so nothing is measured or drawn only to be lost."""
+    """Why ``what`` (the flag, ``--out``) cannot write the file ``path`` (its missing folders
+    made): checked before the work that makes it, so nothing is measured or drawn to be lost."""
     path = Path(path)
-    said = f"{what} {path}"
     if path.is_dir():
-        return [f"{said} is a directory: name a file in it (e.g. {path / 'NAME'})"]
-    parent = path.parent
-    if not parent.exists():
-        return [f"{said}: the folder {parent} does not exist (make it first: mkdir -p {parent})"]
-    if not parent.is_dir():
-        return [f"{said}: {parent} is a file, not a folder"]
-    why = write_problem(parent)
-    return [f"{said}: cannot write in {parent} ({why})"] if why else []
+        return [f"{what} {path} is a directory: name a file in it (e.g. {path / 'NAME'})"]
+    return folder_problems(f"{what} {path}", path.parent)
+
+
+def write_file(path: str | os.PathLike, data: bytes) -> None:
+    """:func:`atomic_write_bytes`, its missing folders made first (as :func:`file_problems`
+    allowed)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

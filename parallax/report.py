@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallax.atomic import atomic_write_bytes, file_problems
+from parallax.atomic import file_problems, write_file
 from parallax.run.option import at_most, positive
 
 COMMON = {  # every family's metrics.jsonl keys (parallax.train.monitor.METRIC_FIELDS)
@@ -155,8 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         "--out",
         default="curves.png",
         metavar="FILE",
-        help="the picture to write, its format by its suffix (png, pdf, svg...; its folder "
-        "must exist; default %(default)s)",
+        help="the picture to write, its format by its suffix (png, pdf, svg...; missing "
+        "folders are made; default %(default)s)",
     )
     p.add_argument(
         "--dpi",
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parallax.report: error: {err}", file=sys.stderr)
         return 2
     try:
-        atomic_write_bytes(args.out, picture.getvalue())  # a complete picture or none
+        write_file(args.out, picture.getvalue())  # a complete picture or none
     except OSError as err:
         print(f"parallax.report: error: cannot write --out {args.out} ({err})", file=sys.stderr)
         return 1

@@ -52,7 +52,7 @@ def test_each_run_is_drawn_on_every_panel_with_its_evaluations(tmp_path):
 
 def test_the_command_writes_the_png_and_refuses_a_folder_without_metrics(tmp_path, capsys):
     a = _run(tmp_path / "a", 6, "action_accuracy", mfu=False)
-    out = tmp_path / "curves.png"
+    out = tmp_path / "pics" / "curves.png"
     assert main([str(a), "--out", str(out), "--dpi", "50"]) == 0
     assert "wrote" in capsys.readouterr().out
     data = out.read_bytes()

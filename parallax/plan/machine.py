@@ -186,6 +186,8 @@ def load(path: str | Path) -> Machine:
 
 
 def save(machine: Machine, path: str | Path) -> None:
+    """Write the profile whole (its missing folders made: ``calibrate`` checked they can be)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(path), machine.to_json())
 
 

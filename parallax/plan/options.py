@@ -104,7 +104,7 @@ class CalibrateOptions:
 
     out: str | None = opt(
         None,
-        "the profile to write (JSON; its folder must exist)",
+        "the profile to write (JSON; missing folders are made)",
         CALIBRATE,
         metavar="FILE",
         default_text="none: it is required",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax import tomlfile
-from parallax.atomic import write_problem
+from parallax.atomic import folder_problems
 
 KINDS = (int, float, bool, str)
 Kind = tuple[type, bool]  # (int | float | bool | str, whether None is allowed)
@@ -162,11 +162,7 @@ def out_problems(out: str) -> list[str]:
             f"--out {out} is a file, not a directory (it would hold metrics.jsonl and "
             "checkpoints/): pass a directory"
         ]
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return [f"--out {out}: {existing} is a file, so no directory can be made below it"]
-    why = write_problem(existing)
-    return [f"--out {out}: cannot write in {existing} ({why})"] if why else []
+    return folder_problems(f"--out {out}", path)
 
 
 def read_toml_file(path: Path, what: str) -> dict[str, Any]:

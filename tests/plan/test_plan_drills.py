@@ -173,12 +173,20 @@ def test_a_given_offload_fraction_is_searched(capsys):
 
 # -- output paths: checked before anything is measured or drawn -------------------------------
 def _bad_outs(tmp_path: Path, name: str) -> dict[str, tuple[str, str]]:
+    """``--out`` paths no file can be written at (a missing folder is made, unless a file is
+    in its way)."""
     (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("mine")
     return {
-        "missing folder": (str(tmp_path / "nope" / name), "does not exist"),
-        "read-only place": (f"{READ_ONLY}/{name}", f"cannot write in {READ_ONLY}"),
+        "a folder below a file": (str(tmp_path / "file" / "new" / name), "is a file, so no"),
+        "read-only place": (f"{READ_ONLY}/new/{name}", f"cannot write in {READ_ONLY}"),
         "a directory": (str(tmp_path / "folder"), "is a directory"),
     }
+
+
+def _untouched(tmp_path: Path) -> None:
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+    assert (tmp_path / "file").read_text() == "mine" and not any((tmp_path / "folder").iterdir())
 
 
 def test_calibrate_checks_out_before_measuring(tmp_path, capsys, monkeypatch):
@@ -192,8 +200,13 @@ def test_calibrate_checks_out_before_measuring(tmp_path, capsys, monkeypatch):
         assert f"--out {out}" in line and said in line, (what, line)
     assert cli.main(["calibrate"]) == 2
     assert "calibrate needs --out FILE" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
-    assert not any((tmp_path / "folder").iterdir())
+    _untouched(tmp_path)
+
+
+def test_calibrate_makes_a_missing_folder_as_train_makes_its_out(tmp_path):
+    out = tmp_path / "profiles" / "cpu.json"
+    assert cli.main(["calibrate", "--out", str(out), "--precision", "fp32"]) == 0
+    assert json.loads(out.read_text())["measured"] is True
 
 
 def test_report_checks_out_and_dpi_before_drawing(tmp_path, capsys, monkeypatch):
@@ -214,7 +227,7 @@ def test_report_checks_out_and_dpi_before_drawing(tmp_path, capsys, monkeypatch)
         assert report.main(["run", "--out", *args]) == 2, what
         line = _one_error(capsys.readouterr().err, "parallax.report")
         assert said in line, (what, line)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    _untouched(tmp_path)
 
 
 # -- --help: how the planner is used, every default, no RST ------------------------------------
