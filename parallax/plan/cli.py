@@ -3,8 +3,10 @@
 Every option of ``parallax.train`` is taken as it is (the model, ``--finetune``, the batch,
 the data, ``--precision``: bf16 unless given); those that a layout sets (``--tp``, ``--zero``,
 ``--micro-batch-size``...) constrain the search when given. The planner's own options say what
-the machine is. ``python -m parallax.plan calibrate --out FILE`` measures a profile
-(:mod:`parallax.plan.calibrate`).
+the machine is (:mod:`parallax.plan.options`: checked as the trainer checks its own, before any
+model is built). ``python -m parallax.plan calibrate --out FILE`` measures a profile
+(:mod:`parallax.plan.calibrate`). Status: 0 a layout fits, 1 none fits, 2 a bad input (one
+message on stderr, naming it).
 """
 
 from __future__ import annotations
