@@ -63,6 +63,47 @@ def temp_sibling(path: str | os.PathLike, tag: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
 
 
+def write_problem(folder: str | os.PathLike) -> str | None:
+    """Why no file can be made in ``folder``, in words, or ``None``. Tried, not read from the
+    mode bits: root passes every permission check, yet a read-only mount or ``/proc`` refuses."""
+    probe = Path(folder) / f".parallax-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
+def folder_problems(what: str, folder: str | os.PathLike) -> list[str]:
+    """Why ``what`` (the flag and its value) cannot write files in ``folder``, made first where
+    it is missing: the nearest folder that exists must take new files."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"{what}: {existing} is a file, so no folder can be made below it"]
+    why = write_problem(existing)
+    return [f"{what}: cannot write in {existing} ({why})"] if why else []
+
+
+def file_problems(what: str, path: str | os.PathLike) -> list[str]:
+    """Why ``what`` (the flag, ``--out``) cannot write the file ``path`` (its missing folders
+    made): checked before the work that makes it, so nothing is measured or drawn to be lost."""
+    path = Path(path)
+    if path.is_dir():
+        return [f"{what} {path} is a directory: name a file in it (e.g. {path / 'NAME'})"]
+    return folder_problems(f"{what} {path}", path.parent)
+
+
+def write_file(path: str | os.PathLike, data: bytes) -> None:
+    """:func:`atomic_write_bytes`, its missing folders made first (as :func:`file_problems`
+    allowed)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync the directory."""
     path = Path(path)

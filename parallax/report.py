@@ -10,11 +10,15 @@ labelled by its folder's name. Needs matplotlib (the optional extra ``plots``).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from parallax.atomic import file_problems, write_file
+from parallax.run.option import at_most, positive
 
 COMMON = {  # every family's metrics.jsonl keys (parallax.train.monitor.METRIC_FIELDS)
     "step",
@@ -28,6 +32,9 @@ COMMON = {  # every family's metrics.jsonl keys (parallax.train.monitor.METRIC_F
     "step_time_s",
     "data_wait_s",
 }
+# a 16 x 8 inch figure of 19200 x 9600 pixels at most (matplotlib's own limit: 2^16 a side)
+MAX_DPI = 1200
+DPI = (positive, at_most(MAX_DPI, " (a 16 x 8 inch figure: 19200 x 9600 pixels)"))
 # (title, the metrics.jsonl key, the eval.jsonl key drawn as points); "metric" is the family's
 PANELS = (
     ("loss", "loss", "eval_loss"),
@@ -87,6 +94,8 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not JSON lines ({err})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it ({err})") from None
 
 
 def draw(runs: list[Run]):
@@ -129,23 +138,79 @@ def draw(runs: list[Run]):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """Raises its errors, so :func:`main` says each one alike and returns its status."""
+
+    def error(self, message: str):
+        raise ValueError(f"{message} (--help lists the flags)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
         prog="parallax.report",
         description="Draw the curves of one or more parallax run folders into one picture.",
     )
     p.add_argument("runs", nargs="+", metavar="OUT", help="run folders (their --out)")
-    p.add_argument("--out", default="curves.png", help="the picture to write (default %(default)s)")
-    p.add_argument("--dpi", type=int, default=100, help="resolution (default %(default)s)")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--out",
+        default="curves.png",
+        metavar="FILE",
+        help="the picture to write, its format by its suffix (png, pdf, svg...; missing "
+        "folders are made; default %(default)s)",
+    )
+    p.add_argument(
+        "--dpi",
+        type=int,
+        default=100,
+        metavar="N",
+        help=f"dots per inch of the 16 x 8 inch figure, 1 to {MAX_DPI} (default %(default)s)",
+    )
+    return p
+
+
+def argument_problems(out: str, dpi: int) -> list[str]:
+    """Why ``--out`` and ``--dpi`` cannot make the picture: checked before any run is read."""
+    found = [f"--dpi {problem}" for check in DPI if (problem := check(dpi))]
+    found += file_problems("--out", out)
+    kind = _format(out)
+    formats = _formats()
+    if formats and kind not in formats:
+        found.append(f"--out {out}: no picture format {kind!r}; use {', '.join(sorted(formats))}")
+    return found
+
+
+def _format(out: str) -> str:
+    return Path(out).suffix[1:].lower() or "png"
+
+
+def _formats() -> set[str]:
+    """The formats matplotlib writes (none known without it: :func:`draw` says so)."""
     try:
+        from matplotlib.backend_bases import FigureCanvasBase  # optional, as in draw
+    except ImportError:
+        return set()
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the arguments, read the runs, draw, write; one message and status 2 for a bad
+    argument or run folder (nothing written), 1 when the picture cannot be written."""
+    try:
+        args = _parser().parse_args(argv)
+        found = argument_problems(args.out, args.dpi)
+        if found:
+            raise ValueError("; ".join(found))
         runs = [read_run(folder) for folder in args.runs]
-        fig = draw(runs)
+        picture = io.BytesIO()
+        draw(runs).savefig(picture, format=_format(args.out), dpi=args.dpi)
     except (ValueError, ImportError) as err:
         print(f"parallax.report: error: {err}", file=sys.stderr)
         return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=args.dpi)
+    try:
+        write_file(args.out, picture.getvalue())  # a complete picture or none
+    except OSError as err:
+        print(f"parallax.report: error: cannot write --out {args.out} ({err})", file=sys.stderr)
+        return 1
     steps = ", ".join(f"{r.name} ({len(r.rows)} steps)" for r in runs)
     print(f"wrote {args.out}: {steps}")
     return 0

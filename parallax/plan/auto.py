@@ -18,6 +18,7 @@ import torch
 from parallax.plan import report, search
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import GIB, Machine, target
+from parallax.plan.ruled_out import ruled_out
 from parallax.plan.workload import Workload
 from parallax.run import Run, TrainConfig
 
@@ -35,16 +36,20 @@ def given(flags: TrainConfig) -> set[str]:
     return {k for k in LAYOUT_OPTIONS if k in names}
 
 
-def _gpu_memory(flags: TrainConfig) -> tuple[float, bool]:
-    """GiB to plan each GPU for (``--gpu-memory``, else this GPU's), and whether
-    ``--gpu-memory-limit`` is what bounds it (a cap the CUDA context is not part of)."""
+def _gpu_memory(flags: TrainConfig) -> tuple[float | None, bool]:
+    """GiB to plan each GPU for (``--gpu-memory``, else this GPU's; ``None``: the
+    ``--machine`` profile's), and whether ``--gpu-memory-limit`` is what bounds it (a cap the
+    CUDA context is not part of)."""
     gib = flags.gpu_memory
     if gib is None and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         gib = torch.cuda.get_device_properties(local).total_memory / GIB
     limit = flags.gpu_memory_limit
-    if gib is None and limit is None:
-        raise ValueError("--layout auto on a machine without GPUs needs --gpu-memory GIB")
+    if gib is None and limit is None and flags.machine is None:
+        raise ValueError(
+            "--layout auto on a machine without GPUs needs --gpu-memory GIB (or a --machine "
+            "profile)"
+        )
     if limit is not None and (gib is None or limit < gib):
         return limit, True
     return gib, False
@@ -74,7 +79,10 @@ def choose(run: Run) -> Run:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     machine = machine_of(run, world, per_node)
     fixed = {k: getattr(run, k) for k in given(run)}
-    result = search.search(Workload(run), machine, world, fixed, top=1)
+    model = Workload(run)
+    result = search.search(model, machine, world, fixed, top=1)
+    if why := ruled_out(result, model, world, per_node, fixed):
+        raise ValueError(f"--layout auto: {why}")
     if not result.ranked:
         why = report.nothing_fits(result, world, run.finetune == "lora")
         raise ValueError(f"--layout auto: {why}")

@@ -11,9 +11,9 @@ it could not measure stays at the nearest shipped default, and the profile's ``n
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallax.plan.machine import GIB, LINKS, Link, Machine, default_for, save
+from parallax.plan.options import parse_calibrate
 from parallax.recipe import registry
 
 log = logging.getLogger(__name__)
@@ -196,11 +197,14 @@ def measure_links(nodes: int, per_node: int) -> tuple[dict, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="parallax.plan calibrate", description=__doc__)
-    p.add_argument("--out", required=True, metavar="FILE", help="where to write the profile")
-    p.add_argument("--model", help="measure the GEMMs at this model's decoder shapes")
-    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
-    args = p.parse_args(argv)
+    """Measure and write the profile; ``--out`` and ``--model`` are checked before anything is
+    measured (one message, status 2)."""
+    try:
+        args = parse_calibrate(sys.argv[1:] if argv is None else argv)
+        _shapes(args.model)  # an unknown --model, said now
+    except ValueError as err:
+        print(f"parallax.plan calibrate: error: {err}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -3,100 +3,92 @@
 Every option of ``parallax.train`` is taken as it is (the model, ``--finetune``, the batch,
 the data, ``--precision``: bf16 unless given); those that a layout sets (``--tp``, ``--zero``,
 ``--micro-batch-size``...) constrain the search when given. The planner's own options say what
-the machine is. ``python -m parallax.plan calibrate --out FILE`` measures a profile
-(:mod:`parallax.plan.calibrate`).
+the machine is (:mod:`parallax.plan.options`: checked as the trainer checks its own, before any
+model is built). ``python -m parallax.plan calibrate --out FILE`` measures a profile
+(:mod:`parallax.plan.calibrate`). Status: 0 a layout fits, 1 none fits, 2 a bad input (one
+message on stderr, naming it).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+import torch
 from rich.console import Console
 
 from parallax.plan import calibrate
 from parallax.plan.layout import LAYOUT_OPTIONS
-from parallax.plan.machine import LINKS, Machine, target
+from parallax.plan.machine import GIB, LINKS, Machine, target
+from parallax.plan.options import PlanOptions, parse_plan, world
 from parallax.plan.report import command, layouts_table, nothing_fits
-from parallax.plan.search import MARGIN, Result, search
+from parallax.plan.ruled_out import ruled_out
+from parallax.plan.search import Result, search
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
-from parallax.recipe.flags import parse_args, train_parser
-
-INTERCONNECTS = ("nvlink", "pcie", "pcie-no-p2p")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="parallax.plan",
-        description="The fastest dp x tp x pp x ZeRO layout of a parallax.train run that fits "
-        "the GPUs given, predicted; any parallax.train flag may follow.",
-    )
-    p.add_argument("--gpus", type=int, help="GPUs in all (default: --nodes x --gpus-per-node)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: --gpus, at most 8)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of each GPU")
-    p.add_argument("--host-memory", type=float, metavar="GIB", help="host memory of each node")
-    p.add_argument("--interconnect", choices=INTERCONNECTS, help="how a node's GPUs talk")
-    p.add_argument("--machine", metavar="FILE", help="a profile from 'calibrate --out FILE'")
-    p.add_argument("--margin", type=float, default=MARGIN, help="share of memory kept free")
-    p.add_argument("--top", type=int, default=5, help="layouts to show")
-    return p
+from parallax.recipe.flags import option_classes, parse_args, train_parser
+from parallax.run import command_line as cl
 
 
-def _world(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(world, nodes, GPUs per node) from --gpus / --nodes / --gpus-per-node."""
-    nodes, per_node = args.nodes, args.gpus_per_node
-    if per_node is None:
-        if args.gpus is None:
-            per_node = 1
-        elif nodes > 1:
-            per_node = args.gpus // nodes
-        else:
-            per_node = min(args.gpus, 8)
-    if args.gpus is not None:
-        nodes = max(args.gpus // max(per_node, 1), 1)
-    world = nodes * per_node
-    if (args.gpus is not None and world != args.gpus) or min(nodes, per_node) < 1:
-        raise ValueError(
-            f"--gpus {args.gpus} is not a whole number of nodes of {per_node} GPUs; give "
-            "--gpus N (nodes of 8) or --nodes A --gpus-per-node B"
-        )
-    return world, nodes, per_node
-
-
-def given_options(train_argv: list[str]) -> set[str]:
-    """The parallax.train options ``train_argv`` sets."""
-    known, _ = train_parser().parse_known_args(train_argv)
-    return {k for k, v in vars(known).items() if v is not None}
-
-
-def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
-    """Search and print; returns the result and the command of the first layout."""
-    args, train_argv = parser().parse_known_args(argv)
-    world, nodes, per_node = _world(args)
-    if "precision" not in given_options(train_argv):
-        train_argv = [*train_argv, "--precision", "bf16"]
-    given = given_options(train_argv)
-    cfg = parse_args(train_argv)
-    run = resolve(cfg)
-    fixed = {k: getattr(cfg, k) for k in LAYOUT_OPTIONS if k in given}
+def machine_of(opts: PlanOptions, nodes: int, per_node: int) -> tuple[Machine, str | None]:
+    """The profile to plan for and, when it is a default no flag named, a note saying which
+    (and how to name another). ``--gpu-memory``, else the ``--machine`` profile's, else this
+    GPU's, else the default profile's."""
+    gib, note = opts.gpu_memory, None
+    if gib is None and opts.machine is None and torch.cuda.is_available():
+        gib = torch.cuda.get_device_properties(0).total_memory / GIB
     machine = target(
         gpus_per_node=per_node,
         nodes=nodes,
-        gpu_memory_gib=args.gpu_memory,
-        host_memory_gib=args.host_memory,
-        interconnect=args.interconnect,
-        machine_file=args.machine,
+        gpu_memory_gib=gib,
+        host_memory_gib=opts.host_memory,
+        interconnect=opts.interconnect,
+        machine_file=opts.machine,
     )
+    if gib is None and opts.machine is None:
+        note = (
+            f"no GPU here and no --gpu-memory: planning for the {machine.name} profile, "
+            f"{machine.gpu_memory_gib:g} GiB a GPU; name another with --gpu-memory GIB (24: an "
+            "RTX 4090, 80: an H100) or --machine FILE (python -m parallax.plan calibrate)"
+        )
+    return machine, note
+
+
+def given_options(train_argv: list[str]) -> set[str]:
+    """The parallax.train options ``train_argv`` sets (its ``--config`` file's among them); a
+    ``ValueError`` for a flag that is neither the planner's nor parallax.train's."""
+    values, unknown = cl.parse_known(train_argv, option_classes(), train_parser())
+    if unknown:
+        raise ValueError(
+            f"unrecognized arguments: {' '.join(unknown)} (neither the planner's flags, "
+            "parallax.plan --help, nor parallax.train's, parallax.train --help)"
+        )
+    return set(values)
+
+
+def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
+    """Search and print; returns the result and the command of the first layout. Every flag
+    and the ``--machine`` profile are checked before the model is built."""
+    opts, train_argv = parse_plan(argv)
+    gpus, nodes, per_node = world(opts)
+    given = given_options(train_argv)
+    machine, note = machine_of(opts, nodes, per_node)
+    if "precision" not in given:
+        train_argv = [*train_argv, "--precision", "bf16"]
+    cfg = parse_args(train_argv)
+    run = resolve(cfg)
+    fixed = {k: getattr(cfg, k) for k in LAYOUT_OPTIONS if k in given}
     limit = cfg.gpu_memory_limit
     if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
     model = Workload(run)
-    result = search(model, machine, world, fixed, top=args.top, margin=args.margin)
-    console.print(_header(run, model, machine, world, nodes, args.margin), highlight=False)
+    result = search(model, machine, gpus, fixed, top=opts.top, margin=opts.margin)
+    if why := ruled_out(result, model, gpus, per_node, fixed):
+        raise ValueError(why)
+    console.print(_header(run, model, machine, gpus, nodes, opts.margin), highlight=False)
+    if note:
+        console.print(note, highlight=False)
     if not result.ranked:
-        console.print(nothing_fits(result, world, run.finetune == "lora"), highlight=False)
+        console.print(nothing_fits(result, gpus, run.finetune == "lora"), highlight=False)
         return result, None
     console.print(f"searched {result.searched} layouts, {result.fitting} fit", highlight=False)
     console.print(layouts_table(result))
@@ -126,6 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result, _ = plan(argv, console)
     except ValueError as err:
-        console.print(f"parallax.plan: {err}", highlight=False)
+        print(f"parallax.plan: error: {err}", file=sys.stderr)
         return 2
     return 0 if result.ranked else 1

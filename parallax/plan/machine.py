@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parallax.atomic import atomic_write_json
+from parallax.run.option import ONE, Check, at_least, positive, within
+from parallax.run.options_layout import GPU_GIB, HOST_GIB
+from parallax.run.values import convert, field_kinds, show
 
 GIB = 2**30
 
@@ -102,28 +105,89 @@ class Machine:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Machine:
+    def from_json(cls, data: Any) -> Machine:
+        """The profile of ``data`` (a JSON object); one ``ValueError`` naming every missing,
+        unknown or bad field (:func:`profile_problems`)."""
+        found = profile_problems(data)
+        if found:
+            raise ValueError("; ".join(found))
         data = dict(data)
         for key in ("intra", "inter"):
-            if isinstance(data.get(key), dict):
+            if key in data:
                 data[key] = Link(**data[key])
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"machine profile: unknown keys {unknown}")
         return cls(**data)
 
 
+# the fields whose range is not "a positive number" (every other number's is)
+RANGES: dict[str, tuple[Check, ...]] = {
+    "gpu_memory_gib": GPU_GIB,
+    "host_memory_gib": HOST_GIB,
+    "gpus_per_node": (ONE,),
+    "nodes": (ONE,),
+    "cuda_context_gib": (at_least(0),),
+    "allocator_reserve": (within(0, 1, "[)"),),
+    "latency_us": (at_least(0),),
+}
+
+
+def _fields_problems(cls: type, data: Any, where: str) -> list[str]:
+    """What is missing, unknown or bad in ``data``, the JSON object of dataclass ``cls``."""
+    if not isinstance(data, dict):
+        what = where.rstrip(".") or "a profile"
+        return [f"{what} must be a JSON object of fields, got {show(data)}"]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    need = [k for k, f in fields.items() if f.default is MISSING and f.default_factory is MISSING]
+    found = []
+    for word, keys in (
+        ("missing", [k for k in need if k not in data]),
+        ("unknown", sorted(set(data) - set(fields))),
+    ):
+        if keys:
+            found.append(f"{word} field(s) " + ", ".join(where + k for k in keys))
+    kinds = field_kinds(cls)
+    for key, value in data.items():
+        if key in ("intra", "inter") and key in fields:
+            found += _fields_problems(Link, value, f"{key}.")
+        if key not in kinds:
+            continue
+        try:
+            value = convert(f"{where}{key} = {show(value)}", value, kinds[key], text=False)
+        except ValueError as err:
+            found.append(str(err))
+            continue
+        numeric = kinds[key][0] in (int, float)
+        for check in RANGES.get(key, (positive,) if numeric else ()):
+            if problem := check(value):
+                found.append(f"{where}{key} {problem}")
+    return found
+
+
+def profile_problems(data: Any) -> list[str]:
+    """Every missing, unknown or bad field of a profile's JSON (``{}`` names each field it
+    lacks), checked as the options of the same meaning are (``gpu_memory_gib`` as
+    ``--gpu-memory``)."""
+    return _fields_problems(Machine, data, "")
+
+
 def load(path: str | Path) -> Machine:
-    """A profile written by ``python -m parallax.plan calibrate --out FILE``."""
+    """A profile written by ``python -m parallax.plan calibrate --out FILE``; one
+    ``ValueError`` naming the file and every problem of it."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"--machine {path}: cannot read the profile ({err})") from None
-    return Machine.from_json(data)
+    try:
+        return Machine.from_json(data)
+    except ValueError as err:
+        raise ValueError(
+            f"--machine {path} is not a machine profile ({err}); python -m parallax.plan "
+            "calibrate --out FILE writes one"
+        ) from None
 
 
 def save(machine: Machine, path: str | Path) -> None:
+    """Write the profile whole (its missing folders made: ``calibrate`` checked they can be)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(path), machine.to_json())
 
 

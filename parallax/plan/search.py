@@ -93,6 +93,7 @@ def _checkpointing(model: Workload, fixed: dict[str, Any]) -> list[bool | str]:
 def _memory_options(dp: int, fixed: dict[str, Any]) -> list[tuple[int, bool, bool]]:
     """(zero, share offloaded, reshard after forward) worth trying at ``dp``."""
     shares = [1.0, 0.5] if "offload_fraction" in OPTION_NAMES else [1.0]
+    shares = [fixed["offload_fraction"]] if "offload_fraction" in fixed else shares
     out: list[tuple[int, float, bool]] = [(1, 0.0, True)]
     out += [(2, 0.0, True)] if dp > 1 else []
     out += [(2, share, True) for share in shares]

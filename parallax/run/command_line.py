@@ -131,6 +131,20 @@ def _is_number(text: str) -> bool:
 def parse(argv: Sequence[str], classes: Sequence[type], cli: argparse.ArgumentParser) -> dict:
     """``{field: value}`` of the options given: the TOML file of ``--config`` (if any), then
     the flags, each checked against its field's type (nothing else is checked here)."""
+    return _parse(argv, classes, cli, known=False)[0]
+
+
+def parse_known(
+    argv: Sequence[str], classes: Sequence[type], cli: argparse.ArgumentParser
+) -> tuple[dict, list[str]]:
+    """:func:`parse` of the flags ``classes`` declare, and the rest of ``argv`` in its order
+    (another command's flags: the planner passes parallax.train's on)."""
+    return _parse(argv, classes, cli, known=True)
+
+
+def _parse(
+    argv: Sequence[str], classes: Sequence[type], cli: argparse.ArgumentParser, known: bool
+) -> tuple[dict, list[str]]:
     options_ = declared(classes)
     kinds: dict = {}
     for cls in classes:
@@ -140,7 +154,8 @@ def parse(argv: Sequence[str], classes: Sequence[type], cli: argparse.ArgumentPa
     takes = {
         flag(f.name) for f, o in options_ if o.switch is None and not o.inverted and not o.hidden
     }
-    args = cli.parse_args(joined_negatives(argv, takes))
+    argv = joined_negatives(argv, takes)
+    args, rest = cli.parse_known_args(argv) if known else (cli.parse_args(argv), [])
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         file_kinds = {k: v for k, v in kinds.items() if k != "config"}
@@ -154,7 +169,7 @@ def parse(argv: Sequence[str], classes: Sequence[type], cli: argparse.ArgumentPa
         else:  # a command-line value (text, or a switch's bool: always valid)
             label = f"{flag(key)} {value}"
             values[key] = convert(label, value, kinds[key], choices.get(key), text=True)
-    return values
+    return values, rest
 
 
 def markdown(classes: Sequence[type], words: dict[str, str] | None = None) -> str:

@@ -86,10 +86,27 @@ def as_given(name: str, value: Any) -> str:
     return flag(name) if value is True else f"{flag(name)} {value}"
 
 
+def shared(cls: type, name: str, **changes: Any) -> Any:
+    """Option ``name`` of dataclass ``cls`` declared again for another command (the planner's
+    ``--gpu-memory`` is the trainer's), with its checks; ``changes`` replace parts of the
+    declaration (``default``, ``help``, ``group``, ``needs``...)."""
+    found = {f.name: (f, o) for f, o in options(cls)}
+    if name not in found:
+        raise ValueError(f"{cls.__name__} declares no option {flag(name)}")
+    f, o = found[name]
+    default = changes.pop("default", f.default)
+    return field(default=default, metadata={"option": dataclasses.replace(o, **changes)})
+
+
 # -- checks ------------------------------------------------------------------------------------
+def number(v: float) -> str:
+    """A number as a message shows it: an integer in full, a float short (``1e+09``)."""
+    return str(v) if isinstance(v, int) else f"{v:g}"
+
+
 def at_least(low: float, meaning: str = "") -> Check:
     def check(v: Any) -> str | None:
-        return None if v >= low else f"must be >= {low:g}{meaning}, got {v:g}"
+        return None if v >= low else f"must be >= {number(low)}{meaning}, got {number(v)}"
 
     return check
 
@@ -97,18 +114,28 @@ def at_least(low: float, meaning: str = "") -> Check:
 ONE = at_least(1)  # the most common check: a count of at least one
 
 
+def at_most(high: float, meaning: str = "") -> Check:
+    """A bound a real value stays under (``meaning``: why, in words)."""
+
+    def check(v: Any) -> str | None:
+        return None if v <= high else f"must be <= {number(high)}{meaning}, got {number(v)}"
+
+    return check
+
+
 def positive(v: Any) -> str | None:
-    return None if v > 0 else f"must be positive, got {v:g}"
+    return None if v > 0 else f"must be positive, got {number(v)}"
 
 
-def within(low: float, high: float, closed: str = "[]") -> Check:
-    """A value in ``[low, high]`` (``closed`` says which ends are in: ``"[]"``, ``"(]"``...)."""
+def within(low: float, high: float, closed: str = "[]", meaning: str = "") -> Check:
+    """A value in ``[low, high]`` (``closed`` says which ends are in: ``"[]"``, ``"(]"``...);
+    ``meaning`` follows the interval in the message (what the bounds stand for)."""
 
     def check(v: Any) -> str | None:
         ok_low = v >= low if closed[0] == "[" else v > low
         ok_high = v <= high if closed[1] == "]" else v < high
-        interval = f"{closed[0]}{low:g}, {high:g}{closed[1]}"
-        return None if ok_low and ok_high else f"must be in {interval}, got {v:g}"
+        interval = f"{closed[0]}{number(low)}, {number(high)}{closed[1]}"
+        return None if ok_low and ok_high else f"must be in {interval}{meaning}, got {number(v)}"
 
     return check
 

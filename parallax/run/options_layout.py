@@ -8,12 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.pipeline import SCHEDULES
-from parallax.run.option import ONE, opt, positive
+from parallax.run.option import ONE, at_most, opt, positive
 
 LAYOUTS = ("manual", "auto")
 INTERCONNECTS = ("nvlink", "pcie", "pcie-no-p2p")
 LAYOUT, SCHEDULE = "layout", "schedule"
 AUTO_ONLY = {"needs": ("layout", "auto", "what the planner plans for")}
+# no GPU holds more than a few hundred GiB, no single node's host more than a few dozen TiB:
+# a larger value is a typo (bytes for GiB), not a machine
+MAX_GPU_GIB, MAX_HOST_GIB = 4096, 65536
+GPU_GIB = (positive, at_most(MAX_GPU_GIB, " GiB (no GPU holds more)"))
+HOST_GIB = (positive, at_most(MAX_HOST_GIB, " GiB (no node holds more)"))
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class LayoutOptions:
         None,
         "GiB of each GPU that --layout auto plans for",
         LAYOUT,
-        check=positive,
+        checks=GPU_GIB,
         metavar="GIB",
         default_text="the device's",
         **AUTO_ONLY,
@@ -46,7 +51,7 @@ class LayoutOptions:
         None,
         "GiB of host memory per node that --layout auto plans for",
         LAYOUT,
-        check=positive,
+        checks=HOST_GIB,
         metavar="GIB",
         default_text="this host's",
         **AUTO_ONLY,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.models.compile import CHECKPOINT_SCOPES
-from parallax.run.option import opt, positive, within
+from parallax.run.option import opt, within
+from parallax.run.options_layout import GPU_GIB
 
 ZERO_STAGES = (1, 2, 3)
 OFFLOADS = ("none", "optimizer")
@@ -61,7 +62,7 @@ class MemoryOptions:
         "cap this process's GPU memory at GIB (torch's per-process memory fraction): emulates "
         "a smaller card on a large one and protects a shared GPU",
         MEMORY,
-        check=positive,
+        checks=GPU_GIB,
         metavar="GIB",
     )
     activation_checkpointing: bool = opt(

@@ -55,7 +55,7 @@ class RunOptions:
         "in --out/tb) and/or Weights & Biases (WANDB_MODE=offline works), comma separated; "
         "optional extras tensorboard, wandb",
         RUN,
-        metavar="{tensorboard,wandb}",
+        metavar="{tensorboard,wandb}[,...]",
     )
     dry_run: bool = opt(
         False, "print the plan (layout, stages, memory, schedule) and exit", RUN, switch="on"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from parallax import tomlfile
+from parallax.atomic import folder_problems
 
 KINDS = (int, float, bool, str)
 Kind = tuple[type, bool]  # (int | float | bool | str, whether None is allowed)
@@ -162,12 +162,7 @@ def out_problems(out: str) -> list[str]:
             f"--out {out} is a file, not a directory (it would hold metrics.jsonl and "
             "checkpoints/): pass a directory"
         ]
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return [f"--out {out}: {existing} is a file, so no directory can be made below it"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"--out {out}: no permission to write in {existing}"]
-    return []
+    return folder_problems(f"--out {out}", path)
 
 
 def read_toml_file(path: Path, what: str) -> dict[str, Any]:
