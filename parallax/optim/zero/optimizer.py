@@ -64,27 +64,17 @@ class ZeroOptimizer(OptimizerFacade):
     left alone. Build it after the model has its final device and dtype: the parameters become
     views into the optimizer's buffers.
 
-    ``overlap``: in a step opened by ``zero_grad()``, reduce-scatter a bucket from a backward hook
-    as soon as each of its parameters has had ``backward_passes_per_step`` gradient accumulations
-    (the micro-batches of a pipeline schedule times the accumulation steps). ``step()`` always
-    completes the reduction, so fewer passes, unused parameters, a step begun without
-    ``zero_grad()`` or ``overlap=False`` are all correct; more passes raise. Buckets go out in a
-    fixed order, from the end of ``param_order`` (the order the forward pass uses the parameters,
-    e.g. ``model.parameters()``; default: as given, groups concatenated), and a parameter without a
-    gradient holds back its bucket and all later ones until ``step()``. The hooks' collectives share
-    ``ctx.dp_group`` with the model's: a model that communicates over dp in its backward must build
-    the same graph on every dp rank, or use overlap=False. With 16-bit parameters at dp >= 2,
-    overlap keeps each bucket's fp32 reduced gradient in a persistent slice (4/dp bytes per
-    parameter); without it, the fp32 result is written over the bucket's own 16-bit gradient bytes.
-    At dp=1 no fp32 gradient outlives the step of its bucket (see
-    :meth:`~parallax.optim.zero.stage.ZeroStage.grad_home`). Either way, after the reduction the
-    ``.grad`` of 16-bit parameters holds unspecified values.
+    ``overlap``: in a step opened by ``zero_grad()``, reduce-scatter each bucket from a backward
+    hook once its parameters have had ``backward_passes_per_step`` accumulations, in a fixed
+    order from the end of ``param_order`` (the forward's order; default: as given); ``step()``
+    always completes the reduction, so fewer passes, unused parameters or ``overlap=False`` are
+    all correct, more passes raise (:mod:`~parallax.optim.zero.reduction.bucket_reducer` says
+    what every rank launches, and where each fp32 reduced gradient lives). After the reduction
+    the ``.grad`` of 16-bit parameters holds unspecified values.
 
-    On GPUs at dp >= 2 the reduction's copies and collectives run on a side stream; with one
-    backward pass per step, so does the copy of each fresh gradient into the buffer
-    (``side_stream_grad_copies``). Turn that off when gradients come out of CUDA graphs
-    (torch.compile's reduce-overhead mode): their memory is reused by the next replay on the
-    compute stream, which would not wait for a copy on another stream.
+    ``side_stream_grad_copies``: on GPUs at dp >= 2 with one backward pass per step, copy each
+    fresh gradient into the buffer on the reduction's side stream. Turn it off when gradients
+    come out of CUDA graphs: the next replay on the compute stream would not wait for the copy.
     """
 
     def __init__(
