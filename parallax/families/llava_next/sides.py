@@ -12,16 +12,10 @@ import torch
 from torch import nn
 
 from parallax.data import LengthGroupedLoader
-from parallax.families.llava_next.batches import (
-    SYNTHETIC_SYSTEM,
-    LlavaBatches,
-    open_dataset,
-    sample_counts,
-    sample_lengths,
-    text_tokenizer,
-)
+from parallax.families.llava_next.batches import LlavaBatches, sample_counts, text_tokenizer
 from parallax.families.llava_next.checkpoint import detect_layout
 from parallax.families.llava_next.config import PRESETS, LlavaNextConfig
+from parallax.families.llava_next.data import SYNTHETIC_SYSTEM, open_dataset, sample_lengths
 from parallax.families.llava_next.estimate import TYPICAL_TEXT_TOKENS, block_estimates
 from parallax.families.llava_next.flops import sample_flops
 from parallax.families.llava_next.model import LlavaNext
