@@ -3,9 +3,11 @@ CLIP is a preset of the same family; see ``docs/families.md`` and ``shared/model
 
 Files: ``config`` and ``hf_config`` (presets, config.json), ``model`` and ``towers``,
 ``checkpoint`` (the HF ``SiglipModel`` / ``CLIPModel`` layouts), ``inputs`` (tokenizers, image
-preprocessing), ``step`` (a step's forwards and backwards with the loss over the dp group),
-``retrieval`` and ``evaluate`` (zero-shot and recall@k), and the trainer's side: ``recipe`` and
-``data``.
+preprocessing), ``objective`` and ``step`` (the loss over the dp group, a step's forwards and
+backwards), ``predict`` and ``evaluate`` (zero-shot and recall@k), ``flops`` and ``estimate``
+(the blocks as the planner sees them), and the trainer's side: ``recipe`` (the sides and the
+objective composed), ``sides``, ``batches`` (pairs -> microbatches) and ``data`` (what
+``--data`` opens).
 """
 
 from parallax.families import lazy_exports

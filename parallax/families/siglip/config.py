@@ -90,25 +90,6 @@ class SiglipConfig:
     def image_size(self) -> int:
         return self.vision.image_size
 
-    def vision_flops(self) -> float:
-        """Forward FLOPs per image: patches, blocks and the pooling head (or projection)."""
-        v, w = self.vision, self.vision.width
-        if self.family == "clip":
-            return v.flops() + 2 * w * self.embed_dim
-        n = v.num_patches
-        head = 2 * w * w + 4 * n * w * w + 4 * n * w + 2 * w * w + 4 * w * v.mlp_hidden
-        return v.flops() + head
-
-    def text_flops(self) -> float:
-        return self.text.flops() + 2 * self.text.width * self.embed_dim
-
-    def flops_per_sample(self, global_batch: int, train: bool = True) -> float:
-        """Model FLOPs per image-text pair: both towers, plus the loss's logits against the
-        ``global_batch`` embeddings of the other side (sigmoid: one direction; softmax: both),
-        times 3 for training (forward and backward; no recomputation counted)."""
-        logits = 2 * global_batch * self.embed_dim * (1 if self.loss == "sigmoid" else 2)
-        return (3 if train else 1) * (self.vision_flops() + self.text_flops() + logits)
-
     # -- presets ---------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> SiglipConfig:

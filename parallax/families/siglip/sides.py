@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from parallax.data import PairLoader
+from parallax.families.siglip.batches import PairCollator
 from parallax.families.siglip.config import PRESETS, SiglipConfig
-from parallax.families.siglip.data import IndexedPairs, PairCollator, open_pairs
+from parallax.families.siglip.data import IndexedPairs, open_pairs
 from parallax.families.siglip.estimate import block_estimates
+from parallax.families.siglip.flops import flops_per_sample, text_flops, vision_flops
 from parallax.families.siglip.model import Siglip
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
@@ -77,7 +79,7 @@ class SiglipModel(ModelSide):
         _log_negatives(run, dims)
 
     def blocks(self, config: SiglipConfig) -> list[StageBlock]:
-        return [StageBlock("towers", config.vision_flops() + config.text_flops())]
+        return [StageBlock("towers", vision_flops(config) + text_flops(config))]
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
         ac = run.checkpointing
@@ -95,10 +97,11 @@ class SiglipModel(ModelSide):
         chunk.save_pretrained(path)
 
     def flops(self, run: Run, microbatches: Sequence[Microbatch], model=None) -> float:
-        """``SiglipConfig.flops_per_sample``: 3 x (both towers' forward + the loss's logits
-        against the global batch) per pair; GradCache's extra forward not counted."""
+        """:func:`~parallax.families.siglip.flops.flops_per_sample`: 3 x (both towers' forward
+        + the loss's logits against the global batch) per pair; GradCache's extra forward not
+        counted."""
         n = sum(mb["pixel_values"].shape[0] for mb in microbatches)
-        return n * run.model_config.flops_per_sample(run.global_batch_size)
+        return n * flops_per_sample(run.model_config, run.global_batch_size)
 
     def block_estimates(self, run: Run) -> list[BlockEstimate]:
         """:func:`parallax.families.siglip.estimate.block_estimates`; GradCache keeps one
