@@ -6,9 +6,20 @@ FLOP counts, the checkpoint readers) without building one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+# transformers' config.json names of a tower's sizes -> the ViTConfig fields (the dual encoders'
+# TextConfig names them alike): one table for every reader and writer of such a tower
+HF_SIZES = {
+    "hidden_size": "width",
+    "intermediate_size": "mlp_hidden",
+    "num_hidden_layers": "depth",
+    "num_attention_heads": "num_heads",
+}
+HF_IMAGE_SIZES = {**HF_SIZES, "image_size": "image_size", "patch_size": "patch_size"}
 
 
 @dataclass(frozen=True)
@@ -89,3 +100,13 @@ class ViTConfig:
         block = 2 * n * (4 * w * w + 2 * w * self.mlp_hidden) + 4 * n * n * w
         patch = 2 * self.num_patches * 3 * self.patch_size**2 * w
         return patch + (self.feature_index + 1) * block
+
+
+def sizes_from_hf(tower: Mapping[str, Any], keys: Mapping[str, str] = HF_IMAGE_SIZES) -> dict:
+    """The sizes of a config.json tower dict as config fields (``keys``: theirs -> ours)."""
+    return {ours: int(tower[theirs]) for theirs, ours in keys.items()}
+
+
+def sizes_to_hf(config: Any, keys: Mapping[str, str] = HF_IMAGE_SIZES) -> dict:
+    """A config's sizes under transformers' names, in the order of ``keys``."""
+    return {theirs: getattr(config, ours) for theirs, ours in keys.items()}

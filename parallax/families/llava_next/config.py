@@ -7,9 +7,7 @@ transformers convention.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from parallax.families.llava_next.hf_config import (
     ADDED_TOKENS,
@@ -20,6 +18,7 @@ from parallax.families.llava_next.hf_config import (
     config_from_hf,
     config_to_hf,
 )
+from parallax.models.config_file import ConfigFile
 from parallax.models.llama import LlamaConfig
 from parallax.models.llama_hf import LLAMA_DEFAULTS
 from parallax.models.vit import ViTConfig
@@ -41,11 +40,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass
-class LlavaNextConfig:
+class LlavaNextConfig(ConfigFile):
     """Everything that shapes a LLaVA-NeXT model. ``vision`` is the CLIP tower (``feature_layer``
     is LLaVA's ``vision_feature_layer``), ``text`` the Llama, ``image_grid_pinpoints`` the AnyRes
     canvases as (height, width). ``checkpoint_vocab_size`` is the vocabulary of an original-layout
     checkpoint when it is smaller than ``text.vocab_size`` (the rows that get added)."""
+
+    PRESET_KIND = "LLaVA-NeXT"
 
     vision: ViTConfig
     text: LlamaConfig
@@ -117,21 +118,7 @@ class LlavaNextConfig:
         """A copy with text options changed, e.g. ``fused_projections=True``."""
         return replace(self, text=replace(self.text, **changes))
 
-    # -- presets ---------------------------------------------------------------------------------
-    @classmethod
-    def preset(cls, name: str) -> LlavaNextConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown LLaVA-NeXT preset {name!r}; choose one of {sorted(PRESETS)}")
-        return copy.deepcopy(PRESETS[name])
-
-    # -- config.json -----------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> LlavaNextConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
-        return cls.from_dict(json.loads(file.read_text()), source=str(path))
-
+    # -- config.json (presets and checkpoint directories: ConfigFile) ---------------------------
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> LlavaNextConfig:
         return config_from_hf(cls, d, source)
@@ -178,3 +165,4 @@ def _presets() -> dict[str, LlavaNextConfig]:
 
 
 PRESETS = _presets()
+LlavaNextConfig.PRESETS = PRESETS

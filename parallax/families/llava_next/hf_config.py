@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from parallax.models.llama_hf import text_config_from_hf
 from parallax.models.vit import ViTConfig
+from parallax.models.vit_config import sizes_from_hf, sizes_to_hf
 
 if TYPE_CHECKING:
     from parallax.families.llava_next.config import LlavaNextConfig
@@ -101,12 +102,7 @@ def config_to_hf(config: LlavaNextConfig) -> dict:
         },
         "vision_config": {
             "model_type": "clip_vision_model",
-            "hidden_size": v.width,
-            "intermediate_size": v.mlp_hidden,
-            "num_hidden_layers": v.depth,
-            "num_attention_heads": v.num_heads,
-            "image_size": v.image_size,
-            "patch_size": v.patch_size,
+            **sizes_to_hf(v),
             "hidden_act": v.act,
             "layer_norm_eps": v.ln_eps,
         },
@@ -123,12 +119,7 @@ def _vision_from_clip(vc: dict, feature_layer: int) -> ViTConfig:
         raise ValueError(f"vision_config.hidden_act={c['hidden_act']!r} is not supported")
     return replace(
         CLIP_L_336,
-        image_size=int(c["image_size"]),
-        patch_size=int(c["patch_size"]),
-        width=int(c["hidden_size"]),
-        depth=int(c["num_hidden_layers"]),
-        num_heads=int(c["num_attention_heads"]),
-        mlp_hidden=int(c["intermediate_size"]),
+        **sizes_from_hf(c),
         ln_eps=float(c["layer_norm_eps"]),
         act=c["hidden_act"],
         feature_layer=int(feature_layer),

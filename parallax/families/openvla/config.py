@@ -9,9 +9,7 @@ timm does not know (the ``tiny`` preset) are described in an extra ``vision_conf
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from parallax.families.openvla.oft.config import OFTConfig
 from parallax.families.openvla.towers import (
@@ -24,6 +22,7 @@ from parallax.families.openvla.towers import (
     TIMM_TOWERS,
     small_towers,
 )
+from parallax.models.config_file import ConfigFile
 from parallax.models.llama import LlamaConfig
 from parallax.models.llama_hf import LLAMA_DEFAULTS, TEXT_KEYS, text_config_from_hf
 from parallax.models.vit import ViTConfig
@@ -47,10 +46,12 @@ _AUTO_MAP = {
 
 
 @dataclass
-class OpenVLAConfig:
+class OpenVLAConfig(ConfigFile):
     """Everything that shapes an OpenVLA model, plus the dataset statistics it un-normalises
     actions with. ``vision`` is (DINOv2 featurizer, SigLIP fused featurizer); ``text`` the Llama.
     """
+
+    PRESET_KIND = "OpenVLA"
 
     vision: tuple[ViTConfig, ViTConfig]
     text: LlamaConfig
@@ -129,21 +130,7 @@ class OpenVLAConfig:
         """A copy with text options changed, e.g. ``fused_projections=True``."""
         return replace(self, text=replace(self.text, **changes))
 
-    # -- presets ---------------------------------------------------------------------------------
-    @classmethod
-    def preset(cls, name: str) -> OpenVLAConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown OpenVLA preset {name!r}; choose one of {sorted(PRESETS)}")
-        return copy.deepcopy(PRESETS[name])
-
-    # -- config.json -----------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> OpenVLAConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
-        return cls.from_dict(json.loads(file.read_text()), source=str(path))
-
+    # -- config.json (presets and checkpoint directories: ConfigFile) ---------------------------
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> OpenVLAConfig:
         if not d.get("use_fused_vision_backbone", True):
@@ -285,3 +272,4 @@ def _presets() -> dict[str, OpenVLAConfig]:
 
 
 PRESETS = _presets()
+OpenVLAConfig.PRESETS = PRESETS

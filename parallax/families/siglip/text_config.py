@@ -12,6 +12,12 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 FAMILIES = ("siglip", "clip")
 POOLS = ("last", "eos", "argmax")
+# what sets each family's vision towers apart, whatever their sizes: SigLIP's attention pool over
+# the patches and final LayerNorm; CLIP's class token, pre-LayerNorm and bias-free patch conv
+VISION_KIND = {
+    "siglip": dict(class_token=False, final_norm=True, pool="map"),
+    "clip": dict(class_token=True, pre_norm=True, keep_prefix=True, patch_bias=False),
+}
 _ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
 _HF_ACT = {v: k for k, v in _ACTS.items()}
 
