@@ -20,6 +20,17 @@ HF_SIZES = {
     "num_attention_heads": "num_heads",
 }
 HF_IMAGE_SIZES = {**HF_SIZES, "image_size": "image_size", "patch_size": "patch_size"}
+# transformers' CLIPVisionConfig() defaults, for the keys a CLIP vision_config leaves out
+CLIP_VISION_DEFAULTS = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "image_size": 224,
+    "patch_size": 32,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+}
 
 
 @dataclass(frozen=True)

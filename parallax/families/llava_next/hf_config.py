@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from parallax.models.llama_hf import text_config_from_hf
 from parallax.models.vit import ViTConfig
-from parallax.models.vit_config import sizes_from_hf, sizes_to_hf
+from parallax.models.vit_config import CLIP_VISION_DEFAULTS, sizes_from_hf, sizes_to_hf
 
 if TYPE_CHECKING:
     from parallax.families.llava_next.config import LlavaNextConfig
@@ -40,17 +40,6 @@ CLIP_L_336 = ViTConfig(
     patch_bias=False,
 )
 KNOWN_TOWERS = {"openai/clip-vit-large-patch14-336": CLIP_L_336}
-# transformers' CLIPVisionConfig() defaults, for keys a vision_config leaves out
-_CLIP_DEFAULTS = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    image_size=224,
-    patch_size=32,
-    hidden_act="quick_gelu",
-    layer_norm_eps=1e-5,
-)
 ADDED_TOKENS = 2  # <image>, <pad>
 VOCAB_MULTIPLE = 64
 
@@ -114,7 +103,7 @@ def config_to_hf(config: LlavaNextConfig) -> dict:
 
 
 def _vision_from_clip(vc: dict, feature_layer: int) -> ViTConfig:
-    c = {**_CLIP_DEFAULTS, **{k: v for k, v in vc.items() if v is not None}}
+    c = {**CLIP_VISION_DEFAULTS, **{k: v for k, v in vc.items() if v is not None}}
     if c["hidden_act"] not in ("quick_gelu", "gelu"):
         raise ValueError(f"vision_config.hidden_act={c['hidden_act']!r} is not supported")
     return replace(

@@ -19,7 +19,12 @@ from parallax.families.siglip.text_config import (
     parallax_act,
 )
 from parallax.models.vit import ViTConfig
-from parallax.models.vit_config import HF_SIZES, sizes_from_hf, sizes_to_hf
+from parallax.models.vit_config import (
+    CLIP_VISION_DEFAULTS,
+    HF_SIZES,
+    sizes_from_hf,
+    sizes_to_hf,
+)
 
 _TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
 DEFAULTS = {
@@ -53,13 +58,7 @@ DEFAULTS = {
             "bos_token_id": 49406,
             "eos_token_id": 49407,
         },
-        "vision": {
-            **_TOWER,
-            "image_size": 224,
-            "patch_size": 32,
-            "hidden_act": "quick_gelu",
-            "layer_norm_eps": 1e-5,
-        },
+        "vision": CLIP_VISION_DEFAULTS,
     },
 }
 CLIP_LEGACY_EOS = 2  # transformers then pools the largest id, the end-of-text token
