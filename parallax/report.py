@@ -16,18 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-COMMON = {  # every family's metrics.jsonl keys (parallax.train.monitor.METRIC_FIELDS)
-    "step",
-    "loss",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "mfu",
-    "memory_gib",
-    "host_memory_gib",
-    "step_time_s",
-    "data_wait_s",
-}
+from parallax.train.monitor import METRIC_FIELDS
+
+COMMON = set(METRIC_FIELDS)  # every family's metrics.jsonl keys
 # (title, the metrics.jsonl key, the eval.jsonl key drawn as points); "metric" is the family's
 PANELS = (
     ("loss", "loss", "eval_loss"),
