@@ -15,13 +15,11 @@ stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits `
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallax.context import ParallelContext
 from parallax.families.openvla import objective as objectives
 from parallax.families.openvla.action_tokenizer import ActionTokenizer
 from parallax.families.openvla.checkpoint import OpenVLATensors, load_pretrained
@@ -122,6 +120,10 @@ class OpenVLA(VisionLanguageModel):
     """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds (the
     constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
+    tokenizer_of = staticmethod(get_tokenizer)
+    init_fn_of = staticmethod(openvla_init_fn)
+    load_checkpoint = staticmethod(load_pretrained)  # the Hugging Face OpenVLA layout
+
     @property
     def bidirectional(self) -> bool:
         return self.config.oft is not None
@@ -157,12 +159,6 @@ class OpenVLA(VisionLanguageModel):
 
     def vision_towers(self) -> list[nn.Module]:
         return [self.vision_backbone.featurizer, self.vision_backbone.fused_featurizer]
-
-    def load_tokenizer(self):
-        return get_tokenizer(self.config)
-
-    def default_init_fn(self) -> InitFn:
-        return openvla_init_fn(self.config)
 
     # -- the block list ---------------------------------------------------------------------------
     @staticmethod
@@ -252,17 +248,6 @@ class OpenVLA(VisionLanguageModel):
         )
 
     # -- checkpoints and inference ----------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        ctx: ParallelContext | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        **kwargs,
-    ) -> OpenVLA:
-        """Load a Hugging Face OpenVLA checkpoint (:func:`.checkpoint.load_pretrained`)."""
-        return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
-
     def checkpoint_layout(self):
         """The Hugging Face checkpoint's tensor names for this model's parameters (fused
         projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""
