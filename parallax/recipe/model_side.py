@@ -33,6 +33,22 @@ class ModelSpec:
     checkpoint: Path | None = None
 
 
+def preset_or_checkpoint(spec: str, config_cls: Any) -> ModelSpec | None:
+    """``spec`` as a preset of ``config_cls`` (a family's config: ``PRESETS``, ``preset``,
+    ``from_pretrained``) or a checkpoint directory with a config.json; ``None`` when neither."""
+    if spec in config_cls.PRESETS:
+        return ModelSpec(config_cls.preset(spec))
+    path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSpec(config_cls.from_pretrained(path), path)
+    return None
+
+
+def init_seed(run: Run, device: torch.device | str) -> int | None:
+    """The seed of a chunk's layout-free init; ``None`` on the meta device (shapes only)."""
+    return None if torch.device(device).type == "meta" else run.seed
+
+
 class ModelSide:
     """The model of a family; see the module docstring. Class attributes are its constants."""
 

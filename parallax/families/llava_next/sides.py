@@ -26,7 +26,15 @@ from parallax.models.hf_io import CheckpointReader
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
-from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
+from parallax.recipe import (
+    DataSide,
+    Microbatch,
+    ModelSide,
+    ModelSpec,
+    batch_args,
+    init_seed,
+    preset_or_checkpoint,
+)
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -53,17 +61,16 @@ class LlavaModel(ModelSide):
         return kind in ("llava_next", "llava", "llava_llama") or "mm_vision_tower" in config_json
 
     def resolve(self, spec: str) -> ModelSpec:
-        if spec in PRESETS:
-            return ModelSpec(LlavaNextConfig.preset(spec))
-        path = Path(spec)
-        if path.is_dir() and (path / "config.json").is_file():
-            config = LlavaNextConfig.from_pretrained(path)
-            detect_layout(CheckpointReader(path).weight_map, config, f"checkpoint {path}")
-            return ModelSpec(config, path)
-        raise ValueError(
-            f"--model {spec!r} is neither a LLaVA-NeXT preset ({', '.join(sorted(PRESETS))}) "
-            "nor a checkpoint directory with a config.json"
-        )
+        found = preset_or_checkpoint(spec, LlavaNextConfig)
+        if found is None:
+            raise ValueError(
+                f"--model {spec!r} is neither a LLaVA-NeXT preset ({', '.join(sorted(PRESETS))}) "
+                "nor a checkpoint directory with a config.json"
+            )
+        if found.checkpoint is not None:  # one of the layouts parallax reads, checked up front
+            path = found.checkpoint
+            detect_layout(CheckpointReader(path).weight_map, found.config, f"checkpoint {path}")
+        return found
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
@@ -85,8 +92,9 @@ class LlavaModel(ModelSide):
                 checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
             )
         else:
-            seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
-            chunk = LlavaNext(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
+            chunk = LlavaNext(
+                config, ctx, dtype=dtype, device=device, seed=init_seed(run, device), **kw
+            )
         chunk.return_hidden = run.logits == "labelled"  # the loss applies the head
         return chunk
 

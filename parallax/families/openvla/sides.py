@@ -27,7 +27,14 @@ from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
-from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec
+from parallax.recipe import (
+    DataSide,
+    Microbatch,
+    ModelSide,
+    ModelSpec,
+    init_seed,
+    preset_or_checkpoint,
+)
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -112,15 +119,13 @@ class OpenVLAModel(ModelSide):
         return config_json.get("model_type") in ("openvla", "prismatic")
 
     def resolve(self, spec: str) -> ModelSpec:
-        if spec in PRESETS:
-            return ModelSpec(OpenVLAConfig.preset(spec))
-        path = Path(spec)
-        if path.is_dir() and (path / "config.json").is_file():
-            return ModelSpec(OpenVLAConfig.from_pretrained(path), path)
-        raise ValueError(
-            f"--model {spec!r} is neither an OpenVLA preset ({', '.join(sorted(PRESETS))}) nor "
-            "a checkpoint directory with a config.json"
-        )
+        found = preset_or_checkpoint(spec, OpenVLAConfig)
+        if found is None:
+            raise ValueError(
+                f"--model {spec!r} is neither an OpenVLA preset ({', '.join(sorted(PRESETS))}) nor "
+                "a checkpoint directory with a config.json"
+            )
+        return found
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
@@ -141,8 +146,9 @@ class OpenVLAModel(ModelSide):
                 checkpoint, ctx, dtype=dtype, device=device, config=config, seed=run.seed, **kw
             )
         else:
-            seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
-            chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
+            chunk = OpenVLA(
+                config, ctx, dtype=dtype, device=device, seed=init_seed(run, device), **kw
+            )
         chunk.return_hidden = run.logits == "labelled"  # the loss applies the head
         return chunk
 

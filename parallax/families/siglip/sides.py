@@ -13,14 +13,22 @@ from torch import nn
 
 from parallax.data import PairLoader
 from parallax.families.siglip.batches import PairCollator
-from parallax.families.siglip.config import PRESETS, SiglipConfig
+from parallax.families.siglip.config import SiglipConfig
 from parallax.families.siglip.data import IndexedPairs, open_pairs
 from parallax.families.siglip.estimate import block_estimates
 from parallax.families.siglip.flops import flops_per_sample, text_flops, vision_flops
 from parallax.families.siglip.model import Siglip
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
-from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
+from parallax.recipe import (
+    DataSide,
+    Microbatch,
+    ModelSide,
+    ModelSpec,
+    batch_args,
+    init_seed,
+    preset_or_checkpoint,
+)
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -49,15 +57,13 @@ class SiglipModel(ModelSide):
         return config_json.get("model_type") in ("siglip", "clip")
 
     def resolve(self, spec: str) -> ModelSpec:
-        if spec in PRESETS:
-            return ModelSpec(SiglipConfig.preset(spec))
-        path = Path(spec)
-        if path.is_dir() and (path / "config.json").is_file():
-            return ModelSpec(SiglipConfig.from_pretrained(path), path)
-        raise ValueError(
-            f"--model {spec!r} is neither a dual-encoder preset ({', '.join(FAMILY_PRESETS)}) "
-            "nor a SigLIP/CLIP checkpoint directory with a config.json"
-        )
+        found = preset_or_checkpoint(spec, SiglipConfig)
+        if found is None:
+            raise ValueError(
+                f"--model {spec!r} is neither a dual-encoder preset ({', '.join(FAMILY_PRESETS)}) "
+                "nor a SigLIP/CLIP checkpoint directory with a config.json"
+            )
+        return found
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_LARGE)
@@ -87,10 +93,9 @@ class SiglipModel(ModelSide):
             return Siglip.from_pretrained(
                 checkpoint, ctx, dtype=dtype, device=device, activation_checkpointing=ac
             )
-        seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
         return Siglip(
             run.model_config, ctx, dtype=dtype, device=device, activation_checkpointing=ac,
-            seed=seed,
+            seed=init_seed(run, device),
         )  # fmt: skip
 
     def export(self, run: Run, chunk: Siglip, path: Path, statistics: Mapping | None) -> None:
