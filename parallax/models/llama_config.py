@@ -66,3 +66,7 @@ class LlamaConfig:
 
     def head_flops(self, seq: int) -> float:
         return 2 * seq * self.hidden_size * self.vocab_size
+
+
+# the tiny presets' language model (each family's test preset sets its vocabulary and depth)
+TINY_LLAMA = LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4)

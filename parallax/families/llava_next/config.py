@@ -20,6 +20,7 @@ from parallax.families.llava_next.hf_config import (
 )
 from parallax.models.config_file import ConfigFile
 from parallax.models.llama import LlamaConfig
+from parallax.models.llama_config import TINY_LLAMA
 from parallax.models.llama_hf import LLAMA_DEFAULTS
 from parallax.models.vit import ViTConfig
 
@@ -137,12 +138,10 @@ def _presets() -> dict[str, LlavaNextConfig]:
     tiny_clip = replace(
         CLIP_L_336, image_size=28, patch_size=14, width=32, depth=3, num_heads=4, mlp_hidden=128
     )
-    tiny_llama = LlamaConfig(
+    tiny_llama = replace(
+        TINY_LLAMA,
         vocab_size=192,
-        hidden_size=64,
-        intermediate_size=176,
         num_hidden_layers=2,
-        num_attention_heads=4,
         rms_norm_eps=1e-5,
         max_position_embeddings=4096,
     )

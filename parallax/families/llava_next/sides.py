@@ -26,15 +26,8 @@ from parallax.models.hf_io import CheckpointReader
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
-from parallax.recipe import (
-    DataSide,
-    Microbatch,
-    ModelSide,
-    ModelSpec,
-    batch_args,
-    init_seed,
-    preset_or_checkpoint,
-)
+from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
+from parallax.recipe.model_side import init_seed, preset_or_checkpoint
 from parallax.run import Run
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from parallax.families.openvla.towers import (
 )
 from parallax.models.config_file import ConfigFile
 from parallax.models.llama import LlamaConfig
+from parallax.models.llama_config import TINY_LLAMA
 from parallax.models.llama_hf import LLAMA_DEFAULTS, TEXT_KEYS, text_config_from_hf
 from parallax.models.vit import ViTConfig
 
@@ -257,13 +258,7 @@ def _presets() -> dict[str, OpenVLAConfig]:
         ),
         "tiny": OpenVLAConfig(
             vision=tiny_pair,
-            text=LlamaConfig(
-                vocab_size=576,
-                hidden_size=64,
-                intermediate_size=176,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-            ),
+            text=replace(TINY_LLAMA, vocab_size=576, num_hidden_layers=4),
             timm_model_ids=("parallax-tiny-dinov2-reg4", "parallax-tiny-siglip"),
             pad_token_id=512,
             tokenizer="tiny",

@@ -27,14 +27,8 @@ from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
-from parallax.recipe import (
-    DataSide,
-    Microbatch,
-    ModelSide,
-    ModelSpec,
-    init_seed,
-    preset_or_checkpoint,
-)
+from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec
+from parallax.recipe.model_side import init_seed, preset_or_checkpoint
 from parallax.run import Run
 
 log = logging.getLogger(__name__)

@@ -20,15 +20,8 @@ from parallax.families.siglip.flops import flops_per_sample, text_flops, vision_
 from parallax.families.siglip.model import Siglip
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
-from parallax.recipe import (
-    DataSide,
-    Microbatch,
-    ModelSide,
-    ModelSpec,
-    batch_args,
-    init_seed,
-    preset_or_checkpoint,
-)
+from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
+from parallax.recipe.model_side import init_seed, preset_or_checkpoint
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
