@@ -13,7 +13,13 @@ from parallax.recipe.model_side import (
     init_seed,
     preset_or_checkpoint,
 )
-from parallax.recipe.objective import MetricSpec, Objective, StepObjective, TokenObjective
+from parallax.recipe.objective import (
+    MetricSpec,
+    NextTokenObjective,
+    Objective,
+    StepObjective,
+    TokenObjective,
+)
 from parallax.recipe.registry import register
 from parallax.recipe.resolve import resolve
 
@@ -24,6 +30,7 @@ __all__ = [
     "Microbatch",
     "ModelSide",
     "ModelSpec",
+    "NextTokenObjective",
     "Objective",
     "Recipe",
     "StepObjective",
