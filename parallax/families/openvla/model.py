@@ -228,24 +228,17 @@ class OpenVLA(VisionLanguageModel):
     # -- training helpers -------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
         """Cross-entropy of this (last) stage's logits against text labels ``(b, t)``."""
-        return objectives.vla_loss(
-            logits,
-            labels,
-            self.ctx,
-            num_patches=self.config.num_patches,
-            vocab_size=self.config.text.vocab_size,
-            reduction=reduction,
-        )
+        where = self._label_positions
+        return objectives.vla_loss(logits, labels, self.ctx, reduction=reduction, **where)
 
     def action_metrics(self, logits: torch.Tensor, labels: torch.Tensor) -> dict:
-        return objectives.action_metrics(
-            logits,
-            labels,
-            self.ctx,
-            num_patches=self.config.num_patches,
-            vocab_size=self.config.text.vocab_size,
-            action_tokenizer=self.action_tokenizer,
-        )
+        where, tok = self._label_positions, self.action_tokenizer
+        return objectives.action_metrics(logits, labels, self.ctx, action_tokenizer=tok, **where)
+
+    @property
+    def _label_positions(self) -> dict[str, int]:
+        """Where the text labels sit in the logits: after the patches, within the vocabulary."""
+        return dict(num_patches=self.config.num_patches, vocab_size=self.config.text.vocab_size)
 
     # -- checkpoints and inference ----------------------------------------------------------------
     def checkpoint_layout(self):
