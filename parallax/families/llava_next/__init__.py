@@ -11,15 +11,13 @@ microbatches) and ``data`` (what ``--data`` opens, the length-grouped loader's l
 
 from parallax.families import lazy_exports
 
-EXPORTS = {
-    "LlavaNext": "model",
-    "LlavaNextConfig": "config",
-    "LlavaNextProcessor": "processor",
-    "LlavaRecipe": "recipe",
-    "LlavaTinyTokenizer": "template",
-    "answer": "predict",
-    "generate": "predict",
-    "llava_init_fn": "vision",
+EXPORTS = {  # module -> the public names it defines
+    "config": ("LlavaNextConfig",),
+    "model": ("LlavaNext",),
+    "predict": ("answer", "generate"),
+    "processor": ("LlavaNextProcessor",),
+    "recipe": ("LlavaRecipe",),
+    "template": ("LlavaTinyTokenizer",),
+    "vision": ("llava_init_fn",),
 }
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-__all__ = sorted(EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -18,30 +18,17 @@ sequence), ``batches``, ``objective`` (loss, metrics, FLOPs), ``data`` (what the
 
 from parallax.families import lazy_exports
 
-EXPORTS = {
-    "ActionTokenizer": "action_tokenizer",
-    "OFTConfig": "oft.config",
-    "OpenVLA": "model",
-    "OpenVLAConfig": "config",
-    "OpenVLARecipe": "recipe",
-    "TinyTokenizer": "prompt",
-    "action_metrics": "objective",
-    "build_prompt": "prompt",
-    "expand_labels": "objective",
-    "generate": "predict",
-    "get_tokenizer": "prompt",
-    "load_policy": "oft.policy",
-    "loss_token_count": "objective",
-    "normalize_actions": "action_tokenizer",
-    "openvla_init_fn": "model",
-    "pixel_values": "preprocess",
-    "predict_action": "predict",
-    "predict_action_chunk": "oft.predict",
-    "preprocess_image": "preprocess",
-    "prompt_ids": "prompt",
-    "training_example": "prompt",
-    "unnormalize_actions": "action_tokenizer",
-    "vla_loss": "objective",
+EXPORTS = {  # module -> the public names it defines
+    "action_tokenizer": ("ActionTokenizer", "normalize_actions", "unnormalize_actions"),
+    "config": ("OpenVLAConfig",),
+    "model": ("OpenVLA", "openvla_init_fn"),
+    "objective": ("action_metrics", "expand_labels", "loss_token_count", "vla_loss"),
+    "oft.config": ("OFTConfig",),
+    "oft.policy": ("load_policy",),
+    "oft.predict": ("predict_action_chunk",),
+    "predict": ("generate", "predict_action"),
+    "preprocess": ("pixel_values", "preprocess_image"),
+    "prompt": ("TinyTokenizer", "build_prompt", "get_tokenizer", "prompt_ids", "training_example"),
+    "recipe": ("OpenVLARecipe",),
 }
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-__all__ = sorted(EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

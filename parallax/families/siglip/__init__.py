@@ -12,13 +12,9 @@ objective composed), ``sides``, ``batches`` (pairs -> microbatches) and ``data``
 
 from parallax.families import lazy_exports
 
-EXPORTS = {
-    "Siglip": "model",
-    "SiglipConfig": "config",
-    "SiglipOutput": "model",
-    "SiglipRecipe": "recipe",
-    "TextConfig": "config",
-    "siglip_init_fn": "model",
+EXPORTS = {  # module -> the public names it defines
+    "config": ("SiglipConfig", "TextConfig"),
+    "model": ("Siglip", "SiglipOutput", "siglip_init_fn"),
+    "recipe": ("SiglipRecipe",),
 }
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-__all__ = sorted(EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)
