@@ -18,6 +18,8 @@ VISION_KIND = {
     "siglip": dict(class_token=False, final_norm=True, pool="map"),
     "clip": dict(class_token=True, pre_norm=True, keep_prefix=True, patch_bias=False),
 }
+# the text blocks' options, which ViTConfig names alike (the text blocks are ViT blocks)
+BLOCK_OPTIONS = ("width", "depth", "num_heads", "mlp_hidden", "ln_eps", "act", "causal")
 _ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
 _HF_ACT = {v: k for k, v in _ACTS.items()}
 
@@ -56,15 +58,7 @@ class TextConfig:
 
     def block_config(self) -> ViTConfig:
         """The options of these text blocks (:class:`~parallax.models.vit.ViTBlock` s)."""
-        return ViTConfig(
-            width=self.width,
-            depth=self.depth,
-            num_heads=self.num_heads,
-            mlp_hidden=self.mlp_hidden,
-            ln_eps=self.ln_eps,
-            act=self.act,
-            causal=self.causal,
-        )
+        return ViTConfig(**{name: getattr(self, name) for name in BLOCK_OPTIONS})
 
     def flops(self, length: int | None = None) -> float:
         """Forward FLOPs of the blocks per caption (2 per multiply-add; causal attention half)."""
