@@ -8,7 +8,7 @@ from the defaults here. Every hook that takes ``run`` receives the resolved
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,15 +33,25 @@ class ModelSpec:
     checkpoint: Path | None = None
 
 
-def preset_or_checkpoint(spec: str, config_cls: Any) -> ModelSpec | None:
+def preset_or_checkpoint(
+    spec: str,
+    config_cls: Any,
+    preset: str,
+    names: Iterable[str],
+    directory: str = "a checkpoint directory",
+) -> ModelSpec:
     """``spec`` as a preset of ``config_cls`` (a family's config: ``PRESETS``, ``preset``,
-    ``from_pretrained``) or a checkpoint directory with a config.json; ``None`` when neither."""
+    ``from_pretrained``) or a checkpoint directory with a config.json; else a ``ValueError``
+    that lists the preset ``names`` (``preset``, ``directory``: what the family calls them)."""
     if spec in config_cls.PRESETS:
         return ModelSpec(config_cls.preset(spec))
     path = Path(spec)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSpec(config_cls.from_pretrained(path), path)
-    return None
+    raise ValueError(
+        f"--model {spec!r} is neither {preset} ({', '.join(names)}) nor {directory} with a "
+        "config.json"
+    )
 
 
 def init_seed(run: Run, device: torch.device | str) -> int | None:

@@ -54,12 +54,7 @@ class LlavaModel(ModelSide):
         return kind in ("llava_next", "llava", "llava_llama") or "mm_vision_tower" in config_json
 
     def resolve(self, spec: str) -> ModelSpec:
-        found = preset_or_checkpoint(spec, LlavaNextConfig)
-        if found is None:
-            raise ValueError(
-                f"--model {spec!r} is neither a LLaVA-NeXT preset ({', '.join(sorted(PRESETS))}) "
-                "nor a checkpoint directory with a config.json"
-            )
+        found = preset_or_checkpoint(spec, LlavaNextConfig, "a LLaVA-NeXT preset", sorted(PRESETS))
         if found.checkpoint is not None:  # one of the layouts parallax reads, checked up front
             path = found.checkpoint
             detect_layout(CheckpointReader(path).weight_map, found.config, f"checkpoint {path}")

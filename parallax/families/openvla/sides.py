@@ -113,13 +113,7 @@ class OpenVLAModel(ModelSide):
         return config_json.get("model_type") in ("openvla", "prismatic")
 
     def resolve(self, spec: str) -> ModelSpec:
-        found = preset_or_checkpoint(spec, OpenVLAConfig)
-        if found is None:
-            raise ValueError(
-                f"--model {spec!r} is neither an OpenVLA preset ({', '.join(sorted(PRESETS))}) nor "
-                "a checkpoint directory with a config.json"
-            )
-        return found
+        return preset_or_checkpoint(spec, OpenVLAConfig, "an OpenVLA preset", sorted(PRESETS))
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_7B)

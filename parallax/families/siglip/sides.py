@@ -50,13 +50,10 @@ class SiglipModel(ModelSide):
         return config_json.get("model_type") in ("siglip", "clip")
 
     def resolve(self, spec: str) -> ModelSpec:
-        found = preset_or_checkpoint(spec, SiglipConfig)
-        if found is None:
-            raise ValueError(
-                f"--model {spec!r} is neither a dual-encoder preset ({', '.join(FAMILY_PRESETS)}) "
-                "nor a SigLIP/CLIP checkpoint directory with a config.json"
-            )
-        return found
+        where = "a SigLIP/CLIP checkpoint directory"
+        return preset_or_checkpoint(
+            spec, SiglipConfig, "a dual-encoder preset", FAMILY_PRESETS, where
+        )
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_LARGE)
