@@ -59,6 +59,25 @@ def init_seed(run: Run, device: torch.device | str) -> int | None:
     return None if torch.device(device).type == "meta" else run.seed
 
 
+def vlm_chunk(model_cls, run: Run, blocks, ctx, *, dtype, device, checkpoint, **read) -> nn.Module:
+    """:meth:`ModelSide.build` of a vision-language family (its chunk a ``model_cls``, a
+    :class:`~parallax.models.vlm.VisionLanguageModel`): read from ``checkpoint`` (``read``: the
+    family's reader options) or the layout-free init of ``run.seed``; with ``--logits
+    labelled`` it hands the hidden states to the loss, which applies the head to the labelled
+    rows."""
+    kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
+    config = run.model_config
+    if checkpoint is not None:
+        chunk = model_cls.from_pretrained(
+            checkpoint, ctx, dtype=dtype, device=device, config=config, **read, **kw
+        )
+    else:
+        seed = init_seed(run, device)
+        chunk = model_cls(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
+    chunk.return_hidden = run.logits == "labelled"
+    return chunk
+
+
 class ModelSide:
     """The model of a family; see the module docstring. Class attributes are its constants."""
 

@@ -27,7 +27,7 @@ from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
 from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
-from parallax.recipe.model_side import init_seed, preset_or_checkpoint
+from parallax.recipe.model_side import preset_or_checkpoint, vlm_chunk
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -73,18 +73,8 @@ class LlavaModel(ModelSide):
         return LlavaNext.stage_blocks(config, TYPICAL_TEXT_TOKENS)
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
-        config = run.model_config
-        kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
-        if checkpoint is not None and torch.device(device).type != "meta":
-            chunk = LlavaNext.from_pretrained(
-                checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
-            )
-        else:
-            chunk = LlavaNext(
-                config, ctx, dtype=dtype, device=device, seed=init_seed(run, device), **kw
-            )
-        chunk.return_hidden = run.logits == "labelled"  # the loss applies the head
-        return chunk
+        read = checkpoint if torch.device(device).type != "meta" else None  # meta: shapes only
+        return vlm_chunk(LlavaNext, run, blocks, ctx, dtype=dtype, device=device, checkpoint=read)
 
     def export(self, run: Run, chunk: LlavaNext, path: Path, statistics: Mapping | None) -> None:
         chunk.save_pretrained(path)

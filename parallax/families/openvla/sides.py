@@ -28,7 +28,7 @@ from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
 from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec
-from parallax.recipe.model_side import init_seed, preset_or_checkpoint
+from parallax.recipe.model_side import preset_or_checkpoint, vlm_chunk
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -127,18 +127,9 @@ class OpenVLAModel(ModelSide):
         return OpenVLA.stage_blocks(config)
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
-        kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
-        config = run.model_config
-        if checkpoint is not None:
-            chunk = OpenVLA.from_pretrained(
-                checkpoint, ctx, dtype=dtype, device=device, config=config, seed=run.seed, **kw
-            )
-        else:
-            chunk = OpenVLA(
-                config, ctx, dtype=dtype, device=device, seed=init_seed(run, device), **kw
-            )
-        chunk.return_hidden = run.logits == "labelled"  # the loss applies the head
-        return chunk
+        # the reader's seed starts OFT's modules where a plain OpenVLA checkpoint has none
+        kw = dict(dtype=dtype, device=device, checkpoint=checkpoint, seed=run.seed)
+        return vlm_chunk(OpenVLA, run, blocks, ctx, **kw)
 
     def export(self, run: Run, chunk: OpenVLA, path: Path, statistics: Mapping | None) -> None:
         """The HF OpenVLA layout (merged with LoRA), with the data's statistics."""
