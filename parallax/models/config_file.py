@@ -1,7 +1,6 @@
-"""What every family's config does alike with its presets and a checkpoint's config.json.
-
-A mixin, so that a family's config keeps only what is its own: how a config.json dict becomes
-the config (``from_dict``) and back (``to_dict``).
+"""What configs do alike: a family's presets and a checkpoint's config.json (a mixin, so that a
+family's config keeps only what is its own: how a config.json dict becomes the config,
+``from_dict``, and back, ``to_dict``), and the check that a width splits into its heads.
 """
 
 from __future__ import annotations
@@ -44,3 +43,12 @@ class ConfigFile:
     def from_dict(cls: type[C], d: dict, source: str | None = None) -> C:
         """The config a config.json dict describes (``source``: where it was read)."""
         raise NotImplementedError
+
+
+def check_divisible(config: Any, field: str, by: str) -> None:
+    """A ``ValueError`` naming both fields of ``config`` unless ``by`` divides ``field`` (a
+    width split into attention heads)."""
+    value, divisor = getattr(config, field), getattr(config, by)
+    if value % divisor:
+        name = type(config).__name__
+        raise ValueError(f"{name}: {field} {value} is not divisible by {by} {divisor}")

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from parallax.models.config_file import check_divisible
+
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
 # transformers' config.json names of a tower's sizes -> the ViTConfig fields (the dual encoders'
 # TextConfig names them alike): one table for every reader and writer of such a tower
@@ -73,10 +75,7 @@ class ViTConfig:
                 f"ViTConfig: image_size {self.image_size} is not a multiple of "
                 f"patch_size {self.patch_size}"
             )
-        if self.width % self.num_heads:
-            raise ValueError(
-                f"ViTConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
-            )
+        check_divisible(self, "width", "num_heads")
         if not -self.depth <= self.feature_layer < self.depth:
             raise ValueError(
                 f"ViTConfig: feature_layer {self.feature_layer} is outside a "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallax.models.config_file import check_divisible
 from parallax.models.vit import ViTConfig
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
@@ -51,10 +52,7 @@ class TextConfig:
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
             raise ValueError(f"TextConfig: pool must be one of {POOLS}, got {self.pool!r}")
-        if self.width % self.num_heads:
-            raise ValueError(
-                f"TextConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
-            )
+        check_divisible(self, "width", "num_heads")
 
     def block_config(self) -> ViTConfig:
         """The options of these text blocks (:class:`~parallax.models.vit.ViTBlock` s)."""
