@@ -6,15 +6,28 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
+from parallax.recipe import registry
 from parallax.testing import context, run_ranks
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "custom_recipe.py"
 FLAGS = ["--steps", "25", "--global-batch-size", "16", "--micro-batch-size", "4"]
 FLAGS += ["--log-interval", "25", "--save-interval", "0", "--warmup-steps", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _only_the_library_families():
+    """The example registers its family in this process: take it out again afterwards, so that
+    later tests (the flag reference, which lists every family's presets) see the library's."""
+    before = set(registry.FAMILIES)
+    yield
+    for name in set(registry.FAMILIES) - before:  # the registry has no unregister
+        for table in (registry.FAMILIES, registry._LOADED, registry._OPTIONS):
+            table.pop(name, None)
 
 
 def _example():
