@@ -19,8 +19,8 @@ FLAGS = ["--steps", "25", "--global-batch-size", "16", "--micro-batch-size", "4"
 FLAGS += ["--log-interval", "25", "--save-interval", "0", "--warmup-steps", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _only_the_library_families():
+@pytest.fixture
+def library_families_only():
     """The example registers its family in this process: take it out again afterwards, so that
     later tests (the flag reference, which lists every family's presets) see the library's."""
     before = set(registry.FAMILIES)
@@ -56,6 +56,7 @@ def _train(out: str, tp: int, pp: int) -> list[dict]:
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.usefixtures("library_families_only")
 def test_the_custom_recipe_learns_at_tp2_pp2_as_in_one_process(tmp_path):
     ref = _train(str(tmp_path / "one"), 1, 1)
     got = run_ranks(_train, 4, str(tmp_path / "four"), 2, 2)[0]
