@@ -19,19 +19,9 @@ from typing import Any
 
 from parallax.atomic import file_problems, write_file
 from parallax.run.option import at_most, positive
+from parallax.train.monitor import METRIC_FIELDS
 
-COMMON = {  # every family's metrics.jsonl keys (parallax.train.monitor.METRIC_FIELDS)
-    "step",
-    "loss",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "mfu",
-    "memory_gib",
-    "host_memory_gib",
-    "step_time_s",
-    "data_wait_s",
-}
+COMMON = set(METRIC_FIELDS)  # every family's metrics.jsonl keys
 # a 16 x 8 inch figure of 19200 x 9600 pixels at most (matplotlib's own limit: 2^16 a side)
 MAX_DPI = 1200
 DPI = (positive, at_most(MAX_DPI, " (a 16 x 8 inch figure: 19200 x 9600 pixels)"))

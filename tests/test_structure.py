@@ -248,3 +248,72 @@ def test_a_test_that_imports_one_family_lives_under_it():
                 f"tests/families/{family}/"
             )
     assert not misplaced, "\n".join(misplaced)
+
+
+# the files every family package holds, so that a reader finds the same thing at the same name
+SKELETON = (
+    "__init__.py",
+    "config.py",
+    "model.py",
+    "checkpoint.py",
+    "data.py",
+    "batches.py",
+    "objective.py",
+    "sides.py",
+    "recipe.py",
+    "estimate.py",
+    "flops.py",
+    "predict.py",
+)
+
+
+def test_every_family_holds_the_skeleton_files():
+    """Every folder under ``parallax/families/`` holds the skeleton files (it may hold more)."""
+    folders = [p for p in (ROOT / "parallax" / "families").iterdir() if p.is_dir()]
+    folders = sorted(p for p in folders if p.name != "__pycache__")
+    assert folders, "no family packages found under parallax/families/"
+    missing = []
+    for folder in folders:
+        lacks = [f for f in SKELETON if not (folder / f).is_file()]
+        if lacks:
+            missing.append(f"parallax/families/{folder.name}/ lacks {', '.join(lacks)}")
+    assert not missing, "\n".join(missing)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module defines or imports at its top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_a_family_exports_names_its_modules_define():
+    """Every module an ``EXPORTS`` entry of a family's ``__init__`` names is a module of the
+    package that defines (or imports) those names, read from the source: no family code is
+    imported."""
+    wrong = []
+    for family in FAMILIES:
+        package = ROOT / "parallax" / "families" / family
+        tree = ast.parse((package / "__init__.py").read_text())
+        exports = next(
+            ast.literal_eval(n.value)
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            and any(getattr(t, "id", "") == "EXPORTS" for t in n.targets)
+        )
+        for module, names in exports.items():
+            path = package.joinpath(*module.split(".")).with_suffix(".py")
+            defined = _top_level_names(path) if path.is_file() else set()
+            wrong += [
+                f"parallax.families.{family}: {n} is not in {module}"
+                for n in names
+                if n not in defined
+            ]
+    assert not wrong, "\n".join(wrong)

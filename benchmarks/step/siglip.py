@@ -20,9 +20,10 @@ Every row starts from the same weights (parallax's layout-free init of seed 0, e
 layout and loaded by the others) and takes the same first batch: ``loss 1``, the first step's
 loss, agrees across rows to bf16 rounding. Activation checkpointing (``--checkpointing``, all
 rows) lets each system reach its largest batch; FLOPs are counted without recomputation:
-``SiglipConfig.flops_per_sample(B)`` = 3 x (vision forward: patch conv, blocks ``24 n w^2 + 4 n^2
-w`` per layer, the MAP head; text forward: blocks; the logits ``2 B d``) per pair. MFU is
-against 989 TFLOP/s (dense bf16 H100/H200). Peak memory is ``torch.cuda.max_memory_allocated``.
+``flops_per_sample(config, B)`` (:mod:`parallax.families.siglip.flops`) = 3 x (vision forward:
+patch conv, blocks ``24 n w^2 + 4 n^2 w`` per layer, the MAP head; text forward: blocks; the
+logits ``2 B d``) per pair. MFU is against 989 TFLOP/s (dense bf16 H100/H200). Peak memory is
+``torch.cuda.max_memory_allocated``.
 
 Pick the systems with ``--frameworks`` (the coordinator runs one per command, each well under
 9 minutes) and the local batch with ``--batch``: one number, ``parallax=512,torch=256``, or a
@@ -153,6 +154,7 @@ def run_row(name: str, b: int, args, config, weights: Path, device: torch.device
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from parallax.families.siglip.config import SiglipConfig
+    from parallax.families.siglip.flops import flops_per_sample
     from parallax.families.siglip.model import Siglip
 
     args = parse_args(argv)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         runs = [(n, b) for n in args.frameworks.split(",") for b in batches_of(args, n)]
         for name, b in runs:
             got = run_row(name, b, args, config, weights, device)
-            flops = b * config.flops_per_sample(b)
+            flops = b * flops_per_sample(config, b)
             ok = "error" not in got
             t = got.get("time", float("nan"))
             loss = got.get("loss", float("nan"))
@@ -200,8 +202,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.smoke or args.write:
         notes = (
             "bf16 compute, fp32 masters and AdamW state; FLOPs = batch x "
-            "SiglipConfig.flops_per_sample(batch) (3 x forward of both towers + logits, no "
-            f"recomputation), MFU vs {PEAK_BF16_TFLOPS:g} TFLOP/s; checkpointing "
+            "siglip.flops.flops_per_sample(config, batch) (3 x forward of both towers + logits, "
+            f"no recomputation), MFU vs {PEAK_BF16_TFLOPS:g} TFLOP/s; checkpointing "
             f"{'on' if args.checkpointing else 'off'}; CUDA graphs "
             f"{'on (parallax, torch)' if args.cuda_graphs else 'off'}; same initial weights, "
             "loss 1 = first step"

@@ -16,8 +16,9 @@ micro-batch size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -29,6 +30,7 @@ from parallax.data.synthetic import SyntheticTask
 from parallax.seeds import param_seed
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Dataset(Protocol):
@@ -97,7 +99,46 @@ def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: in
     )
 
 
-class BatchLoader:
+class DPBatches:
+    """What every loader shares: the global batch of a step, this dp rank's contiguous share
+    of it cut into microbatches, and iteration by :meth:`next_batch`."""
+
+    def __init__(
+        self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ) -> None:
+        check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp rank {dp_rank} is outside [0, dp size {dp_size})")
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step on each dp rank (the gradient-accumulation steps)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.dp_size
+
+    def my_microbatches(self, batch: Sequence[T], read: Callable[[T], Any]) -> list[list[Any]]:
+        """This rank's block of the global ``batch`` (its references), read and cut into
+        microbatches."""
+        local, m = self.local_batch_size, self.micro_batch_size
+        mine = batch[self.dp_rank * local : (self.dp_rank + 1) * local]
+        return [[read(x) for x in mine[k : k + m]] for k in range(0, local, m)]
+
+    def next_batch(self) -> list[list[Any]]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[list[list[Any]]]:
+        return self
+
+    def __next__(self) -> list[list[Any]]:
+        return self.next_batch()
+
+
+class BatchLoader(DPBatches):
     """Yields, per step, this dp rank's share of the global batch as a list of microbatches
     (each a list of raw samples). See the module doc for the order and resume guarantees."""
 
@@ -112,9 +153,7 @@ class BatchLoader:
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp rank {dp_rank} is outside [0, dp size {dp_size})")
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
         if len(dataset) < global_batch_size:
             what = "is empty" if len(dataset) == 0 else f"has only {len(dataset)} samples"
             raise DatasetError(
@@ -122,20 +161,12 @@ class BatchLoader:
                 f"of {global_batch_size}"
             )
         self.dataset = dataset
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
         self.epoch = 0
         self.offset = 0  # index of the next sample in this epoch's order
         self.samples_seen = 0
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
-
-    @property
-    def num_microbatches(self) -> int:
-        """Microbatches per step on each dp rank (the gradient-accumulation steps)."""
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -165,17 +196,7 @@ class BatchLoader:
 
     def next_batch(self) -> list[list[Sample]]:
         """This rank's ``num_microbatches`` microbatches of ``micro_batch_size`` samples."""
-        indices = self.next_global_indices()
-        local = self.global_batch_size // self.dp_size
-        mine = indices[self.dp_rank * local : (self.dp_rank + 1) * local]
-        m = self.micro_batch_size
-        return [[self.dataset[i] for i in mine[k : k + m]] for k in range(0, local, m)]
-
-    def __iter__(self) -> BatchLoader:
-        return self
-
-    def __next__(self) -> list[list[Sample]]:
-        return self.next_batch()
+        return self.my_microbatches(self.next_global_indices(), self.dataset.__getitem__)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position; identical on every rank."""

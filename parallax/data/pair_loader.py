@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from parallax.data.loader import check_batch_sizes
+from parallax.data.loader import DPBatches
 from parallax.data.pairs import PairSample, PairSource
 from parallax.data.stats import DatasetError
 from parallax.seeds import param_seed
@@ -28,7 +28,7 @@ from parallax.seeds import param_seed
 log = logging.getLogger(__name__)
 
 
-class PairLoader:
+class PairLoader(DPBatches):
     """Yields, per step, this dp rank's microbatches (lists of raw pairs)."""
 
     def __init__(
@@ -43,22 +43,14 @@ class PairLoader:
         shuffle: bool = True,
         window_shards: int = 16,
     ) -> None:
-        check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp rank {dp_rank} is outside [0, dp size {dp_size})")
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
         if window_shards < 1:
             raise ValueError(f"window_shards must be >= 1, got {window_shards}")
         self.source = source
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle, self.window_shards = seed, shuffle, window_shards
         self.epoch = self.window = self.offset = 0
         self.samples_seen = 0
         self._cache: tuple[tuple[int, int], torch.Tensor] | None = None
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
     def _gen(self, what: str) -> torch.Generator:
         return torch.Generator().manual_seed(param_seed(self.seed, what))
@@ -114,17 +106,7 @@ class PairLoader:
         return [tuple(r) for r in torch.cat(out).tolist()]
 
     def next_batch(self) -> list[list[PairSample]]:
-        refs = self.next_global_refs()
-        local = self.global_batch_size // self.dp_size
-        mine = refs[self.dp_rank * local : (self.dp_rank + 1) * local]
-        m = self.micro_batch_size
-        return [[self.source.read(s, i) for s, i in mine[k : k + m]] for k in range(0, local, m)]
-
-    def __iter__(self) -> PairLoader:
-        return self
-
-    def __next__(self) -> list[list[PairSample]]:
-        return self.next_batch()
+        return self.my_microbatches(self.next_global_refs(), lambda r: self.source.read(*r))
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position; identical on every rank."""

@@ -30,7 +30,7 @@ import torch
 
 from parallax.data.augment import AugmentConfig
 from parallax.data.chunks import chunk_lengths
-from parallax.data.loader import check_batch_sizes
+from parallax.data.loader import DPBatches
 from parallax.data.mixture import Mixture, common_image_size, sources_and_weights
 from parallax.data.order import MixtureOrder, SourceOrder
 from parallax.data.source import Source
@@ -40,7 +40,7 @@ from parallax.data.workers import Decoder, Recipe, WorkerPool
 STATE_VERSION = 1
 
 
-class StreamLoader:
+class StreamLoader(DPBatches):
     """Yields, per step, this dp rank's share of the global batch as a list of microbatches
     (each a list of raw samples with torch tensors). See the module doc."""
 
@@ -68,15 +68,11 @@ class StreamLoader:
         cache_episodes: int | None = None,
         start_method: str = "forkserver",
     ) -> None:
-        check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp rank {dp_rank} is outside [0, dp size {dp_size})")
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
         sources, weights = sources_and_weights(data, weights, chunk)
         self.sources, self.chunk = sources, int(chunk)
         self.statistics = merge_statistics(*(s.statistics for s in sources))
         size = common_image_size(image_size, sources)
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
         self.recipe = Recipe(
             seed=seed,
@@ -115,14 +111,6 @@ class StreamLoader:
         key = f"data.{source.name}"
         lengths = chunk_lengths(source.lengths, self.chunk)
         return SourceOrder(lengths, seed=self.seed, key=key, **self._order_args)
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
-
-    @property
-    def local_batch_size(self) -> int:
-        return self.global_batch_size // self.dp_size
 
     # --- planning -----------------------------------------------------------------------------
     def locate(self, q: int) -> tuple[int, int, int, int]:
@@ -212,12 +200,6 @@ class StreamLoader:
             raise DatasetError(
                 f"images of different sizes in one batch {sorted(shapes)}: pass an image_size"
             )
-
-    def __iter__(self) -> StreamLoader:
-        return self
-
-    def __next__(self) -> list[list[dict[str, Any]]]:
-        return self.next_batch()
 
     # --- position -----------------------------------------------------------------------------
     def progress(self) -> dict[str, dict[str, float]]:

@@ -35,7 +35,7 @@ whose chunk fits in the episode are samples: an episode gives ``episode_length -
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -150,12 +150,9 @@ class SyntheticTask:
     """Indexable dataset of raw samples ``{"image", "instruction", "action"}`` (see module doc)."""
 
     def __init__(self, config: SyntheticConfig | None = None, **overrides: Any) -> None:
-        config = config or SyntheticConfig()
-        if overrides:
-            config = SyntheticConfig(**{**config.__dict__, **overrides})
-        self.config = config
-        self.name = config.name
-        size = config.image_size
+        self.config = replace(config or SyntheticConfig(), **overrides)  # a frozen copy
+        self.name = self.config.name
+        size = self.config.image_size
         self._centres = (np.arange(size, dtype=np.float32) + 0.5) / size  # (S,)
 
     @property

@@ -14,17 +14,20 @@ import importlib
 from collections.abc import Callable
 
 
-def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable, Callable]:
-    """A family package's ``__getattr__`` and ``__dir__``: ``exports`` maps each public name to
-    the module of the package that defines it, imported when the name is first asked for. So
-    importing a family's options (for ``--help``) imports no model code."""
+def lazy_exports(
+    package: str, exports: dict[str, tuple[str, ...]]
+) -> tuple[Callable, Callable, list[str]]:
+    """A family package's ``__getattr__``, ``__dir__`` and ``__all__``: ``exports`` maps each
+    module of the package to the public names it defines, imported when one of them is first
+    asked for. So importing a family's options (for ``--help``) imports no model code."""
+    where = {name: module for module, names in exports.items() for name in names}
 
     def getattr_(name: str):
-        if name not in exports:
+        if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
 
     def dir_() -> list[str]:
-        return sorted(exports)
+        return sorted(where)
 
-    return getattr_, dir_
+    return getattr_, dir_, sorted(where)

@@ -170,6 +170,23 @@ def vit_stem(cfg: ViTConfig, e: int, images: int = 1) -> Part:
     )
 
 
+def vision_tower(cfg: ViTConfig, e: int, images: int = 1) -> tuple[Part, Part]:
+    """A tower as it runs up to its feature layer: the stem, then the blocks over the patches
+    and prefix tokens, ``images`` images (tiles) per sample."""
+    tokens = cfg.num_patches + cfg.num_prefix_tokens
+    blocks = vit_blocks(cfg, tokens, e, cfg.feature_index + 1, "vision", images=images)
+    return vit_stem(cfg, e, images=images), blocks
+
+
+def decoder_model(
+    first: Sequence[Part], layer: Part, layers: int, head: Part, hidden: float
+) -> list[BlockEstimate]:
+    """A vision-language model's blocks: the first (towers, projector, embedding), ``layers``
+    decoder layers alike, the head; each block but the head hands ``hidden`` bytes on."""
+    body = [BlockEstimate((layer,), hidden)] * layers
+    return [BlockEstimate(tuple(first), hidden), *body, BlockEstimate((head,), 0.0)]
+
+
 @dataclass(frozen=True)
 class Linear:
     """One linear of a small stack (a projector): ``sharded_in`` when its input is split over

@@ -15,8 +15,10 @@ stages' tensor lists. Rank 0 then writes the index and config.json.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -60,14 +62,16 @@ def _layout(model):
     return make()
 
 
-def _plan(stage_groups: list[list[list]], max_bytes: int, itemsize: int) -> list[tuple[int, list]]:
+def plan_files(
+    stage_groups: list[list[list]], max_bytes: int, itemsize: int
+) -> list[tuple[int, list]]:
     """Files as ``(stage, [group, ...])``; a group (one parameter's tensors) never straddles
     files, and no file holds two stages' tensors."""
     files = []
     for stage, groups in enumerate(stage_groups):
         current, size = [], 0
         for group in groups:
-            nbytes = sum(itemsize * _numel(shape) for _, shape in group)
+            nbytes = sum(itemsize * math.prod(shape) for _, shape in group)
             if current and size + nbytes > max_bytes:
                 files.append((stage, current))
                 current, size = [], 0
@@ -78,15 +82,16 @@ def _plan(stage_groups: list[list[list]], max_bytes: int, itemsize: int) -> list
     return files
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def shard_names(n: int) -> list[str]:
+    """The safetensors file names of a checkpoint in ``n`` files, as transformers names them."""
+    return [SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def _file_name(i: int, n: int) -> str:
-    return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+def index_of(files: list[list[Group]], names: list[str], itemsize: int) -> dict:
+    """The index of a sharded checkpoint: each tensor's file, in file order, and the size."""
+    weight_map = {n: name for groups, name in zip(files, names) for g in groups for n, _ in g}
+    total = sum(itemsize * math.prod(shape) for groups in files for g in groups for _, shape in g)
+    return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
 def save_pretrained(
@@ -121,8 +126,10 @@ def save_pretrained(
     gathered = comm.all_gather_object((pp_rank, dp_rank, tp_rank, groups), world)
     by_stage = {pp: g for pp, dp, tp, g in gathered if dp == 0 and tp == 0}
     _check_complete(by_stage, layout)  # same verdict on every rank, before anything is written
-    files = _plan([by_stage[s] for s in sorted(by_stage)], parse_size(max_shard_size), itemsize)
-    names = [_file_name(i, len(files)) for i in range(len(files))]
+    files = plan_files(
+        [by_stage[s] for s in sorted(by_stage)], parse_size(max_shard_size), itemsize
+    )
+    names = shard_names(len(files))
 
     if dp_rank == 0:
         owners = {group[0][0]: name for name, group in zip(params, groups)}
@@ -142,7 +149,10 @@ def save_pretrained(
                 stream_file(path / file_name, file_groups, parts_of, dtype, tp_rank == 0)
     comm.barrier(world)
     if rank == 0:
-        _write_metadata(model, path, files, names, itemsize)
+        index = index_of([groups for _, groups in files], names, itemsize)
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        tensors = sum(len(g) for _, groups in files for g in groups)
+        finish_checkpoint(path, model.config, names, index, AUX_FILES, tensors)
     comm.barrier(world)
 
 
@@ -183,32 +193,25 @@ def _unused_value(model, name: str, shape) -> torch.Tensor:
     return torch.zeros(shape)
 
 
-def _write_metadata(model, path: Path, files, names, itemsize: int) -> None:
-    config = model.config
-    if len(files) > 1:
-        weight_map, total = {}, 0
-        for (_, groups), file_name in zip(files, names):
-            for n, shape in (e for g in groups for e in g):
-                weight_map[n] = file_name
-                total += itemsize * _numel(shape)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+def finish_checkpoint(
+    path: Path, config, names: list[str], index: dict, aux_files: Sequence[str], tensors: int
+) -> None:
+    """Rank 0's last writes once the shards ``names`` are on disk: the ``index`` (when there
+    are several), no shards left of an earlier save with another count, config.json (and
+    OpenVLA's statistics), and the tokenizer and processor files of the source checkpoint."""
+    if len(names) > 1:
         write_json_atomic(path / INDEX, index)
     for stale in path.iterdir():  # shards of an earlier save with another shard count
         if (_SHARD_RE.match(stale.name) and stale.name not in names) or (
-            stale.name == INDEX and len(files) == 1
+            stale.name == INDEX and len(names) == 1
         ):
             stale.unlink()
     write_json_atomic(path / "config.json", config.to_dict())
     if getattr(config, "norm_stats", None):
         write_json_atomic(path / "dataset_statistics.json", config.norm_stats)
     if config.source and Path(config.source).resolve() != path.resolve():
-        for aux in AUX_FILES:
+        for aux in aux_files:
             src = Path(config.source) / aux
             if src.is_file():
                 write_bytes_atomic(path / aux, src.read_bytes())
-    log.info(
-        "saved %d tensors in %d files to %s",
-        sum(len(g) for _, gs in files for g in gs),
-        len(files),
-        path,
-    )
+    log.info("saved %d tensors in %d files to %s", tensors, len(names), path)

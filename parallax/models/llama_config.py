@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from parallax.models.config_file import check_divisible
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -31,11 +33,7 @@ class LlamaConfig:
     fused_projections: bool = False
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"LlamaConfig: hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
+        check_divisible(self, "hidden_size", "num_attention_heads")
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
                 f"LlamaConfig: num_attention_heads {self.num_attention_heads} is not a multiple "
@@ -66,3 +64,7 @@ class LlamaConfig:
 
     def head_flops(self, seq: int) -> float:
         return 2 * seq * self.hidden_size * self.vocab_size
+
+
+# the tiny presets' language model (each family's test preset sets its vocabulary and depth)
+TINY_LLAMA = LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4)

@@ -197,7 +197,7 @@ def save_adapter(
         except OSError as err:
             failure = f"rank 0 could not start writing {path}: {err}"
     for stage, name, pieces, shape, dt in plan:
-        full = _produce(params, name, stage, shape, dtype or _DTYPES[dt], ctx)
+        full = full_on_rank0(params, name, stage, shape, dtype or _DTYPES[dt], ctx)
         if writer is not None and failure is None:
             try:
                 for (key, piece), t in zip(pieces, full.split(pieces[0][1][0], dim=0)):
@@ -227,9 +227,12 @@ def save_adapter(
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
-def _produce(params, name, stage, shape, dtype, ctx) -> torch.Tensor | None:
-    """The full logical tensor on global rank 0 (gathered over tp by the owning stage's dp-0
-    ranks, sent from its tp rank 0); ``None`` elsewhere."""
+def full_on_rank0(
+    params: dict, name: str, stage: int, shape, dtype: torch.dtype, ctx
+) -> torch.Tensor | None:
+    """The full logical tensor of parameter ``name`` (held by pipeline ``stage``) on global
+    rank 0, in ``dtype`` (gathered over tp by the stage's dp-0 ranks, sent from its tp rank 0);
+    ``None`` elsewhere. Collective over the stage's tp group and rank 0."""
     if ctx is None or ctx.world_size == 1:
         return params[name].detach().to(dtype)
     pp, dp, tp = ctx.dims.coords(ctx.rank)

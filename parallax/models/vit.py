@@ -226,23 +226,26 @@ class VisionTransformer(CheckpointedBlocks, nn.Module):
         return x if cfg.keep_prefix else x[:, cfg.num_prefix_tokens :]
 
 
+def _linear(name: str, d_out: int, d_in: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (d_out, d_in), f"{name}.bias": (d_out,)}
+
+
+def _norm(name: str, w: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (w,), f"{name}.bias": (w,)}
+
+
 def checkpoint_only_tensors(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors a full timm checkpoint of this tower holds but the
     feature extractor never uses: blocks after the feature layer, the final norm when it is
     not applied, and the pooling head."""
     w, f = cfg.width, cfg.mlp_hidden
     block = {
-        "norm1.weight": (w,),
-        "norm1.bias": (w,),
+        **_norm("norm1", w),
         "attn.qkv.weight": (3 * w, w),
-        "attn.proj.weight": (w, w),
-        "attn.proj.bias": (w,),
-        "norm2.weight": (w,),
-        "norm2.bias": (w,),
-        "mlp.fc1.weight": (f, w),
-        "mlp.fc1.bias": (f,),
-        "mlp.fc2.weight": (w, f),
-        "mlp.fc2.bias": (w,),
+        **_linear("attn.proj", w, w),
+        **_norm("norm2", w),
+        **_linear("mlp.fc1", f, w),
+        **_linear("mlp.fc2", w, f),
     }
     if cfg.qkv_bias:
         block["attn.qkv.bias"] = (3 * w,)
@@ -252,23 +255,11 @@ def checkpoint_only_tensors(cfg: ViTConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.feature_index + 1, cfg.depth):
         out.update({f"blocks.{i}.{k}": v for k, v in block.items()})
     if not cfg.final_norm:
-        out.update({"norm.weight": (w,), "norm.bias": (w,)})
+        out.update(_norm("norm", w))
     if cfg.pool == "map":
-        out.update(
-            {
-                "attn_pool.latent": (1, 1, w),
-                "attn_pool.q.weight": (w, w),
-                "attn_pool.q.bias": (w,),
-                "attn_pool.kv.weight": (2 * w, w),
-                "attn_pool.kv.bias": (2 * w,),
-                "attn_pool.proj.weight": (w, w),
-                "attn_pool.proj.bias": (w,),
-                "attn_pool.norm.weight": (w,),
-                "attn_pool.norm.bias": (w,),
-                "attn_pool.mlp.fc1.weight": (f, w),
-                "attn_pool.mlp.fc1.bias": (f,),
-                "attn_pool.mlp.fc2.weight": (w, f),
-                "attn_pool.mlp.fc2.bias": (w,),
-            }
-        )
+        out["attn_pool.latent"] = (1, 1, w)
+        for name, d_out, d_in in (("q", w, w), ("kv", 2 * w, w), ("proj", w, w)):
+            out.update(_linear(f"attn_pool.{name}", d_out, d_in))
+        out.update(_norm("attn_pool.norm", w))
+        out.update({**_linear("attn_pool.mlp.fc1", f, w), **_linear("attn_pool.mlp.fc2", w, f)})
     return out

@@ -6,9 +6,33 @@ FLOP counts, the checkpoint readers) without building one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from parallax.models.config_file import check_divisible
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+# transformers' config.json names of a tower's sizes -> the ViTConfig fields (the dual encoders'
+# TextConfig names them alike): one table for every reader and writer of such a tower
+HF_SIZES = {
+    "hidden_size": "width",
+    "intermediate_size": "mlp_hidden",
+    "num_hidden_layers": "depth",
+    "num_attention_heads": "num_heads",
+}
+HF_IMAGE_SIZES = {**HF_SIZES, "image_size": "image_size", "patch_size": "patch_size"}
+# transformers' CLIPVisionConfig() defaults, for the keys a CLIP vision_config leaves out
+CLIP_VISION_DEFAULTS = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "image_size": 224,
+    "patch_size": 32,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+}
 
 
 @dataclass(frozen=True)
@@ -51,10 +75,7 @@ class ViTConfig:
                 f"ViTConfig: image_size {self.image_size} is not a multiple of "
                 f"patch_size {self.patch_size}"
             )
-        if self.width % self.num_heads:
-            raise ValueError(
-                f"ViTConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
-            )
+        check_divisible(self, "width", "num_heads")
         if not -self.depth <= self.feature_layer < self.depth:
             raise ValueError(
                 f"ViTConfig: feature_layer {self.feature_layer} is outside a "
@@ -89,3 +110,13 @@ class ViTConfig:
         block = 2 * n * (4 * w * w + 2 * w * self.mlp_hidden) + 4 * n * n * w
         patch = 2 * self.num_patches * 3 * self.patch_size**2 * w
         return patch + (self.feature_index + 1) * block
+
+
+def sizes_from_hf(tower: Mapping[str, Any], keys: Mapping[str, str] = HF_IMAGE_SIZES) -> dict:
+    """The sizes of a config.json tower dict as config fields (``keys``: theirs -> ours)."""
+    return {ours: int(tower[theirs]) for theirs, ours in keys.items()}
+
+
+def sizes_to_hf(config: Any, keys: Mapping[str, str] = HF_IMAGE_SIZES) -> dict:
+    """A config's sizes under transformers' names, in the order of ``keys``."""
+    return {theirs: getattr(config, ours) for theirs, ours in keys.items()}

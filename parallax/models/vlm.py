@@ -10,6 +10,7 @@ compilation, freezing the towers and saving are written once here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,11 +124,17 @@ class VisionLanguageModel(nn.Module):
     def stage_blocks(config) -> list[StageBlock]:
         raise NotImplementedError
 
+    # the family's functions (staticmethods): its tokenizer and layout-free init of a config,
+    # and its checkpoint reader ``(cls, path, ctx, dtype=..., **kwargs) -> model``
+    tokenizer_of: Callable[[Any], Any]
+    init_fn_of: Callable[[Any], InitFn]
+    load_checkpoint: Callable[..., Any]
+
     def default_init_fn(self) -> InitFn:
-        raise NotImplementedError
+        return self.init_fn_of(self.config)
 
     def load_tokenizer(self):
-        raise NotImplementedError
+        return self.tokenizer_of(self.config)
 
     # -- written once ---------------------------------------------------------------------------
     @property
@@ -205,6 +212,18 @@ class VisionLanguageModel(nn.Module):
         for tower in self.vision_towers() if self.has_vision else ():
             for p in tower.parameters():
                 p.requires_grad_(not frozen)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        ctx: ParallelContext | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        **kwargs,
+    ) -> VisionLanguageModel:
+        """Load a checkpoint of the family, each rank reading only its slice (the family's
+        ``load_checkpoint``; ``kwargs`` go to it)."""
+        return cls.load_checkpoint(cls, path, ctx, dtype=dtype, **kwargs)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> None:
         """Write the family's Hugging Face layout as published: see

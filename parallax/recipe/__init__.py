@@ -6,8 +6,20 @@ resolving a run for its family (:func:`resolve`), building a chunk as the run ad
 
 from parallax.recipe.base import REQUIRED, Recipe, missing_methods
 from parallax.recipe.data_side import DataSide, batch_args
-from parallax.recipe.model_side import Microbatch, ModelSide, ModelSpec
-from parallax.recipe.objective import MetricSpec, Objective, StepObjective, TokenObjective
+from parallax.recipe.model_side import (
+    Microbatch,
+    ModelSide,
+    ModelSpec,
+    init_seed,
+    preset_or_checkpoint,
+)
+from parallax.recipe.objective import (
+    MetricSpec,
+    NextTokenObjective,
+    Objective,
+    StepObjective,
+    TokenObjective,
+)
 from parallax.recipe.registry import register
 from parallax.recipe.resolve import resolve
 
@@ -18,12 +30,15 @@ __all__ = [
     "Microbatch",
     "ModelSide",
     "ModelSpec",
+    "NextTokenObjective",
     "Objective",
     "Recipe",
     "StepObjective",
     "TokenObjective",
     "batch_args",
+    "init_seed",
     "missing_methods",
+    "preset_or_checkpoint",
     "register",
     "resolve",
 ]

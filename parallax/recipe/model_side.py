@@ -8,7 +8,7 @@ from the defaults here. Every hook that takes ``run`` receives the resolved
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,51 @@ class ModelSpec:
 
     config: Any
     checkpoint: Path | None = None
+
+
+def preset_or_checkpoint(
+    spec: str,
+    config_cls: Any,
+    preset: str,
+    names: Iterable[str],
+    directory: str = "a checkpoint directory",
+) -> ModelSpec:
+    """``spec`` as a preset of ``config_cls`` (a family's config: ``PRESETS``, ``preset``,
+    ``from_pretrained``) or a checkpoint directory with a config.json; else a ``ValueError``
+    that lists the preset ``names`` (``preset``, ``directory``: what the family calls them)."""
+    if spec in config_cls.PRESETS:
+        return ModelSpec(config_cls.preset(spec))
+    path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSpec(config_cls.from_pretrained(path), path)
+    raise ValueError(
+        f"--model {spec!r} is neither {preset} ({', '.join(names)}) nor {directory} with a "
+        "config.json"
+    )
+
+
+def init_seed(run: Run, device: torch.device | str) -> int | None:
+    """The seed of a chunk's layout-free init; ``None`` on the meta device (shapes only)."""
+    return None if torch.device(device).type == "meta" else run.seed
+
+
+def vlm_chunk(model_cls, run: Run, blocks, ctx, *, dtype, device, checkpoint, **read) -> nn.Module:
+    """:meth:`ModelSide.build` of a vision-language family (its chunk a ``model_cls``, a
+    :class:`~parallax.models.vlm.VisionLanguageModel`): read from ``checkpoint`` (``read``: the
+    family's reader options) or the layout-free init of ``run.seed``; with ``--logits
+    labelled`` it hands the hidden states to the loss, which applies the head to the labelled
+    rows."""
+    kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
+    config = run.model_config
+    if checkpoint is not None:
+        chunk = model_cls.from_pretrained(
+            checkpoint, ctx, dtype=dtype, device=device, config=config, **read, **kw
+        )
+    else:
+        seed = init_seed(run, device)
+        chunk = model_cls(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
+    chunk.return_hidden = run.logits == "labelled"
+    return chunk
 
 
 class ModelSide:

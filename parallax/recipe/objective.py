@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parallax.context import ParallelContext
+from parallax.models.next_token import loss_token_count
 from parallax.recipe.model_side import Microbatch
 from parallax.run import Run
 
@@ -71,6 +72,30 @@ class TokenObjective(Objective):
         """``(sum of unit losses, metric sums)`` of one microbatch on the last stage; the sums
         are a float32 vector in the order of ``metric_sums``."""
         raise NotImplementedError
+
+
+class NextTokenObjective(TokenObjective):
+    """A next-token loss over the labelled tokens of ``mb["labels"]`` (-100 elsewhere): the
+    units are those tokens; with ``--logits labelled`` the last stage hands on hidden states
+    and the loss applies the head to the labelled rows only."""
+
+    def loss_units(self, mb: Microbatch) -> int:
+        return int(loss_token_count(mb["labels"]))
+
+    def loss_target(self, run: Run, mb: Microbatch) -> Any:
+        """The labels, or with ``--logits labelled`` the family's :meth:`labelled_target`."""
+        return mb["labels"] if run.logits != "labelled" else self.labelled_target(run, mb)
+
+    def labelled_target(self, run: Run, mb: Microbatch) -> Any:
+        """The labelled rows and their targets, found on the host (``--logits labelled``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def labelled_logits(chunk: nn.Module, output: torch.Tensor, rows: torch.Tensor):
+        """The head over the labelled ``rows`` (flat indices) of the last stage's hidden
+        states ``output (b, t, h)``: ``(n, V/tp)``."""
+        hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
+        return chunk.head(hidden)
 
 
 class StepObjective(Objective):

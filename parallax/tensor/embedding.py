@@ -8,10 +8,10 @@ from torch import nn
 
 from parallax.tensor import functional as tpf
 from parallax.tensor.sharding import make_shard, shard_tensor, unshard_tensor
-from parallax.tensor.tp import TPLike, resolve_tp, tp_param
+from parallax.tensor.tp import TPLayer, TPLike, tp_param
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(TPLayer):
     """Embedding table with its vocabulary rows split across tp.
 
     The vocabulary is zero-padded up to a multiple of tp. Each rank looks up the ids that fall
@@ -30,10 +30,8 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        super().__init__(ctx, sequence_parallel, sequence_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         info = make_shard(
             0,
             num_embeddings,

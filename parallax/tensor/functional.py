@@ -23,10 +23,14 @@ With no group (one rank) they are the identity and compile away.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from parallax import comm
 from parallax.comm import Group
+
+Op = Callable[[torch.Tensor, Group, int], torch.Tensor]  # one rank's side of a collective
 
 
 def _chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -59,48 +63,26 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
-        ctx.group, ctx.dim = group, dim
-        return comm.all_gather(x, group, dim=dim).contiguous()
+def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return comm.all_gather(x, group, dim=dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return comm.reduce_scatter(x, group, dim=dim).contiguous()
+
+
+class _AlongDim(torch.autograd.Function):
+    """One of the four pairs along ``dim`` in the module doc's table: ``op`` forward, its
+    conjugate ``grad_op`` backward."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        return _chunk(grad, ctx.group, ctx.dim), None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
-        ctx.group, ctx.dim = group, dim
-        return _chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        return comm.all_gather(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
-        ctx.group, ctx.dim = group, dim
-        return comm.all_gather(x, group, dim=dim).contiguous()
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int, op: Op, grad_op: Op):  # noqa: D102
+        ctx.group, ctx.dim, ctx.grad_op = group, dim, grad_op
+        return op(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # noqa: D102
-        ctx.group, ctx.dim = group, dim
-        return comm.reduce_scatter(x, group, dim=dim).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        return comm.all_gather(grad, ctx.group, dim=ctx.dim).contiguous(), None, None
+        return ctx.grad_op(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 def _eager(fn):
@@ -127,19 +109,19 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate the tp ranks' pieces along ``dim``; backward keeps this rank's piece."""
-    return x if group is None else _apply(_GatherFromTP, x, group, dim)
+    return x if group is None else _apply(_AlongDim, x, group, dim, _all_gather, _chunk)
 
 
 def scatter_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's piece of ``x`` along ``dim``; backward all-gathers the gradient."""
-    return x if group is None else _apply(_ScatterToTP, x, group, dim)
+    return x if group is None else _apply(_AlongDim, x, group, dim, _chunk, _all_gather)
 
 
 def gather_from_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: all-gather the sequence pieces; backward reduce-scatters."""
-    return x if group is None else _apply(_GatherFromSP, x, group, dim)
+    return x if group is None else _apply(_AlongDim, x, group, dim, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Sequence parallel: sum partial results and keep this rank's sequence piece."""
-    return x if group is None else _apply(_ReduceScatterToSP, x, group, dim)
+    return x if group is None else _apply(_AlongDim, x, group, dim, _reduce_scatter, _all_gather)

@@ -19,7 +19,7 @@ from parallax.comm import Group
 from parallax.tensor import functional as tpf
 from parallax.tensor.embedding import VocabParallelEmbedding
 from parallax.tensor.sharding import TPShard, make_shard, shard_tensor, unshard_tensor
-from parallax.tensor.tp import TPLike, resolve_tp, tp_param, uniform_
+from parallax.tensor.tp import TPLayer, TPLike, resolve_tp, tp_param, uniform_
 
 __all__ = [
     "ColumnParallelLinear",
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-class _DenseLinear(nn.Module):
+class _DenseLinear(TPLayer):
     """``from_dense`` / ``to_dense`` of the parallel linears: each parameter is split, or kept
     whole, as its ``tp_shard`` (or its absence) says."""
 
@@ -101,11 +101,9 @@ class ColumnParallelLinear(_DenseLinear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        super().__init__(ctx, sequence_parallel, sequence_dim)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         if gather_output and partitions > 1:
             raise ValueError("gather_output=True is not supported for fused (partitions>1) weights")
         info = make_shard(
@@ -141,12 +139,16 @@ class ColumnParallelLinear(_DenseLinear):
             x = tpf.gather_from_sp(x, self.group, self.sequence_dim)
         else:
             x = tpf.copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        y = self._product(x)  # (..., out/tp)
         if self.gather_output:
             y = tpf.gather_from_tp(y, self.group, dim=-1)
             if self.weight.tp_shard.padded_size != self.out_features:
                 y = y[..., : self.out_features]
         return y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product (a LoRA layer adds its adapter's)."""
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -179,11 +181,9 @@ class RowParallelLinear(_DenseLinear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        super().__init__(ctx, sequence_parallel, sequence_dim)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         info = make_shard(
             1,
             in_features,
@@ -209,12 +209,16 @@ class RowParallelLinear(_DenseLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = tpf.scatter_to_tp(x, self.group, dim=-1)
-        y = F.linear(x, self.weight)  # (..., out) partial sum over this rank's inputs
+        y = self._product(x)  # (..., out) partial sum over this rank's inputs
         if self.sequence_parallel:
             y = tpf.reduce_scatter_to_sp(y, self.group, self.sequence_dim)
         else:
             y = tpf.reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, before the bias (a LoRA layer adds its adapter's)."""
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return (

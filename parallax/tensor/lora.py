@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallax.seeds import param_seed
-from parallax.tensor import functional as tpf
 from parallax.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallax.tensor.sharding import TPShard, shard_tensor
 
@@ -77,6 +76,11 @@ class _LoRAMixin:
         h = h.unflatten(-1, (g, self.lora_rank))  # (..., g, r)
         out = torch.einsum("...gr,gor->...go", h, b.view(g, -1, self.lora_rank))
         return out.flatten(-2)  # (..., g * out_g) in partition order
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """The base layer's product on this rank plus the adapter's (each layer's ``forward``
+        does the rest: the collectives and, for a row-parallel layer, the bias after them)."""
+        return super()._product(x) + self._adapter(x)  # type: ignore[misc]
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
         a = self.lora_A.to(x.dtype)
@@ -116,6 +120,9 @@ class _LoRAMixin:
         info: TPShard | None = getattr(a, "tp_shard", None)
         a.copy_(full if info is None else shard_tensor(full, info))
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.lora_extra_repr()}"  # type: ignore[misc]
+
     def lora_extra_repr(self) -> str:
         return (
             f"lora: r={self.lora_rank}, alpha={self.lora_alpha}, dropout={self.lora_dropout}, "
@@ -127,38 +134,10 @@ class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
     """A :class:`ColumnParallelLinear` with an adapter (A replicated, B split like the weight).
     Made from an existing layer by :func:`add_adapter`; its base parameters keep their names."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = tpf.gather_from_sp(x, self.group, self.sequence_dim)
-        else:
-            x = tpf.copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias) + self._adapter(x)  # (..., out/tp)
-        if self.gather_output:
-            y = tpf.gather_from_tp(y, self.group, dim=-1)
-            if self.weight.tp_shard.padded_size != self.out_features:
-                y = y[..., : self.out_features]
-        return y
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {self.lora_extra_repr()}"
-
 
 class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
     """A :class:`RowParallelLinear` with an adapter (A split like the weight, B replicated).
     Made from an existing layer by :func:`add_adapter`; its base parameters keep their names."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = tpf.scatter_to_tp(x, self.group, dim=-1)
-        y = F.linear(x, self.weight) + self._adapter(x)  # (..., out) partial over tp
-        if self.sequence_parallel:
-            y = tpf.reduce_scatter_to_sp(y, self.group, self.sequence_dim)
-        else:
-            y = tpf.reduce_from_tp(y, self.group)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {self.lora_extra_repr()}"
 
 
 _KINDS = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}

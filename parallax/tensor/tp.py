@@ -28,6 +28,16 @@ def resolve_tp(ctx: TPLike) -> tuple[Group, int, int]:
     raise TypeError(f"expected a ParallelContext, a ProcessGroup or None, got {type(ctx)!r}")
 
 
+class TPLayer(nn.Module):
+    """What every tensor-parallel layer holds: its tp group and place in it, and whether its
+    activations outside the tp region are split along ``sequence_dim`` (sequence parallel)."""
+
+    def __init__(self, ctx: TPLike, sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.group, self.tp_rank, self.tp_size = resolve_tp(ctx)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+
+
 def tp_param(shape: tuple[int, ...], info: TPShard | None, device, dtype) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     if info is not None:

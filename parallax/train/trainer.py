@@ -164,15 +164,6 @@ class Trainer:
             for mb in microbatches
         ]
 
-    def _check_inputs(
-        self,
-        microbatches: list[Microbatch],
-        problem: str | None = None,
-        wait_s: float = 0.0,
-        stop: bool = False,
-    ) -> tuple[float, bool]:
-        return batch_checks.check(self, microbatches, problem, wait_s, stop)
-
     def train_step(
         self,
         microbatches: list[Microbatch],
@@ -188,7 +179,7 @@ class Trainer:
         largest wait over the ranks (the inputs' agreement reduces it, no extra collective).
         ``stop``: this rank was asked to stop; the output says whether any rank was (the same
         agreement), so that every rank saves after the same step."""
-        slowest, stopping = self._check_inputs(microbatches, problem, data_wait_s, stop)
+        slowest, stopping = batch_checks.check(self, microbatches, problem, data_wait_s, stop)
         if self.run.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
         with memory_budget(self.run.activation_memory_budget):  # blocks compile in the step
@@ -264,7 +255,7 @@ class Trainer:
         """Loss and metric sums of these microbatches, forward only (collective: every rank
         passes its dp share of the same evaluation batch). The inputs are agreed on first, as
         in :meth:`train_step`: a ``problem`` on one rank is :class:`InputError` on all."""
-        self._check_inputs(microbatches, problem)
+        batch_checks.check(self, microbatches, problem)
         self.optimizer.wait_params()
         objective = self.recipe.objective
         if objective.kind == "step":

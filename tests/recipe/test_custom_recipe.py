@@ -6,15 +6,28 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.testing import assert_close
 
 from parallax import ParallelContext
+from parallax.recipe import registry
 from parallax.testing import context, run_ranks
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "custom_recipe.py"
 FLAGS = ["--steps", "25", "--global-batch-size", "16", "--micro-batch-size", "4"]
 FLAGS += ["--log-interval", "25", "--save-interval", "0", "--warmup-steps", "2"]
+
+
+@pytest.fixture
+def library_families_only():
+    """The example registers its family in this process: take it out again afterwards, so that
+    later tests (the flag reference, which lists every family's presets) see the library's."""
+    before = set(registry.FAMILIES)
+    yield
+    for name in set(registry.FAMILIES) - before:  # the registry has no unregister
+        for table in (registry.FAMILIES, registry._LOADED, registry._OPTIONS):
+            table.pop(name, None)
 
 
 def _example():
@@ -43,6 +56,7 @@ def _train(out: str, tp: int, pp: int) -> list[dict]:
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.usefixtures("library_families_only")
 def test_the_custom_recipe_learns_at_tp2_pp2_as_in_one_process(tmp_path):
     ref = _train(str(tmp_path / "one"), 1, 1)
     got = run_ranks(_train, 4, str(tmp_path / "four"), 2, 2)[0]

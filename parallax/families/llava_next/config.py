@@ -7,9 +7,7 @@ transformers convention.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from parallax.families.llava_next.hf_config import (
     ADDED_TOKENS,
@@ -20,7 +18,9 @@ from parallax.families.llava_next.hf_config import (
     config_from_hf,
     config_to_hf,
 )
+from parallax.models.config_file import ConfigFile
 from parallax.models.llama import LlamaConfig
+from parallax.models.llama_config import TINY_LLAMA
 from parallax.models.llama_hf import LLAMA_DEFAULTS
 from parallax.models.vit import ViTConfig
 
@@ -41,11 +41,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass
-class LlavaNextConfig:
+class LlavaNextConfig(ConfigFile):
     """Everything that shapes a LLaVA-NeXT model. ``vision`` is the CLIP tower (``feature_layer``
     is LLaVA's ``vision_feature_layer``), ``text`` the Llama, ``image_grid_pinpoints`` the AnyRes
     canvases as (height, width). ``checkpoint_vocab_size`` is the vocabulary of an original-layout
     checkpoint when it is smaller than ``text.vocab_size`` (the rows that get added)."""
+
+    PRESET_KIND = "LLaVA-NeXT"
 
     vision: ViTConfig
     text: LlamaConfig
@@ -117,21 +119,7 @@ class LlavaNextConfig:
         """A copy with text options changed, e.g. ``fused_projections=True``."""
         return replace(self, text=replace(self.text, **changes))
 
-    # -- presets ---------------------------------------------------------------------------------
-    @classmethod
-    def preset(cls, name: str) -> LlavaNextConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown LLaVA-NeXT preset {name!r}; choose one of {sorted(PRESETS)}")
-        return copy.deepcopy(PRESETS[name])
-
-    # -- config.json -----------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> LlavaNextConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
-        return cls.from_dict(json.loads(file.read_text()), source=str(path))
-
+    # -- config.json (presets and checkpoint directories: ConfigFile) ---------------------------
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> LlavaNextConfig:
         return config_from_hf(cls, d, source)
@@ -150,12 +138,10 @@ def _presets() -> dict[str, LlavaNextConfig]:
     tiny_clip = replace(
         CLIP_L_336, image_size=28, patch_size=14, width=32, depth=3, num_heads=4, mlp_hidden=128
     )
-    tiny_llama = LlamaConfig(
+    tiny_llama = replace(
+        TINY_LLAMA,
         vocab_size=192,
-        hidden_size=64,
-        intermediate_size=176,
         num_hidden_layers=2,
-        num_attention_heads=4,
         rms_norm_eps=1e-5,
         max_position_embeddings=4096,
     )
@@ -178,3 +164,4 @@ def _presets() -> dict[str, LlavaNextConfig]:
 
 
 PRESETS = _presets()
+LlavaNextConfig.PRESETS = PRESETS

@@ -8,12 +8,12 @@ from parallax.families.llava_next.config import LlavaNextConfig
 from parallax.models.estimate import (
     BlockEstimate,
     Linear,
+    decoder_model,
     embedding,
     linears,
     llama_layer,
     lm_head,
-    vit_blocks,
-    vit_stem,
+    vision_tower,
 )
 
 TYPICAL_TEXT_TOKENS = 100
@@ -30,20 +30,15 @@ def block_estimates(config: LlavaNextConfig, run) -> list[BlockEstimate]:
     v, text, tiles = config.vision, config.text, config.max_tiles
     seq, h = sequence(config), text.hidden_size
     hidden = seq * h * e  # (t, h): what every stage hands on
-    tokens = v.num_patches + v.num_prefix_tokens
     projector = [  # linear_1 column-parallel, GELU, linear_2 row-parallel
         Linear(v.width, h, sharded_out=True, act=True),
         Linear(h, h, sharded_in=True),
     ]
-    vision = (
-        vit_stem(v, e, images=tiles),
-        vit_blocks(v, tokens, e, v.feature_index + 1, "vision", images=tiles),
+    first = (
+        *vision_tower(v, e, images=tiles),
         linears("projector", tiles * v.num_patches, projector, e),
         embedding(seq, h, e),
     )
     rows = TYPICAL_ANSWER_TOKENS if run.logits == "labelled" else seq
-    return (
-        [BlockEstimate(vision, hidden)]
-        + [BlockEstimate((llama_layer(text, seq, e),), hidden)] * text.num_hidden_layers
-        + [BlockEstimate((lm_head(text, rows, e),), 0.0)]
-    )
+    layer, head = llama_layer(text, seq, e), lm_head(text, rows, e)
+    return decoder_model(first, layer, text.num_hidden_layers, head, hidden)

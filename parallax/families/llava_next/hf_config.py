@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from parallax.models.llama_hf import text_config_from_hf
 from parallax.models.vit import ViTConfig
+from parallax.models.vit_config import CLIP_VISION_DEFAULTS, sizes_from_hf, sizes_to_hf
 
 # the config class these build (LlavaNextConfig, which imports this module: taken as a parameter)
 Config = TypeVar("Config")
@@ -39,17 +40,6 @@ CLIP_L_336 = ViTConfig(
     patch_bias=False,
 )
 KNOWN_TOWERS = {"openai/clip-vit-large-patch14-336": CLIP_L_336}
-# transformers' CLIPVisionConfig() defaults, for keys a vision_config leaves out
-_CLIP_DEFAULTS = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    image_size=224,
-    patch_size=32,
-    hidden_act="quick_gelu",
-    layer_norm_eps=1e-5,
-)
 ADDED_TOKENS = 2  # <image>, <pad>
 VOCAB_MULTIPLE = 64
 
@@ -101,12 +91,7 @@ def config_to_hf(config: Any) -> dict:
         },
         "vision_config": {
             "model_type": "clip_vision_model",
-            "hidden_size": v.width,
-            "intermediate_size": v.mlp_hidden,
-            "num_hidden_layers": v.depth,
-            "num_attention_heads": v.num_heads,
-            "image_size": v.image_size,
-            "patch_size": v.patch_size,
+            **sizes_to_hf(v),
             "hidden_act": v.act,
             "layer_norm_eps": v.ln_eps,
         },
@@ -118,17 +103,12 @@ def config_to_hf(config: Any) -> dict:
 
 
 def _vision_from_clip(vc: dict, feature_layer: int) -> ViTConfig:
-    c = {**_CLIP_DEFAULTS, **{k: v for k, v in vc.items() if v is not None}}
+    c = {**CLIP_VISION_DEFAULTS, **{k: v for k, v in vc.items() if v is not None}}
     if c["hidden_act"] not in ("quick_gelu", "gelu"):
         raise ValueError(f"vision_config.hidden_act={c['hidden_act']!r} is not supported")
     return replace(
         CLIP_L_336,
-        image_size=int(c["image_size"]),
-        patch_size=int(c["patch_size"]),
-        width=int(c["hidden_size"]),
-        depth=int(c["num_hidden_layers"]),
-        num_heads=int(c["num_attention_heads"]),
-        mlp_hidden=int(c["intermediate_size"]),
+        **sizes_from_hf(c),
         ln_eps=float(c["layer_norm_eps"]),
         act=c["hidden_act"],
         feature_layer=int(feature_layer),

@@ -24,12 +24,9 @@ never attends to it, so no attention mask travels between stages; position ids a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from parallax.context import ParallelContext
 from parallax.families.llava_next import anyres
 from parallax.families.llava_next import objective as llava_objectives
 from parallax.families.llava_next.checkpoint import LLAVA_HF, CheckpointLayout, load_llava
@@ -43,7 +40,6 @@ from parallax.families.llava_next.vision import (
     image_sizes_list,
     llava_init_fn,
 )
-from parallax.init import InitFn
 from parallax.models.stages import StageBlock
 from parallax.models.vit import VisionTransformer
 from parallax.models.vlm import VisionLanguageModel
@@ -54,6 +50,9 @@ class LlavaNext(VisionLanguageModel):
     constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
     first_inputs = ("pixel_values", "input_ids", "image_sizes")
+    tokenizer_of = staticmethod(llava_tokenizer)
+    init_fn_of = staticmethod(llava_init_fn)
+    load_checkpoint = staticmethod(load_llava)  # llava-hf, transformers 5.x or original LLaVA-v1.6
 
     def build_vision(self, device, dtype) -> None:
         kw, h = dict(device=device, dtype=dtype), self.config.text.hidden_size
@@ -65,12 +64,6 @@ class LlavaNext(VisionLanguageModel):
 
     def vision_towers(self) -> list[nn.Module]:
         return [self.vision_tower]
-
-    def load_tokenizer(self):
-        return llava_tokenizer(self.config)
-
-    def default_init_fn(self) -> InitFn:
-        return llava_init_fn(self.config)
 
     # -- the block list ---------------------------------------------------------------------------
     @staticmethod
@@ -147,18 +140,6 @@ class LlavaNext(VisionLanguageModel):
         )
 
     # -- checkpoints and inference ----------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        ctx: ParallelContext | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        **kwargs,
-    ) -> LlavaNext:
-        """Load a llava-hf, transformers 5.x or original LLaVA-v1.6 checkpoint
-        (:func:`parallax.families.llava_next.checkpoint.load_llava`)."""
-        return load_llava(cls, path, ctx, dtype=dtype, **kwargs)
-
     def checkpoint_layout(self):
         """How parameters map onto the llava-hf checkpoint that ``save_pretrained`` writes."""
         return CheckpointLayout(self.config, LLAVA_HF, type(self))

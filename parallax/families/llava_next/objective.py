@@ -21,7 +21,7 @@ import torch
 
 from parallax.models import next_token as objectives
 from parallax.models.tokenizer import IGNORE_INDEX
-from parallax.recipe import MetricSpec, Microbatch, TokenObjective
+from parallax.recipe import MetricSpec, Microbatch, NextTokenObjective
 from parallax.run import Run
 from parallax.tensor.layers import TPLike
 from parallax.tensor.loss import tp_argmax
@@ -102,7 +102,7 @@ def rows_answer_metrics(
         return _sums(pred == targets, torch.div(rows, seq_len, rounding_mode="floor"), batch)
 
 
-class AnswerObjective(TokenObjective):
+class AnswerObjective(NextTokenObjective):
     """The next-token loss over the supervised (answer) tokens; the teacher-forced answer and
     token accuracies. With ``--logits labelled`` the last stage returns hidden states and the
     loss applies the head to the labelled rows only (found on the host)."""
@@ -113,13 +113,8 @@ class AnswerObjective(TokenObjective):
         MetricSpec("token_accuracy", "token_correct", "tokens", "tok"),
     )
 
-    def loss_units(self, mb: Microbatch) -> int:
-        return int(loss_token_count(mb["labels"]))
-
-    def loss_target(self, run: Run, mb: Microbatch) -> Any:
-        if run.logits != "labelled":
-            return mb["labels"]
-        rows, targets = labelled_rows(mb["labels"])  # found on the host
+    def labelled_target(self, run: Run, mb: Microbatch) -> Any:
+        rows, targets = labelled_rows(mb["labels"])
         b, t = mb["labels"].shape
         return rows, targets, t, b
 
@@ -127,8 +122,7 @@ class AnswerObjective(TokenObjective):
         vocab = chunk.config.vocab_size
         if run.logits == "labelled":
             rows, row_targets, t, b = target
-            hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
-            logits = chunk.head(hidden)  # (n, V/tp)
+            logits = self.labelled_logits(chunk, output, rows)  # (n, V/tp)
             ce = rows_loss(logits, row_targets, ctx, vocab_size=vocab)
             m = rows_answer_metrics(logits, row_targets, rows, t, b, ctx, vocab_size=vocab)
         else:

@@ -12,16 +12,10 @@ import torch
 from torch import nn
 
 from parallax.data import LengthGroupedLoader
-from parallax.families.llava_next.batches import (
-    SYNTHETIC_SYSTEM,
-    LlavaBatches,
-    open_dataset,
-    sample_counts,
-    sample_lengths,
-    text_tokenizer,
-)
+from parallax.families.llava_next.batches import LlavaBatches, sample_counts, text_tokenizer
 from parallax.families.llava_next.checkpoint import detect_layout
 from parallax.families.llava_next.config import PRESETS, LlavaNextConfig
+from parallax.families.llava_next.data import SYNTHETIC_SYSTEM, open_dataset, sample_lengths
 from parallax.families.llava_next.estimate import TYPICAL_TEXT_TOKENS, block_estimates
 from parallax.families.llava_next.flops import sample_flops
 from parallax.families.llava_next.model import LlavaNext
@@ -33,6 +27,7 @@ from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
 from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
+from parallax.recipe.model_side import preset_or_checkpoint, vlm_chunk
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -59,17 +54,11 @@ class LlavaModel(ModelSide):
         return kind in ("llava_next", "llava", "llava_llama") or "mm_vision_tower" in config_json
 
     def resolve(self, spec: str) -> ModelSpec:
-        if spec in PRESETS:
-            return ModelSpec(LlavaNextConfig.preset(spec))
-        path = Path(spec)
-        if path.is_dir() and (path / "config.json").is_file():
-            config = LlavaNextConfig.from_pretrained(path)
-            detect_layout(CheckpointReader(path).weight_map, config, f"checkpoint {path}")
-            return ModelSpec(config, path)
-        raise ValueError(
-            f"--model {spec!r} is neither a LLaVA-NeXT preset ({', '.join(sorted(PRESETS))}) "
-            "nor a checkpoint directory with a config.json"
-        )
+        found = preset_or_checkpoint(spec, LlavaNextConfig, "a LLaVA-NeXT preset", sorted(PRESETS))
+        if found.checkpoint is not None:  # one of the layouts parallax reads, checked up front
+            path = found.checkpoint
+            detect_layout(CheckpointReader(path).weight_map, found.config, f"checkpoint {path}")
+        return found
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
@@ -84,17 +73,8 @@ class LlavaModel(ModelSide):
         return LlavaNext.stage_blocks(config, TYPICAL_TEXT_TOKENS)
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
-        config = run.model_config
-        kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
-        if checkpoint is not None and torch.device(device).type != "meta":
-            chunk = LlavaNext.from_pretrained(
-                checkpoint, ctx, dtype=dtype, device=device, config=config, **kw
-            )
-        else:
-            seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
-            chunk = LlavaNext(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
-        chunk.return_hidden = run.logits == "labelled"  # the loss applies the head
-        return chunk
+        read = checkpoint if torch.device(device).type != "meta" else None  # meta: shapes only
+        return vlm_chunk(LlavaNext, run, blocks, ctx, dtype=dtype, device=device, checkpoint=read)
 
     def export(self, run: Run, chunk: LlavaNext, path: Path, statistics: Mapping | None) -> None:
         chunk.save_pretrained(path)

@@ -18,7 +18,7 @@ prompt (40 words before every question) ``llava-tiny`` answers about half of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -60,11 +60,8 @@ class SyntheticVQA:
     statistics: dict[str, Any] = {}
 
     def __init__(self, config: VQAConfig | None = None, **overrides: Any) -> None:
-        config = config or VQAConfig()
-        if overrides:
-            config = VQAConfig(**{**config.__dict__, **overrides})
-        self.config = config
-        self.name = config.name
+        self.config = replace(config or VQAConfig(), **overrides)  # a frozen copy
+        self.name = self.config.name
 
     def __len__(self) -> int:
         return self.config.num_samples

@@ -3,9 +3,10 @@ action tokens (see ``docs/families.md`` and ``shared/openvla.md``).
 
 Files: ``config`` (presets, config.json), ``model``, ``checkpoint`` (the HF layout), ``prompt``
 and ``action_tokenizer`` (the text and action ids), ``preprocess`` (images), ``objective``
-(loss and action metrics), ``predict`` (decoding), ``flops`` and ``lora_flops``, and the
-trainer's side: ``recipe`` (the model side, the data side and the objective composed),
-``sides``, ``batches`` (samples -> microbatches) and ``data`` (robot datasets).
+(loss and action metrics), ``predict`` (decoding), ``flops`` and ``lora_flops``, ``estimate``
+(the blocks as the planner sees them), and the trainer's side: ``recipe`` (the model side, the
+data side and the objective composed), ``sides``, ``batches`` (samples -> microbatches) and
+``data`` (robot datasets).
 
 OpenVLA-OFT (``--action-head l1``, ``shared/oft.md``) is the subpackage ``oft``: ``options``
 (the family's own flags), ``config`` (OFT's model options and the positions the head reads),
@@ -18,32 +19,18 @@ checkpoint, an export or OFT's release).
 
 from parallax.families import lazy_exports
 
-EXPORTS = {
-    "ActionTokenizer": "action_tokenizer",
-    "OFTConfig": "oft.config",
-    "OFTLoss": "oft.objective",
-    "OpenVLA": "model",
-    "OpenVLAConfig": "config",
-    "OpenVLARecipe": "recipe",
-    "TinyTokenizer": "prompt",
-    "action_metrics": "objective",
-    "build_prompt": "prompt",
-    "expand_labels": "objective",
-    "generate": "predict",
-    "get_tokenizer": "prompt",
-    "load_policy": "oft.policy",
-    "loss_token_count": "objective",
-    "normalize_actions": "action_tokenizer",
-    "oft_loss": "oft.objective",
-    "openvla_init_fn": "model",
-    "pixel_values": "preprocess",
-    "predict_action": "predict",
-    "predict_action_chunk": "oft.predict",
-    "preprocess_image": "preprocess",
-    "prompt_ids": "prompt",
-    "training_example": "prompt",
-    "unnormalize_actions": "action_tokenizer",
-    "vla_loss": "objective",
+EXPORTS = {  # module -> the public names it defines
+    "action_tokenizer": ("ActionTokenizer", "normalize_actions", "unnormalize_actions"),
+    "config": ("OpenVLAConfig",),
+    "model": ("OpenVLA", "openvla_init_fn"),
+    "objective": ("action_metrics", "expand_labels", "loss_token_count", "vla_loss"),
+    "oft.config": ("OFTConfig",),
+    "oft.objective": ("OFTLoss", "oft_loss"),
+    "oft.policy": ("load_policy",),
+    "oft.predict": ("predict_action_chunk",),
+    "predict": ("generate", "predict_action"),
+    "preprocess": ("pixel_values", "preprocess_image"),
+    "prompt": ("TinyTokenizer", "build_prompt", "get_tokenizer", "prompt_ids", "training_example"),
+    "recipe": ("OpenVLARecipe",),
 }
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-__all__ = sorted(EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -9,9 +9,7 @@ timm does not know (the ``tiny`` preset) are described in an extra ``vision_conf
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from parallax.families.openvla.oft.config import OFTConfig
 from parallax.families.openvla.towers import (
@@ -24,7 +22,9 @@ from parallax.families.openvla.towers import (
     TIMM_TOWERS,
     small_towers,
 )
+from parallax.models.config_file import ConfigFile
 from parallax.models.llama import LlamaConfig
+from parallax.models.llama_config import TINY_LLAMA
 from parallax.models.llama_hf import LLAMA_DEFAULTS, TEXT_KEYS, text_config_from_hf
 from parallax.models.vit import ViTConfig
 
@@ -47,10 +47,12 @@ _AUTO_MAP = {
 
 
 @dataclass
-class OpenVLAConfig:
+class OpenVLAConfig(ConfigFile):
     """Everything that shapes an OpenVLA model, plus the dataset statistics it un-normalises
     actions with. ``vision`` is (DINOv2 featurizer, SigLIP fused featurizer); ``text`` the Llama.
     """
+
+    PRESET_KIND = "OpenVLA"
 
     vision: tuple[ViTConfig, ViTConfig]
     text: LlamaConfig
@@ -129,21 +131,7 @@ class OpenVLAConfig:
         """A copy with text options changed, e.g. ``fused_projections=True``."""
         return replace(self, text=replace(self.text, **changes))
 
-    # -- presets ---------------------------------------------------------------------------------
-    @classmethod
-    def preset(cls, name: str) -> OpenVLAConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown OpenVLA preset {name!r}; choose one of {sorted(PRESETS)}")
-        return copy.deepcopy(PRESETS[name])
-
-    # -- config.json -----------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> OpenVLAConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
-        return cls.from_dict(json.loads(file.read_text()), source=str(path))
-
+    # -- config.json (presets and checkpoint directories: ConfigFile) ---------------------------
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> OpenVLAConfig:
         if not d.get("use_fused_vision_backbone", True):
@@ -270,13 +258,7 @@ def _presets() -> dict[str, OpenVLAConfig]:
         ),
         "tiny": OpenVLAConfig(
             vision=tiny_pair,
-            text=LlamaConfig(
-                vocab_size=576,
-                hidden_size=64,
-                intermediate_size=176,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-            ),
+            text=replace(TINY_LLAMA, vocab_size=576, num_hidden_layers=4),
             timm_model_ids=("parallax-tiny-dinov2-reg4", "parallax-tiny-siglip"),
             pad_token_id=512,
             tokenizer="tiny",
@@ -285,3 +267,4 @@ def _presets() -> dict[str, OpenVLAConfig]:
 
 
 PRESETS = _presets()
+OpenVLAConfig.PRESETS = PRESETS

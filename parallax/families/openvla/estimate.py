@@ -19,12 +19,12 @@ from parallax.models.estimate import (
     Linear,
     Part,
     Split,
+    decoder_model,
     embedding,
     linears,
     llama_layer,
     lm_head,
-    vit_blocks,
-    vit_stem,
+    vision_tower,
 )
 
 TEXT_TOKENS = 41  # BOS, a typical instruction prompt and the 7 action tokens and EOS
@@ -62,9 +62,7 @@ def block_estimates(model, run) -> list[BlockEstimate]:
     hidden = seq * text.hidden_size * e  # (prefix + t, h): what every stage hands on
     parts = []
     for tower in config.vision:
-        parts.append(vit_stem(tower, e, images=images))
-        n = tower.num_patches + tower.num_prefix_tokens
-        parts.append(vit_blocks(tower, n, e, tower.feature_index + 1, "vision", images=images))
+        parts += vision_tower(tower, e, images=images)
     d, h, p = config.vision_dim, text.hidden_size, config.num_patches * images
     projector = [  # fc1 column-parallel, fc2 and fc3 row-parallel, GELU after fc1 and fc2
         Linear(d, 4 * d, sharded_out=True, act=True),
@@ -75,11 +73,7 @@ def block_estimates(model, run) -> list[BlockEstimate]:
     layer = llama_layer(text, seq, e)
     if oft is not None:  # bidirectional attention: every score computed
         layer = _bidirectional(layer)
-    return (
-        [BlockEstimate(tuple(parts), hidden)]
-        + [BlockEstimate((layer,), hidden)] * text.num_hidden_layers
-        + [BlockEstimate((_head(model, run, seq, e),), 0.0)]
-    )
+    return decoder_model(parts, layer, text.num_hidden_layers, _head(model, run, seq, e), hidden)
 
 
 def _bidirectional(layer: Part) -> Part:

@@ -15,13 +15,11 @@ stage the hidden states ``(b, P + t, h)``; the last returns this rank's logits `
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallax.context import ParallelContext
 from parallax.families.openvla import objective as objectives
 from parallax.families.openvla.action_tokenizer import ActionTokenizer
 from parallax.families.openvla.checkpoint import OpenVLATensors, load_pretrained
@@ -122,6 +120,12 @@ class OpenVLA(VisionLanguageModel):
     """The whole model, or the contiguous ``blocks`` of it that one pipeline stage holds (the
     constructor's arguments: :class:`~parallax.models.vlm.VisionLanguageModel`)."""
 
+    tokenizer_of = staticmethod(get_tokenizer)
+    init_fn_of = staticmethod(openvla_init_fn)
+    # the Hugging Face OpenVLA layout, parallax's OFT export or OFT's own release
+    # (from_pretrained(path, oft={"chunk": 8, "num_images": 2}): what OFT's files cannot tell)
+    load_checkpoint = staticmethod(load_pretrained)
+
     @property
     def bidirectional(self) -> bool:
         return self.config.oft is not None
@@ -157,12 +161,6 @@ class OpenVLA(VisionLanguageModel):
 
     def vision_towers(self) -> list[nn.Module]:
         return [self.vision_backbone.featurizer, self.vision_backbone.fused_featurizer]
-
-    def load_tokenizer(self):
-        return get_tokenizer(self.config)
-
-    def default_init_fn(self) -> InitFn:
-        return openvla_init_fn(self.config)
 
     # -- the block list ---------------------------------------------------------------------------
     @staticmethod
@@ -232,39 +230,19 @@ class OpenVLA(VisionLanguageModel):
     # -- training helpers -------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"):
         """Cross-entropy of this (last) stage's logits against text labels ``(b, t)``."""
-        return objectives.vla_loss(
-            logits,
-            labels,
-            self.ctx,
-            num_patches=self.config.num_patches,
-            vocab_size=self.config.text.vocab_size,
-            reduction=reduction,
-        )
+        where = self._label_positions
+        return objectives.vla_loss(logits, labels, self.ctx, reduction=reduction, **where)
 
     def action_metrics(self, logits: torch.Tensor, labels: torch.Tensor) -> dict:
-        return objectives.action_metrics(
-            logits,
-            labels,
-            self.ctx,
-            num_patches=self.config.num_patches,
-            vocab_size=self.config.text.vocab_size,
-            action_tokenizer=self.action_tokenizer,
-        )
+        where, tok = self._label_positions, self.action_tokenizer
+        return objectives.action_metrics(logits, labels, self.ctx, action_tokenizer=tok, **where)
+
+    @property
+    def _label_positions(self) -> dict[str, int]:
+        """Where the text labels sit in the logits: after the patches, within the vocabulary."""
+        return dict(num_patches=self.config.num_patches, vocab_size=self.config.text.vocab_size)
 
     # -- checkpoints and inference ----------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        ctx: ParallelContext | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        **kwargs,
-    ) -> OpenVLA:
-        """Load a Hugging Face OpenVLA checkpoint, parallax's OFT export or OFT's own release
-        (:func:`.checkpoint.load_pretrained`; ``oft={"chunk": 8, "num_images": 2}``: OFT's
-        options its files cannot tell)."""
-        return load_pretrained(cls, path, ctx, dtype=dtype, **kwargs)
-
     def checkpoint_layout(self):
         """The Hugging Face checkpoint's tensor names for this model's parameters (fused
         projections stored split), as :mod:`parallax.models.hf_export` and LoRA read them."""

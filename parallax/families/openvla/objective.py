@@ -26,7 +26,7 @@ from parallax.models.next_token import (
     rows_loss,
     vla_loss,
 )
-from parallax.recipe import MetricSpec, Microbatch, TokenObjective
+from parallax.recipe import MetricSpec, Microbatch, NextTokenObjective
 from parallax.run import Run
 from parallax.tensor.layers import TPLike
 from parallax.tensor.loss import tp_argmax
@@ -85,7 +85,7 @@ def _action_sums(
     return {"action_correct": correct, "action_l1_sum": l1, "action_tokens": mask.sum().float()}
 
 
-class ActionTokenObjective(TokenObjective):
+class ActionTokenObjective(NextTokenObjective):
     """OpenVLA's next-token loss over the labelled tokens (the 7 action tokens and EOS of each
     sample); its action-token accuracy and the L1 error of the decoded actions. With
     ``--logits labelled`` the last stage returns hidden states and the loss applies the final
@@ -97,21 +97,15 @@ class ActionTokenObjective(TokenObjective):
         MetricSpec("l1", "action_l1_sum", "action_tokens", "l1"),
     )
 
-    def loss_units(self, mb: Microbatch) -> int:
-        return int(loss_token_count(mb["labels"]))
-
-    def loss_target(self, run: Run, mb: Microbatch) -> Any:
-        if run.logits != "labelled":
-            return mb["labels"]
-        return labelled_rows(mb["labels"], run.model_config.num_patches)  # found on the host
+    def labelled_target(self, run: Run, mb: Microbatch) -> Any:
+        return labelled_rows(mb["labels"], run.model_config.num_patches)
 
     def loss(self, chunk, output, target, ctx, run: Run):
         mc = chunk.config
         vocab, tok = mc.text.vocab_size, chunk.action_tokenizer
         if run.logits == "labelled":
             rows, row_targets = target
-            hidden = output.flatten(0, 1).index_select(0, rows)  # (n, h), the same on every tp
-            logits = chunk.head(hidden)  # (n, V/tp)
+            logits = self.labelled_logits(chunk, output, rows)  # (n, V/tp)
             ce = rows_loss(logits, row_targets, ctx, vocab_size=vocab)
             m = rows_action_metrics(
                 logits, row_targets, ctx, vocab_size=vocab, action_tokenizer=tok

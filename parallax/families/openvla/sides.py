@@ -29,6 +29,7 @@ from parallax.models.stages import StageBlock
 from parallax.models.vlm import with_fusion
 from parallax.pipeline import TensorMeta
 from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec
+from parallax.recipe.model_side import preset_or_checkpoint, vlm_chunk
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -117,15 +118,7 @@ class OpenVLAModel(ModelSide):
         return config_json.get("model_type") in ("openvla", "prismatic")
 
     def resolve(self, spec: str) -> ModelSpec:
-        if spec in PRESETS:
-            return ModelSpec(OpenVLAConfig.preset(spec))
-        path = Path(spec)
-        if path.is_dir() and (path / "config.json").is_file():
-            return ModelSpec(OpenVLAConfig.from_pretrained(path), path)
-        raise ValueError(
-            f"--model {spec!r} is neither an OpenVLA preset ({', '.join(sorted(PRESETS))}) nor "
-            "a checkpoint directory with a config.json"
-        )
+        return preset_or_checkpoint(spec, OpenVLAConfig, "an OpenVLA preset", sorted(PRESETS))
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_7B)
@@ -160,17 +153,9 @@ class OpenVLAModel(ModelSide):
         return None
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
-        kw = dict(blocks=blocks, activation_checkpointing=run.checkpointing)
-        config = run.model_config
-        if checkpoint is not None:
-            chunk = OpenVLA.from_pretrained(
-                checkpoint, ctx, dtype=dtype, device=device, config=config, seed=run.seed, **kw
-            )
-        else:
-            seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
-            chunk = OpenVLA(config, ctx, dtype=dtype, device=device, seed=seed, **kw)
-        chunk.return_hidden = run.logits == "labelled"  # the loss applies the head
-        return chunk
+        # the reader's seed starts OFT's modules where a plain OpenVLA checkpoint has none
+        kw = dict(dtype=dtype, device=device, checkpoint=checkpoint, seed=run.seed)
+        return vlm_chunk(OpenVLA, run, blocks, ctx, **kw)
 
     def export(self, run: Run, chunk: OpenVLA, path: Path, statistics: Mapping | None) -> None:
         """The HF OpenVLA layout (merged with LoRA), with the data's statistics."""

@@ -42,32 +42,10 @@ TIMM_TOWERS = {
 def small_towers() -> tuple[tuple[ViTConfig, ViTConfig], tuple[ViTConfig, ViTConfig]]:
     """The (DINOv2, SigLIP) towers of the tiny and the small presets: the 7B's kinds of tower
     (registers and LayerScale; a MAP head), scaled down."""
-    tiny_dino = ViTConfig(
-        image_size=56,
-        width=32,
-        depth=3,
-        num_heads=4,
-        mlp_hidden=128,
-        class_token=True,
-        reg_tokens=4,
-        no_embed_class=True,
-        layer_scale=0.1,
-        feature_layer=-2,
-    )
-    tiny_siglip = ViTConfig(
-        image_size=56,
-        width=48,
-        depth=3,
-        num_heads=4,
-        mlp_hidden=184,
-        class_token=False,
-        feature_layer=-2,
-        pool="map",
-    )
-    small_dino = replace(
-        tiny_dino, image_size=112, width=256, depth=6, num_heads=8, mlp_hidden=1024
-    )
-    small_siglip = replace(
-        tiny_siglip, image_size=112, width=288, depth=6, num_heads=8, mlp_hidden=1072
-    )
+    tiny = dict(image_size=56, depth=3, num_heads=4)  # what both towers of a preset share
+    tiny_dino = replace(DINOV2_L_REG4, **tiny, width=32, mlp_hidden=128, layer_scale=0.1)
+    tiny_siglip = replace(SIGLIP_SO400M, **tiny, width=48, mlp_hidden=184)
+    small = dict(image_size=112, depth=6, num_heads=8)
+    small_dino = replace(tiny_dino, **small, width=256, mlp_hidden=1024)
+    small_siglip = replace(tiny_siglip, **small, width=288, mlp_hidden=1072)
     return (tiny_dino, tiny_siglip), (small_dino, small_siglip)

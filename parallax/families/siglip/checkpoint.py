@@ -24,15 +24,10 @@ from torch import nn
 
 from parallax import comm
 from parallax.families.siglip.config import SiglipConfig
-from parallax.models.hf_io import INDEX, SINGLE, CheckpointReader, fit_problems, read_param
+from parallax.models.hf_export import finish_checkpoint, index_of, plan_files, shard_names
+from parallax.models.hf_io import CheckpointReader, fit_problems, read_param
 from parallax.models.meta import materialize
-from parallax.models.safetensors_io import (
-    Group,
-    parse_size,
-    stream_file,
-    write_bytes_atomic,
-    write_json_atomic,
-)
+from parallax.models.safetensors_io import Group, parse_size, stream_file
 from parallax.tensor import logical_shape, unshard_tensor
 
 log = logging.getLogger(__name__)
@@ -183,11 +178,9 @@ def save_pretrained(
     params = list(model.named_parameters())
     dtype = dtype or params[0][1].dtype
     groups = [hf_sources(n, logical_shape(p), config.family) for n, p in params]
-    files = _plan(groups, parse_size(max_shard_size), torch.empty((), dtype=dtype).element_size())
-    names = [
-        SINGLE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        for i in range(len(files))
-    ]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    files = [g for _, g in plan_files([groups], parse_size(max_shard_size), itemsize)]
+    names = shard_names(len(files))
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
     if dp_rank == 0:
@@ -204,52 +197,6 @@ def save_pretrained(
             stream_file(path / file_name, file_groups, parts_of, dtype, rank == 0)
     comm.barrier(world)
     if rank == 0:
-        _write_metadata(model, path, files, names, dtype)
+        tensors = sum(len(g) for f in files for g in f)
+        finish_checkpoint(path, config, names, index_of(files, names, itemsize), AUX_FILES, tensors)
     comm.barrier(world)
-
-
-def _plan(groups: list, max_bytes: int, itemsize: int) -> list[list]:
-    """Files as lists of parameter groups; a parameter never straddles two files."""
-    files, current, size = [], [], 0
-    for group in groups:
-        nbytes = sum(itemsize * max(1, _numel(s)) for _, s in group)
-        if current and size + nbytes > max_bytes:
-            files.append(current)
-            current, size = [], 0
-        current.append(group)
-        size += nbytes
-    return files + ([current] if current else [])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _write_metadata(model, path: Path, files, names, dtype) -> None:
-    config = model.config
-    if len(files) > 1:
-        size = torch.empty((), dtype=dtype).element_size()
-        weight_map = {n: f for g, f in zip(files, names) for grp in g for n, _ in grp}
-        total = sum(size * max(1, _numel(s)) for g in files for grp in g for _, s in grp)
-        write_json_atomic(
-            path / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map}
-        )
-    for stale in path.iterdir():  # shards of an earlier save with another shard count
-        is_shard = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", stale.name)
-        if (is_shard and stale.name not in names) or (stale.name == INDEX and len(files) == 1):
-            stale.unlink()
-    write_json_atomic(path / "config.json", config.to_dict())
-    if config.source and Path(config.source).resolve() != path.resolve():
-        for aux in AUX_FILES:
-            src = Path(config.source) / aux
-            if src.is_file():
-                write_bytes_atomic(path / aux, src.read_bytes())
-    log.info(
-        "saved %d tensors in %d files to %s",
-        sum(len(g) for f in files for g in f),
-        len(files),
-        path,
-    )

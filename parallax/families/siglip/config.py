@@ -12,10 +12,8 @@ rest here too.
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from parallax.families.siglip.hf_config import config_from_hf, config_to_hf
 from parallax.families.siglip.text_config import (
@@ -24,10 +22,12 @@ from parallax.families.siglip.text_config import (
     FAMILIES,
     SIGLIP_MEAN,
     SIGLIP_STD,
+    VISION_KIND,
     TextConfig,
     hf_act,
     parallax_act,
 )
+from parallax.models.config_file import ConfigFile
 from parallax.models.vit import ViTConfig
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
 
 
 @dataclass
-class SiglipConfig:
+class SiglipConfig(ConfigFile):
     """Both towers, the embedding width they meet in, and how pairs are scored.
 
     ``embed_dim``: SigLIP's MAP head gives the vision width and the text head maps to it; CLIP
@@ -52,6 +52,8 @@ class SiglipConfig:
     ``resize``: "squash" (SigLIP: resize to the square, aspect ratio not kept) or "crop" (CLIP:
     shortest side to the image size, then a centre crop).
     """
+
+    PRESET_KIND = "dual-encoder"
 
     vision: ViTConfig
     text: TextConfig
@@ -90,42 +92,7 @@ class SiglipConfig:
     def image_size(self) -> int:
         return self.vision.image_size
 
-    def vision_flops(self) -> float:
-        """Forward FLOPs per image: patches, blocks and the pooling head (or projection)."""
-        v, w = self.vision, self.vision.width
-        if self.family == "clip":
-            return v.flops() + 2 * w * self.embed_dim
-        n = v.num_patches
-        head = 2 * w * w + 4 * n * w * w + 4 * n * w + 2 * w * w + 4 * w * v.mlp_hidden
-        return v.flops() + head
-
-    def text_flops(self) -> float:
-        return self.text.flops() + 2 * self.text.width * self.embed_dim
-
-    def flops_per_sample(self, global_batch: int, train: bool = True) -> float:
-        """Model FLOPs per image-text pair: both towers, plus the loss's logits against the
-        ``global_batch`` embeddings of the other side (sigmoid: one direction; softmax: both),
-        times 3 for training (forward and backward; no recomputation counted)."""
-        logits = 2 * global_batch * self.embed_dim * (1 if self.loss == "sigmoid" else 2)
-        return (3 if train else 1) * (self.vision_flops() + self.text_flops() + logits)
-
-    # -- presets ---------------------------------------------------------------------------------
-    @classmethod
-    def preset(cls, name: str) -> SiglipConfig:
-        if name not in PRESETS:
-            raise ValueError(
-                f"unknown dual-encoder preset {name!r}; choose one of {sorted(PRESETS)}"
-            )
-        return copy.deepcopy(PRESETS[name])
-
-    # -- config.json -----------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> SiglipConfig:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
-        return cls.from_dict(json.loads(file.read_text()), source=str(path))
-
+    # -- config.json (presets and checkpoint directories: ConfigFile) ---------------------------
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> SiglipConfig:
         return config_from_hf(cls, d, source)
@@ -143,40 +110,22 @@ class SiglipConfig:
         return d
 
 
+def _vision(
+    family: str, image: int, patch: int, w: int, depth: int, heads: int, mlp: int
+) -> ViTConfig:
+    """A preset's vision tower: its sizes, the family's activation and what sets its towers
+    apart (:data:`VISION_KIND`)."""
+    act, eps = ("gelu_tanh", 1e-6) if family == "siglip" else ("quick_gelu", 1e-5)
+    sizes = dict(width=w, depth=depth, num_heads=heads, mlp_hidden=mlp)
+    kind = VISION_KIND[family]
+    return ViTConfig(image_size=image, patch_size=patch, **sizes, act=act, ln_eps=eps, **kind)
+
+
 def _siglip(image: int, patch: int, w: int, depth: int, heads: int, mlp: int, **text) -> dict:
-    vision = ViTConfig(
-        image_size=image,
-        patch_size=patch,
-        width=w,
-        depth=depth,
-        num_heads=heads,
-        mlp_hidden=mlp,
-        class_token=False,
-        act="gelu_tanh",
-        ln_eps=1e-6,
-        final_norm=True,
-        pool="map",
-    )
+    vision = _vision("siglip", image, patch, w, depth, heads, mlp)
     t = dict(width=w, depth=depth, num_heads=heads, mlp_hidden=mlp)
     t.update(text)
     return dict(vision=vision, text=TextConfig(**t))
-
-
-def _clip_vision(image: int, patch: int, w: int, depth: int, heads: int, mlp: int) -> ViTConfig:
-    return ViTConfig(
-        image_size=image,
-        patch_size=patch,
-        width=w,
-        depth=depth,
-        num_heads=heads,
-        mlp_hidden=mlp,
-        class_token=True,
-        act="quick_gelu",
-        ln_eps=1e-5,
-        pre_norm=True,
-        keep_prefix=True,
-        patch_bias=False,
-    )
 
 
 def _clip_text(**kw) -> TextConfig:
@@ -206,7 +155,7 @@ def _presets() -> dict[str, SiglipConfig]:
             logit_bias_init=-math.log(32),
         ),
         "clip-vit-large-patch14": SiglipConfig(
-            vision=_clip_vision(224, 14, 1024, 24, 16, 4096),
+            vision=_vision("clip", 224, 14, 1024, 24, 16, 4096),
             text=_clip_text(
                 vocab_size=49408,
                 width=768,
@@ -224,7 +173,7 @@ def _presets() -> dict[str, SiglipConfig]:
             **clip,
         ),
         "clip-tiny": SiglipConfig(
-            vision=_clip_vision(32, 8, 64, 2, 4, 128),
+            vision=_vision("clip", 32, 8, 64, 2, 4, 128),
             text=_clip_text(width=64, depth=2, num_heads=4, mlp_hidden=128, bos_id=2, **tiny_text),
             embed_dim=48,
             tokenizer="tiny",
@@ -234,6 +183,7 @@ def _presets() -> dict[str, SiglipConfig]:
 
 
 PRESETS = _presets()
+SiglipConfig.PRESETS = PRESETS
 
 
 def with_text(config: SiglipConfig, **changes) -> SiglipConfig:

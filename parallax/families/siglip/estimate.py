@@ -5,7 +5,7 @@ text tower over the padded caption. The contrastive loss keeps a few numbers per
 from __future__ import annotations
 
 from parallax.families.siglip.config import SiglipConfig
-from parallax.models.estimate import BlockEstimate, Part, Split, embedding, vit_blocks, vit_stem
+from parallax.models.estimate import BlockEstimate, Part, Split, embedding, vision_tower, vit_blocks
 
 
 def block_estimates(config: SiglipConfig, run) -> list[BlockEstimate]:
@@ -20,8 +20,7 @@ def block_estimates(config: SiglipConfig, run) -> list[BlockEstimate]:
         else Split(0.0, 2.0 * v.width * e)
     )
     parts = (
-        vit_stem(v, e),
-        vit_blocks(v, tokens, e, v.feature_index + 1, "vision"),
+        *vision_tower(v, e),
         Part("image pool", saved=pool, gemm_flops=4.0 * tokens * v.width**2, tokens=tokens),
         embedding(t.max_length, t.width, e),
         vit_blocks(t.block_config(), t.max_length, e, t.depth, "text"),

@@ -4,7 +4,7 @@ The Evaluator (:mod:`parallax.train.evaluate`) adds the sums of ``--eval-batches
 batches and divides: recall@k is the share of queries (images for image->text, captions for
 text->image) whose own pair is among the ``k`` most similar of the evaluation batch's
 ``--global-batch-size`` candidates (ties count against the query, as in
-:func:`parallax.families.siglip.retrieval.retrieval_recall`); zero-shot top-k the share of
+:func:`parallax.families.siglip.predict.retrieval_recall`); zero-shot top-k the share of
 labelled images whose class prompt is among the ``k`` most similar of all class prompts.
 Forward only; every sum is over the whole global batch (collectives over dp).
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from parallax import comm
-from parallax.families.siglip.retrieval import gather_embeddings
+from parallax.families.siglip.predict import gather_embeddings
 from parallax.tensor.contrastive import contrastive_loss
 
 

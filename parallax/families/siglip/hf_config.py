@@ -13,11 +13,18 @@ import copy
 from parallax.families.siglip.text_config import (
     CLIP_MEAN,
     CLIP_STD,
+    VISION_KIND,
     TextConfig,
     hf_act,
     parallax_act,
 )
 from parallax.models.vit import ViTConfig
+from parallax.models.vit_config import (
+    CLIP_VISION_DEFAULTS,
+    HF_SIZES,
+    sizes_from_hf,
+    sizes_to_hf,
+)
 
 _TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
 DEFAULTS = {
@@ -51,13 +58,7 @@ DEFAULTS = {
             "bos_token_id": 49406,
             "eos_token_id": 49407,
         },
-        "vision": {
-            **_TOWER,
-            "image_size": 224,
-            "patch_size": 32,
-            "hidden_act": "quick_gelu",
-            "layer_norm_eps": 1e-5,
-        },
+        "vision": CLIP_VISION_DEFAULTS,
     },
 }
 CLIP_LEGACY_EOS = 2  # transformers then pools the largest id, the end-of-text token
@@ -75,27 +76,17 @@ def _vision(v: dict, family: str) -> ViTConfig:
     if family == "siglip" and not v.get("vision_use_head", True):
         raise ValueError("vision_config.vision_use_head=false is not supported (no embedding)")
     common = dict(
-        image_size=int(v["image_size"]),
-        patch_size=int(v["patch_size"]),
-        width=int(v["hidden_size"]),
-        depth=int(v["num_hidden_layers"]),
-        num_heads=int(v["num_attention_heads"]),
-        mlp_hidden=int(v["intermediate_size"]),
+        **sizes_from_hf(v),
         act=parallax_act(v["hidden_act"]),
         ln_eps=float(v["layer_norm_eps"]),
     )
-    if family == "siglip":
-        return ViTConfig(**common, class_token=False, final_norm=True, pool="map")
-    return ViTConfig(**common, class_token=True, pre_norm=True, keep_prefix=True, patch_bias=False)
+    return ViTConfig(**common, **VISION_KIND[family])
 
 
 def _text(t: dict, family: str) -> TextConfig:
     common = dict(
         vocab_size=int(t["vocab_size"]),
-        width=int(t["hidden_size"]),
-        depth=int(t["num_hidden_layers"]),
-        num_heads=int(t["num_attention_heads"]),
-        mlp_hidden=int(t["intermediate_size"]),
+        **sizes_from_hf(t, HF_SIZES),
         max_length=int(t["max_position_embeddings"]),
         act=parallax_act(t["hidden_act"]),
         ln_eps=float(t["layer_norm_eps"]),
@@ -167,21 +158,13 @@ def config_to_hf(config) -> dict:
     """A :class:`~parallax.families.siglip.config.SiglipConfig` as transformers' config.json."""
     v, t = config.vision, config.text
     vision = dict(
-        hidden_size=v.width,
-        intermediate_size=v.mlp_hidden,
-        num_hidden_layers=v.depth,
-        num_attention_heads=v.num_heads,
-        image_size=v.image_size,
-        patch_size=v.patch_size,
+        **sizes_to_hf(v),
         hidden_act=hf_act(v.act),
         layer_norm_eps=v.ln_eps,
         num_channels=3,
     )
     text = dict(
-        hidden_size=t.width,
-        intermediate_size=t.mlp_hidden,
-        num_hidden_layers=t.depth,
-        num_attention_heads=t.num_heads,
+        **sizes_to_hf(t, HF_SIZES),
         vocab_size=t.vocab_size,
         max_position_embeddings=t.max_length,
         hidden_act=hf_act(t.act),

@@ -15,11 +15,13 @@ statistics). ``strict=True`` refuses an image of another size instead of resizin
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -44,20 +46,30 @@ class TinyTextTokenizer:
         return ([self.bos_id] if self.bos_id is not None else []) + ids + [self.eos_id]
 
 
+def _optional(package: str, family: str) -> ModuleType:
+    """The optional package (the tokenizers extra) that ``family``'s tokenizer reads with."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as err:
+        raise ImportError(
+            f"{family}'s tokenizer needs the optional {package!r} package "
+            "(pip install -e '.[tokenizers]'); without it, pass token ids"
+        ) from err
+
+
+def _tokenizer_file(path: str | Path, name: str) -> Path:
+    file = Path(path) / name
+    if not file.is_file():
+        raise FileNotFoundError(f"no {name} in {path}")
+    return file
+
+
 class SentencePieceTokenizer:
     """SigLIP's tokenizer from ``spiece.model`` (needs ``sentencepiece``)."""
 
     def __init__(self, path: str | Path) -> None:
-        try:
-            import sentencepiece  # optional dependency (the tokenizers extra)
-        except ImportError as err:
-            raise ImportError(
-                "SigLIP's tokenizer needs the optional 'sentencepiece' package "
-                "(pip install -e '.[tokenizers]'); without it, pass token ids"
-            ) from err
-        file = Path(path) / "spiece.model"
-        if not file.is_file():
-            raise FileNotFoundError(f"no spiece.model in {path}")
+        sentencepiece = _optional("sentencepiece", "SigLIP")
+        file = _tokenizer_file(path, "spiece.model")
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self.pad_id = self._sp.piece_to_id("</s>")
@@ -77,17 +89,9 @@ class BPETokenizer:
     the start and end tokens."""
 
     def __init__(self, path: str | Path, eos_id: int) -> None:
-        try:
-            from tokenizers import Tokenizer  # optional dependency (the tokenizers extra)
-        except ImportError as err:
-            raise ImportError(
-                "CLIP's tokenizer needs the optional 'tokenizers' package "
-                "(pip install -e '.[tokenizers]'); without it, pass token ids"
-            ) from err
-        file = Path(path) / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {path}")
-        self._tok = Tokenizer.from_file(str(file))
+        tokenizers = _optional("tokenizers", "CLIP")
+        file = _tokenizer_file(path, "tokenizer.json")
+        self._tok = tokenizers.Tokenizer.from_file(str(file))
         self._tok.no_truncation()
         self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size()

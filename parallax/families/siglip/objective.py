@@ -3,7 +3,7 @@ recipe itself (a ``"step"`` objective: :func:`~parallax.families.siglip.step.con
 caches embeddings across microbatches, so gradient accumulation never shrinks the negatives).
 
 Training metrics: the temperature ``t = exp(logit_scale)``, the bias, and the shares of
-captions truncated and images resized (:mod:`parallax.families.siglip.data`). Evaluation: the
+captions truncated and images resized (:mod:`parallax.families.siglip.batches`). Evaluation: the
 loss, zero-shot top-1/top-5 accuracy and image->text / text->image recall@1/5/10
 (:mod:`parallax.families.siglip.evaluate`).
 """

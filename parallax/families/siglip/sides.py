@@ -12,13 +12,16 @@ import torch
 from torch import nn
 
 from parallax.data import PairLoader
-from parallax.families.siglip.config import PRESETS, SiglipConfig
-from parallax.families.siglip.data import IndexedPairs, PairCollator, open_pairs
+from parallax.families.siglip.batches import PairCollator
+from parallax.families.siglip.config import SiglipConfig
+from parallax.families.siglip.data import IndexedPairs, open_pairs
 from parallax.families.siglip.estimate import block_estimates
+from parallax.families.siglip.flops import flops_per_sample, text_flops, vision_flops
 from parallax.families.siglip.model import Siglip
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.recipe import DataSide, Microbatch, ModelSide, ModelSpec, batch_args
+from parallax.recipe.model_side import init_seed, preset_or_checkpoint
 from parallax.run import Run
 
 log = logging.getLogger(__name__)
@@ -47,14 +50,9 @@ class SiglipModel(ModelSide):
         return config_json.get("model_type") in ("siglip", "clip")
 
     def resolve(self, spec: str) -> ModelSpec:
-        if spec in PRESETS:
-            return ModelSpec(SiglipConfig.preset(spec))
-        path = Path(spec)
-        if path.is_dir() and (path / "config.json").is_file():
-            return ModelSpec(SiglipConfig.from_pretrained(path), path)
-        raise ValueError(
-            f"--model {spec!r} is neither a dual-encoder preset ({', '.join(FAMILY_PRESETS)}) "
-            "nor a SigLIP/CLIP checkpoint directory with a config.json"
+        where = "a SigLIP/CLIP checkpoint directory"
+        return preset_or_checkpoint(
+            spec, SiglipConfig, "a dual-encoder preset", FAMILY_PRESETS, where
         )
 
     def default_lr(self, spec: str) -> float:
@@ -77,7 +75,7 @@ class SiglipModel(ModelSide):
         _log_negatives(run, dims)
 
     def blocks(self, config: SiglipConfig) -> list[StageBlock]:
-        return [StageBlock("towers", config.vision_flops() + config.text_flops())]
+        return [StageBlock("towers", vision_flops(config) + text_flops(config))]
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
         ac = run.checkpointing
@@ -85,20 +83,20 @@ class SiglipModel(ModelSide):
             return Siglip.from_pretrained(
                 checkpoint, ctx, dtype=dtype, device=device, activation_checkpointing=ac
             )
-        seed = None if torch.device(device).type == "meta" else run.seed  # shapes only
         return Siglip(
             run.model_config, ctx, dtype=dtype, device=device, activation_checkpointing=ac,
-            seed=seed,
+            seed=init_seed(run, device),
         )  # fmt: skip
 
     def export(self, run: Run, chunk: Siglip, path: Path, statistics: Mapping | None) -> None:
         chunk.save_pretrained(path)
 
     def flops(self, run: Run, microbatches: Sequence[Microbatch], model=None) -> float:
-        """``SiglipConfig.flops_per_sample``: 3 x (both towers' forward + the loss's logits
-        against the global batch) per pair; GradCache's extra forward not counted."""
+        """:func:`~parallax.families.siglip.flops.flops_per_sample`: 3 x (both towers' forward
+        + the loss's logits against the global batch) per pair; GradCache's extra forward not
+        counted."""
         n = sum(mb["pixel_values"].shape[0] for mb in microbatches)
-        return n * run.model_config.flops_per_sample(run.global_batch_size)
+        return n * flops_per_sample(run.model_config, run.global_batch_size)
 
     def block_estimates(self, run: Run) -> list[BlockEstimate]:
         """:func:`parallax.families.siglip.estimate.block_estimates`; GradCache keeps one

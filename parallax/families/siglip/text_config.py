@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallax.models.config_file import check_divisible
 from parallax.models.vit import ViTConfig
 
 SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
@@ -12,6 +13,14 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 FAMILIES = ("siglip", "clip")
 POOLS = ("last", "eos", "argmax")
+# what sets each family's vision towers apart, whatever their sizes: SigLIP's attention pool over
+# the patches and final LayerNorm; CLIP's class token, pre-LayerNorm and bias-free patch conv
+VISION_KIND = {
+    "siglip": dict(class_token=False, final_norm=True, pool="map"),
+    "clip": dict(class_token=True, pre_norm=True, keep_prefix=True, patch_bias=False),
+}
+# the text blocks' options, which ViTConfig names alike (the text blocks are ViT blocks)
+BLOCK_OPTIONS = ("width", "depth", "num_heads", "mlp_hidden", "ln_eps", "act", "causal")
 _ACTS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
 _HF_ACT = {v: k for k, v in _ACTS.items()}
 
@@ -43,22 +52,11 @@ class TextConfig:
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
             raise ValueError(f"TextConfig: pool must be one of {POOLS}, got {self.pool!r}")
-        if self.width % self.num_heads:
-            raise ValueError(
-                f"TextConfig: width {self.width} is not divisible by num_heads {self.num_heads}"
-            )
+        check_divisible(self, "width", "num_heads")
 
     def block_config(self) -> ViTConfig:
         """The options of these text blocks (:class:`~parallax.models.vit.ViTBlock` s)."""
-        return ViTConfig(
-            width=self.width,
-            depth=self.depth,
-            num_heads=self.num_heads,
-            mlp_hidden=self.mlp_hidden,
-            ln_eps=self.ln_eps,
-            act=self.act,
-            causal=self.causal,
-        )
+        return ViTConfig(**{name: getattr(self, name) for name in BLOCK_OPTIONS})
 
     def flops(self, length: int | None = None) -> float:
         """Forward FLOPs of the blocks per caption (2 per multiply-add; causal attention half)."""

@@ -16,6 +16,7 @@ from parallax.tensor import full_tensor
 from parallax.testing import context, run_ranks
 from parallax.train import TrainConfig, resolve
 from tests.families.openvla.test_trainer import _batches, separate
+from tests.recipe.test_custom_recipe import library_families_only  # noqa: F401 (a fixture)
 
 STEPS = 3
 LORA = dict(finetune="lora", lora_rank=4, lora_alpha=8.0, train="projector.fc1")
@@ -316,6 +317,7 @@ def _custom(out: str, tp: int, pp: int) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+@pytest.mark.usefixtures("library_families_only")
 def test_any_recipe_on_parallel_linears_takes_lora(tmp_path):
     ref = _custom(str(tmp_path / "one"), 1, 1)
     got = run_ranks(_custom, 4, str(tmp_path / "four"), 2, 2)[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from parallax.dims import ParallelDims
-from parallax.families.siglip.data import PairCollator
+from parallax.families.siglip.batches import PairCollator
 from parallax.families.siglip.recipe import SiglipRecipe
 from parallax.recipe import resolve
 from parallax.testing import run_ranks

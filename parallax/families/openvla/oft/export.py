@@ -44,7 +44,8 @@ from parallax.families.openvla.oft.released import (
     vision_backbone_tensors,
 )
 from parallax.init import init_parameters
-from parallax.tensor import logical_shape, shard_tensor, unshard_tensor
+from parallax.models.peft import full_on_rank0
+from parallax.tensor import logical_shape, shard_tensor
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +69,6 @@ def _plan(model, ctx) -> list[tuple[int, str, tuple[int, ...], torch.dtype]]:
     return out
 
 
-def _to_rank0(params: dict, name: str, stage: int, shape, dtype, ctx) -> torch.Tensor | None:
-    """The full tensor on global rank 0 (``None`` elsewhere); collective over its stage's tp."""
-    if ctx is None or ctx.world_size == 1:
-        return params[name].detach()
-    pp, dp, tp = ctx.dims.coords(ctx.rank)
-    if pp == stage and dp == 0:
-        p = params[name].detach()
-        info = getattr(p, "tp_shard", None) or getattr(params[name], "tp_shard", None)
-        full = p if info is None else unshard_tensor(p, info, ctx.tp_group)
-        if tp == 0 and ctx.rank != 0:
-            comm.batch_send_recv([(full.contiguous(), 0)], [], ctx.world_group)
-        return full if ctx.rank == 0 else None
-    if ctx.rank == 0:
-        buf = torch.empty(shape, dtype=dtype, device=ctx.device)
-        comm.batch_send_recv([], [(buf, ctx.dims.rank(stage, 0, 0))], ctx.world_group)
-        return buf
-    return None
-
-
 def save_oft_modules(model, path: str | Path, step: int | None = None) -> None:
     """Write the OFT files of the module doc into ``path`` (collective; rank 0 writes).
     ``step`` names OFT's ``.pt`` files (``latest`` without one, as OFT's own option does)."""
@@ -95,7 +77,7 @@ def save_oft_modules(model, path: str | Path, step: int | None = None) -> None:
     params = dict(model.named_parameters())
     tensors: dict[str, dict[str, torch.Tensor]] = {f: {} for f in FILES}
     for stage, name, shape, dtype in _plan(model, ctx):
-        full = _to_rank0(params, name, stage, shape, dtype, ctx)
+        full = full_on_rank0(params, name, stage, shape, dtype, ctx)  # dtype: its own
         if full is not None:
             module, key = oft_key(name)
             tensors[module][key] = full.cpu().contiguous()

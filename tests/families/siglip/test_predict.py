@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from parallax.families.siglip.config import SiglipConfig
 from parallax.families.siglip.model import Siglip
-from parallax.families.siglip.retrieval import (
+from parallax.families.siglip.predict import (
     class_embeddings,
     retrieval_recall,
     zero_shot_accuracy,
