@@ -44,13 +44,19 @@ from parallax.checkpoint.stream import DTYPE_NAMES, CheckpointError, read_header
 log = logging.getLogger(__name__)
 
 
-def _load_json(path: Path, what: str) -> Any:
+def read_json(path: Path, error: type[Exception], missing: str, corrupt: str) -> Any:
+    """A JSON file's contents, or ``error`` naming it: ``<folder> has no <name><missing>`` when
+    it is not there, ``<path>: <corrupt> (why)`` when it cannot be read."""
     if not path.is_file():
-        raise CheckpointError(f"{path.parent} has no {path.name} ({what}); incomplete checkpoint")
+        raise error(f"{path.parent} has no {path.name}{missing}")
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: corrupt ({err})") from None
+        raise error(f"{path}: {corrupt} ({err})") from None
+
+
+def _load_json(path: Path, what: str) -> Any:
+    return read_json(path, CheckpointError, f" ({what}); incomplete checkpoint", "corrupt")
 
 
 class Checkpoint:

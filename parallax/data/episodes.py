@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parallax.atomic import as_created, fsync_dir, fsync_file, publish_dir, temp_sibling
+from parallax.checkpoint.reader import read_json
 from parallax.checkpoint.stream import CheckpointError, read_header
 from parallax.data.chunks import SampleIndex
 from parallax.data.stats import (
@@ -153,12 +154,8 @@ def write_dataset(
 
 
 def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise DatasetError(f"{path.parent} has no {path.name} ({what}); is it a dataset directory?")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DatasetError(f"{path}: cannot be read as JSON ({err})") from None
+    missing = f" ({what}); is it a dataset directory?"
+    return read_json(path, DatasetError, missing, "cannot be read as JSON")
 
 
 class EpisodeDataset:

@@ -12,6 +12,7 @@ import argparse
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 from parallax.atomic import file_problems
 from parallax.plan.search import MARGIN
@@ -41,33 +42,30 @@ def _trainer(name: str, help: str, default_text: str) -> object:
                   default_text=default_text)  # fmt: skip
 
 
+def _count(help: str, most: int, why: str, default_text: str) -> Any:
+    """A count of GPUs or nodes: at least one, at most what any machine has."""
+    checks = (ONE, at_most(most, f" ({why})"))
+    return opt(None, help, MACHINE, checks=checks, metavar="N", default_text=default_text)
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """``python -m parallax.plan``'s own flags (the run's are parallax.train's)."""
 
-    gpus: int | None = opt(
-        None,
-        "GPUs in all",
-        MACHINE,
-        checks=(ONE, at_most(1_000_000, " (no cluster has more)")),
-        metavar="N",
-        default_text="--nodes x --gpus-per-node, else 1",
+    gpus: int | None = _count(
+        "GPUs in all", 1_000_000, "no cluster has more", "--nodes x --gpus-per-node, else 1"
     )
-    nodes: int | None = opt(
-        None,
+    nodes: int | None = _count(
         "nodes, each of --gpus-per-node GPUs",
-        MACHINE,
-        checks=(ONE, at_most(100_000, " (no cluster has more)")),
-        metavar="N",
-        default_text="--gpus / --gpus-per-node, else 1",
+        100_000,
+        "no cluster has more",
+        "--gpus / --gpus-per-node, else 1",
     )
-    gpus_per_node: int | None = opt(
-        None,
+    gpus_per_node: int | None = _count(
         "GPUs per node (tp stays within a node)",
-        MACHINE,
-        checks=(ONE, at_most(256, " (no node holds more)")),
-        metavar="N",
-        default_text=f"--gpus / --nodes, at most {PER_NODE}",
+        256,
+        "no node holds more",
+        f"--gpus / --nodes, at most {PER_NODE}",
     )
     gpu_memory: float | None = _trainer(
         "gpu_memory",

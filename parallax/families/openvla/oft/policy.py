@@ -43,6 +43,8 @@ FLAGS = {
     "film": False,
 }  # fmt: skip
 OWN = ("action_head", "action_chunk", "film")  # the family's own options among them
+# load_policy's keywords, in its order: OFT's options its release files cannot tell, or checks
+RELEASE_OPTIONS = ("chunk", "num_images", "action_dim", "proprio_dim", "film", "normalization")
 
 
 def load_policy(
@@ -62,15 +64,8 @@ def load_policy(
     (``chunk``, ``num_images``; ``normalization`` ``"q99"``, the default, or ``"bounds"``
     for OFT's min/max, ALOHA's), or checks (any option a checkpoint contradicts is refused)."""
     path = Path(path)
-    given = dict(
-        chunk=chunk,
-        num_images=num_images,
-        action_dim=action_dim,
-        proprio_dim=proprio_dim,
-        film=film,
-        normalization=normalization,
-    )
-    given = {k: v for k, v in given.items() if v is not None}
+    named = zip(RELEASE_OPTIONS, (chunk, num_images, action_dim, proprio_dim, film, normalization))
+    given = {k: v for k, v in named if v is not None}
     if (path / "config.json").is_file():
         return OpenVLA.from_pretrained(path, ctx, dtype=dtype, oft=given)
     model = _from_training_checkpoint(path, ctx or ParallelContext.local(), dtype)
