@@ -286,6 +286,26 @@ def test_oft_trains_on_an_episode_folder(tmp_path, capsys, caplog):
     assert [r["step"] for r in metrics(tmp_path / "o")] == [1, 2]
 
 
+def test_an_oft_checkpoint_resumed_without_its_head_names_it(tmp_path, capsys):
+    """Resumed without --action-head l1 (or at another chunk), an OFT run's checkpoint is
+    refused naming its head and the flags that resume it, not a missing optimizer state."""
+    out = tmp_path / "oft"
+    oft = ["--action-head", "l1", "--action-chunk", "2"]
+    status, err = run_main(["--out", str(out), *BASE, "--steps", "2", *oft], capsys)
+    assert status == 0, err
+    before = digest(out)
+    for extra, says in (
+        ([], "written by an OpenVLA-OFT run (L1 head, chunks of 2, FiLM off)"),
+        (["--action-head", "l1", "--action-chunk", "3"], "predicts chunks of 2, FiLM off"),
+    ):
+        status, err = run_main(["--out", str(out), *BASE, "--resume", *extra], capsys)
+        line = err.strip().splitlines()
+        assert status == 2 and len(line) == 1 and says in line[0], err
+        assert "resume with --action-head l1 --action-chunk 2" in line[0], err
+        assert "lm_head" not in line[0]
+    assert digest(out) == before  # nothing of the run changed
+
+
 def test_a_resume_in_warm_up_says_so():
     from parallax.run import TrainConfig
     from parallax.train.lr_schedule import schedule_changes
