@@ -11,8 +11,8 @@ import torch
 
 from benchmarks.data.writers import make_episodes, write_libero, write_rlds
 from parallax.data import SyntheticTask
-from parallax.data.mixture import load_mixture
 from parallax.data.chunks import action_chunk, chunk_lengths
+from parallax.data.mixture import load_mixture
 from parallax.data.stats import DatasetError
 from parallax.data.stream import StreamLoader
 
