@@ -9,7 +9,6 @@ run is resolved (:func:`parallax.recipe.resolve`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from parallax.recipe import registry
@@ -21,7 +20,6 @@ DESCRIPTION = (
     "a built-in synthetic robot task) in any dp x tp x pp layout. Launch with torchrun; flags "
     "override --config (TOML)."
 )
-CORE = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 
 def option_classes() -> list[type]:
@@ -47,9 +45,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     values = cl.parse(argv, option_classes(), train_parser())
     if values.get("layout") == "auto":  # the planner keeps what was given
         values["layout_given"] = ",".join(sorted(k for k in values if k != "config"))
-    family = {k: v for k, v in values.items() if k not in CORE}
-    core = {k: v for k, v in values.items() if k in CORE}
-    return TrainConfig(**core, family_values=family)
+    return TrainConfig.of(**values)
 
 
 def reference() -> str:

@@ -50,11 +50,6 @@ class Run(TrainConfig):
     def family(self) -> str:
         return self.recipe.name
 
-    @property
-    def flags(self) -> TrainConfig:
-        """The options alone, as a plain config."""
-        return TrainConfig(**self.core_options())
-
     def to_dict(self) -> dict[str, Any]:
         """Every option, the family's with its defaults (as checkpoints save them)."""
         own = {} if self.family_options is None else dataclasses.asdict(self.family_options)

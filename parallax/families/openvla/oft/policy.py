@@ -42,7 +42,6 @@ FLAGS = {
     "freeze_vision": False, "pad_to_multiple_of": 1, "action_head": "l1", "action_chunk": None,
     "film": False,
 }  # fmt: skip
-OWN = ("action_head", "action_chunk", "film")  # the family's own options among them
 # load_policy's keywords, in its order: OFT's options its release files cannot tell, or checks
 RELEASE_OPTIONS = ("chunk", "num_images", "action_dim", "proprio_dim", "film", "normalization")
 
@@ -117,14 +116,7 @@ def _saved_run(ckpt: Checkpoint, out: Path) -> Run:
     separate q/k/v and gate/up the checkpoint stores, no recomputation, the head on the
     labelled rows."""
     saved = {k: ckpt.meta["config"].get(k, v) for k, v in FLAGS.items()}
-    own = {k: saved.pop(k) for k in OWN}
-    cfg = TrainConfig(
-        **saved,
-        out=str(out),
-        logits="labelled",
-        fused_projections=False,
-        family_values=own,
-    )
+    cfg = TrainConfig.of(**saved, out=str(out), logits="labelled", fused_projections=False)
     recipe = registry.recipe(ckpt.meta.get("family", "openvla"))
     name = registry.strip_family(cfg.model, recipe)
     base = recipe.model.resolve(name).checkpoint
