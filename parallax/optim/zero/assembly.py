@@ -5,6 +5,7 @@ gradient reduction of its stage. Functions, so the optimizer reads as the list o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,13 +13,18 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.optim.zero.arguments import Accepted
+from parallax.optim.zero.bucketwise import BucketwiseSteps
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.buffers.packing import FlatLayout, build_layout
+from parallax.optim.zero.norms import StepScale, counted_pieces
 from parallax.optim.zero.offload.host_steps import HostSteps
 from parallax.optim.zero.reduction.arrivals import GradArrivals
 from parallax.optim.zero.reduction.bucket_reducer import GradReducer
 from parallax.optim.zero.reduction.pass_reducer import PassReducer
 from parallax.optim.zero.stage import ZeroStage
+from parallax.optim.zero.torch_contract import takes_grad_scale
+from parallax.optim.zero.weights.deferred_gathers import DeferredGathers
+from parallax.optim.zero.weights.sharded_weights import ShardedWeights
 from parallax.optim.zero.weights.units import Unit, grouped_order, parameter_units
 
 
@@ -99,3 +105,73 @@ def build_reduction(
         stream=stream,
     )
     return reducer, GradArrivals(flat.params, flat.grad_views, reducer, copies, has)
+
+
+@dataclass
+class StepParts:
+    """What a step goes through: the scales it owes (``scale``), the buckets stepped one at a
+    time (``staged``), which pieces a norm counts, the host's steps (offloaded) and the
+    gradient reduction with its hooks."""
+
+    scale: StepScale
+    staged: BucketwiseSteps
+    counted: list[bool]
+    host: HostSteps | None
+    reducer: GradReducer | PassReducer
+    grads: GradArrivals
+
+
+def step_parts(
+    stage: ZeroStage,
+    flat: FlatBuffers,
+    inner: torch.optim.Optimizer,
+    names: Sequence[str],
+    ctx: ParallelContext,
+    device: torch.device,
+    *,
+    groups: list[int],
+    offload: bool,
+    early: bool,
+    passes: int,
+    overlap: bool,
+    stream: torch.cuda.Stream | None,
+    copies: torch.cuda.Stream | None,
+) -> StepParts:
+    """The step's parts over ``flat`` (``groups``: each piece's parameter group; ``early``:
+    the host steps each bucket during the backward)."""
+    # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
+    # the dp average and the clip coefficient then cost no pass over the gradients
+    fold = takes_grad_scale(inner) and not offload  # (host: scaled apart)
+    counted = counted_pieces(flat.pieces, flat.params, ctx.tp_rank)
+    has = [False] * len(flat.params)  # which parameters got a gradient since zero_grad()
+    host = None
+    if offload:
+        host = HostSteps(flat, inner, ctx, device, groups, counted, has, early)
+    reducer, grads = build_reduction(
+        stage, flat, names, ctx, overlap=overlap, passes=passes, average=not fold,
+        device=device, stream=stream, copies=copies, sink=host, has=has,
+    )  # fmt: skip
+    staged = BucketwiseSteps(flat, groups)
+    return StepParts(StepScale(fold, ctx.dp_size, device), staged, counted, host, reducer, grads)
+
+
+def weight_parts(
+    stage: ZeroStage,
+    units: list[Unit],
+    params: Sequence[torch.Tensor],
+    layout: FlatLayout,
+    flat: FlatBuffers,
+    ctx: ParallelContext,
+    reducer: GradReducer | PassReducer,
+    bucket_numel: int,
+    reshard_after_forward: bool,
+) -> tuple[DeferredGathers, ShardedWeights | None]:
+    """The weights between steps: the all-gathers a forward may wait for (stages 1, 2), and at
+    stage 3 the shards with their gathers around each use."""
+    gathers = DeferredGathers(params, [s.bucket for s in layout.slots])
+    if not stage.shards_weights:
+        return gathers, None
+    sharded = ShardedWeights(
+        units, params, flat.store, ctx, reducer, bucket_numel, reshard_after_forward
+    )
+    return gathers, sharded

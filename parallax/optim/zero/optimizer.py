@@ -22,21 +22,17 @@ from torch import nn
 
 from parallax.context import ParallelContext
 from parallax.optim.zero.arguments import accept, check_passes
-from parallax.optim.zero.assembly import build_reduction, lay_out, wrap_pieces
-from parallax.optim.zero.bucketwise import BucketwiseSteps
+from parallax.optim.zero.assembly import lay_out, step_parts, weight_parts, wrap_pieces
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.buffers.homes import grad_homes
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL
 from parallax.optim.zero.memory_report import MemoryReport, measure
-from parallax.optim.zero.norms import StepScale, clip_coefficient, counted_pieces, global_grad_norm
+from parallax.optim.zero.norms import clip_coefficient, global_grad_norm
 from parallax.optim.zero.offload.host_kernels import host_options
-from parallax.optim.zero.offload.host_steps import HostSteps
 from parallax.optim.zero.offload.share import offloaded_buckets
 from parallax.optim.zero.stage import stage_of
 from parallax.optim.zero.state_io import StateIO
-from parallax.optim.zero.torch_contract import OptimizerFacade, takes_grad_scale
-from parallax.optim.zero.weights.deferred_gathers import DeferredGathers
-from parallax.optim.zero.weights.sharded_weights import ShardedWeights
+from parallax.optim.zero.torch_contract import OptimizerFacade
 
 log = logging.getLogger(__name__)
 
@@ -131,51 +127,23 @@ class ZeroOptimizer(OptimizerFacade):
         log.debug("%r: %s", self, self.memory_report())
 
     def _build_step(self, groups: list[int], offload: bool, early: bool, passes: int) -> None:
-        """The parts a step goes through: the scales it owes, the staged buckets, the host's
-        steps (``offload``; ``early``: during the backward) and the gradient reduction."""
-        flat, ctx = self.flat, self.ctx
-        # torch's fused optimizers divide the gradients by ``grad_scale`` inside their kernel:
-        # the dp average and the clip coefficient then cost no pass over the gradients
-        fold = takes_grad_scale(self.inner) and not offload  # (host: scaled apart)
-        self.scale = StepScale(fold, ctx.dp_size, self.device)
-        self.staged = BucketwiseSteps(flat, groups)
-        self._counted = counted_pieces(flat.pieces, self.params, ctx.tp_rank)
-        has = [False] * len(self.params)  # which parameters got a gradient since zero_grad()
-        self.host = None
-        if offload:
-            counted = self._counted
-            self.host = HostSteps(flat, self.inner, ctx, self.device, groups, counted, has, early)
-        self.reducer, self.grads = build_reduction(
-            self.stage,
-            flat,
-            self.names,
-            ctx,
-            overlap=self.overlap,
-            passes=passes,
-            average=not fold,
-            device=self.device,
-            stream=self._stream,
-            copies=self._stream if self._side_copies and self.overlap else None,
-            sink=self.host,
-            has=has,
-        )
+        """The parts a step goes through (:func:`~parallax.optim.zero.assembly.step_parts`)."""
+        copies = self._stream if self._side_copies and self.overlap else None
+        parts = step_parts(
+            self.stage, self.flat, self.inner, self.names, self.ctx, self.device,
+            groups=groups, offload=offload, early=early, passes=passes, overlap=self.overlap,
+            stream=self._stream, copies=copies,
+        )  # fmt: skip
+        self.scale, self.staged, self._counted = parts.scale, parts.staged, parts.counted
+        self.host, self.reducer, self.grads = parts.host, parts.reducer, parts.grads
         self._flags: list[bool] | None = None  # the dp-global "got a gradient", once reduced
 
     def _build_weights(self, bucket_numel: int, reshard_after_forward: bool) -> None:
-        """The weights between steps: the all-gathers a forward may wait for (stages 1, 2), or
-        the shards and their gathers around each use (stage 3)."""
-        self.gathers = DeferredGathers(self.params, [s.bucket for s in self.layout.slots])
-        self.zero3 = None
-        if self.stage.shards_weights:
-            self.zero3 = ShardedWeights(
-                self.units,
-                self.params,
-                self.flat.store,
-                self.ctx,
-                self.reducer,
-                bucket_numel,
-                reshard_after_forward,
-            )
+        """The weights between steps (:func:`~parallax.optim.zero.assembly.weight_parts`)."""
+        self.gathers, self.zero3 = weight_parts(
+            self.stage, self.units, self.params, self.layout, self.flat, self.ctx, self.reducer,
+            bucket_numel, reshard_after_forward,
+        )  # fmt: skip
 
     def _grad_homes(self) -> list[str]:
         """Where each bucket's fp32 reduced gradient lives (a method: tests force others)."""
