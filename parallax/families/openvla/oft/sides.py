@@ -39,19 +39,22 @@ class OFTData(OpenVLAData):
     """OFT's microbatches: every camera, the proprio state and the action chunk."""
 
     def __init__(self) -> None:
-        self._shapes: dict[str, DataShape] = {}  # what each opened --data gives the model
+        # what the run's --data opened (configuring the model reads its shape; the run then
+        # trains on it): opened once, its scan and messages once
+        self._opened: dict[str, Any] = {}
 
     def shape(self, run: Run) -> DataShape:
-        """What ``run.data`` gives an OFT model (opened once per process and data spec)."""
-        key = repr((run.data, run.data_config, run.seed, run.family_options.chunk))
-        if key not in self._shapes:
-            self._shapes[key] = data_shape(self.dataset(run.data, run))
-        return self._shapes[key]
+        """What ``run.data`` gives an OFT model."""
+        return data_shape(self.dataset(run.data, run))
 
     def dataset(self, spec: Any, run: Run) -> Any:
-        if spec == "synthetic":
-            return synthetic_task(run.family_options, run.seed)
-        return super().dataset(spec, run)
+        key = repr((spec, run.data_config, run.seed, run.family_options.chunk, run.out))
+        if key not in self._opened:
+            if spec == "synthetic":
+                self._opened[key] = synthetic_task(run.family_options, run.seed)
+            else:
+                self._opened[key] = super().dataset(spec, run)
+        return self._opened[key]
 
     def eval_dataset(self, spec: str | None, run: Run) -> Any:
         if spec is None and run.data == "synthetic":
