@@ -25,6 +25,7 @@ from parallax.recipe.flags import option_classes
 from parallax.run import Run
 from parallax.run import param_groups as groups
 from parallax.run.option import options
+from parallax.tensor.quant import quantized_weights
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class BlockParams:
     partial: int = 0  # padded trainable elements whose gradient is partial over tp (own buckets)
     # (padded elements, element size, partial over tp) of each trainable parameter, in order
     sizes: tuple[tuple[int, int, bool], ...] = ()
+    # bytes of the frozen weights held quantized (--quantize-base): buffers, not parameters, so
+    # whole on every dp rank at any ZeRO stage
+    quantized: int = 0
 
     def trainable_elements(self) -> int:
         return sum(n for _, n in self.trainable)
@@ -110,6 +114,7 @@ def _block(name: str, chunk: nn.Module, run, adapters: int) -> BlockParams:
         largest=max((padded(p.numel()) for _, p in named), default=0),
         partial=sum(padded(p.numel()) for _, p in named if _partial(p)),
         sizes=tuple((padded(p.numel()), p.element_size(), _partial(p)) for _, p in named),
+        quantized=sum(q.nbytes() for _, q in quantized_weights(chunk)),
     )
 
 

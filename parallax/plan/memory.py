@@ -120,6 +120,7 @@ class _Counts:
     partial: int  # trainable elements whose gradient is partial over tp (buckets of their own)
     buckets: dict  # (element size, partial over tp) -> its largest ZeRO-1/2 bucket's elements
     order: list  # every bucket's (key, elements), in the order they are reduced
+    quantized: int = 0  # bytes of frozen weights held quantized: whole on every dp rank
 
     @property
     def trainable(self) -> int:
@@ -208,6 +209,7 @@ def _counts(blocks) -> _Counts:
         partial=sum(b.partial for b in blocks),
         buckets=largest,
         order=order,
+        quantized=sum(b.quantized for b in blocks),
     )
 
 
@@ -240,7 +242,8 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
         pinned = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the staging ring
         scratch = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
         host = held.host + scratch + pinned
-    return held.weights, held.gradients, held.optimizer, gathered, buffers, host, pinned
+    weights = held.weights + c.quantized
+    return weights, held.gradients, held.optimizer, gathered, buffers, host, pinned
 
 
 def _element_bytes(
