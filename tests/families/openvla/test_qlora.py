@@ -190,3 +190,22 @@ def test_tiny_openvla_learns_as_well_on_a_quantized_base(tmp_path):
     assert accuracy["none"] > 0.4, accuracy
     for kind in ("nf4", "int8"):
         assert abs(accuracy[kind] - accuracy["none"]) <= 0.03, accuracy
+
+
+def test_a_policy_loaded_from_a_qlora_run_predicts_on_its_quantized_base(tmp_path):
+    """``load_policy`` of the run's --out rebuilds the quantized base it trained on, adapters
+    on it; its chunk agrees with the merged bf16 export's (rounded to bf16: within 0.02)."""
+    from parallax.families.openvla.oft.policy import load_policy
+
+    out = tmp_path / "oft"
+    oft = ("--action-head", "l1", "--action-chunk", "2", "--quantize-base", "nf4")
+    assert _cli(out, "--steps", "2", *oft, "--export-hf") is None
+    policy, merged = load_policy(out), load_policy(out / "hf")
+    assert len(list(quantized_weights(policy))) > 30 and not list(quantized_weights(merged))
+    gen = torch.Generator().manual_seed(0)
+    images = [[torch.rand(3, 224, 224, generator=gen) for _ in range(2)] for _ in range(2)]
+    words = ["pick up the cup", "open the drawer"]
+    state = torch.randn(2, policy.config.oft.proprio_dim, generator=gen)
+    got, want = (m.predict_action_chunk(images, words, state) for m in (policy, merged))
+    assert got.shape == (2, 2, 7)
+    assert abs(got - want).max() < 0.02
