@@ -78,6 +78,7 @@ class RankMemory:
     host: float
     pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
     building: float = 0.0  # while the optimizer is made: the model as built and its flat copy
+    quantized: float = 0.0  # of the weights, the base's linears held quantized (--quantize-base)
 
     @property
     def gpu(self) -> float:
@@ -156,6 +157,7 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
         host=host,
         pinned=pinned,
         building=_building(c, layout),
+        quantized=float(c.quantized),
     )
 
 

@@ -151,5 +151,6 @@ class LoraOptions:
         choices=QUANTIZED_BASES,
         metavar="KIND",
         default_text="off",
+        params=True,  # the base's linear weights become buffers of another size
         **LORA_ONLY,
     )

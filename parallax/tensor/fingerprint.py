@@ -28,6 +28,7 @@ def _logical(shape: torch.Size, info: TPShard | None) -> tuple[int, ...]:
     """The whole tensor's shape from this rank's ``shape`` and its split."""
     return tuple(shape) if info is None else info.full_shape(tuple(shape))
 
+
 Fingerprint = dict[str, list]  # name -> [logical shape, sum, weighted sum, sum of squares]
 _CHUNK = 4096  # rows converted to float64 at a time
 

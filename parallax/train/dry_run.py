@@ -196,6 +196,14 @@ def print_plan(cfg: Run, file=None) -> None:
             "the frozen base has no gradients, masters or optimizer state",
             highlight=False,
         )
+    if cfg.quantize_base:
+        held = ", ".join(f"{pl.quantized / 2**30:.2f} GiB" for pl in plans)
+        console.print(
+            f"--quantize-base {cfg.quantize_base}: the frozen linears (all but the output head) "
+            f"held quantized, per rank of each pp rank: {held} (in weights; whole on every dp "
+            "rank at any ZeRO stage)",
+            highlight=False,
+        )
     console.print(_groups_table(cfg, plans))
     sim = simulate(schedule, 1.0, 2.0)
     console.print(format_schedule(schedule), highlight=False)

@@ -74,6 +74,10 @@ class QuantizedWeight(nn.Module):
         it was quantized from)."""
         return dequantize_parts(self.kind, self.shape, *self._parts(), dtype or self.dtype)
 
+    def numel(self) -> int:
+        """Elements of the weight it stands for (on this rank)."""
+        return self.shape[0] * self.shape[1]
+
     def placeholder(self) -> torch.Tensor:
         """A meta tensor of the weight's shape and dtype on this rank, with its ``tp_shard``:
         what an export lists (its value comes from :meth:`dequantize`)."""
