@@ -103,7 +103,8 @@ class Prefetcher(Generic[T]):
         if self.taken >= self.count:
             raise StopIteration
         if self._stop.is_set():
-            raise PrefetchError(f"the prefetcher is closed; {self.describe(self.taken)} is not made")
+            what = self.describe(self.taken)
+            raise PrefetchError(f"the prefetcher is closed; {what} is not made")
         index, self.taken = self.taken, self.taken + 1
         if self._thread is None:
             return self.produce(index)

@@ -41,7 +41,9 @@ def check(
     return slowest, stopping > 0
 
 
-def local_problem(trainer, microbatches: list[Microbatch], problem: str | None = None) -> str | None:
+def local_problem(
+    trainer, microbatches: list[Microbatch], problem: str | None = None
+) -> str | None:
     """What is wrong with this rank's microbatches alone (``problem``: the loader's), or
     ``None``: the count, the keys and the recipe's own check. Host work only: the prefetch
     thread also asks it before staging a batch."""
