@@ -32,11 +32,11 @@ def test_losses_are_the_same_with_prefetch_and_across_a_resume(tmp_path):
 
 
 def test_an_error_in_the_prefetch_thread_ends_the_run_naming_the_step(tmp_path, capsys):
-    from parallax.families.openvla.batches import BatchBuilder
+    from parallax.data.prefetch import Serialized
     from parallax.train.cli import main
 
     calls = []
-    real = BatchBuilder.__call__
+    real = Serialized.__call__  # the session's collator, whatever the family
 
     def failing(self, samples):
         calls.append(1)
@@ -47,7 +47,7 @@ def test_an_error_in_the_prefetch_thread_ends_the_run_naming_the_step(tmp_path, 
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(BatchBuilder, "__call__", failing)
+            mp.setattr(Serialized, "__call__", failing)
             status = main(["--out", str(tmp_path / "broken"), *RUN])
     finally:
         signal.signal(signal.SIGTERM, handler)
