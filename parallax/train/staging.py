@@ -71,7 +71,8 @@ class Stager:
         copies: list[torch.Tensor] = []
 
         def pinned_copy(x: torch.Tensor) -> torch.Tensor:
-            if x.device == self.device:
+            if x.device == self.device:  # made there already (perhaps on this stream): recorded
+                copies.append(x)
                 return x
             host = x if x.is_pinned() else x.pin_memory()  # a true async copy needs pinned memory
             out = host.to(self.device, non_blocking=True)
