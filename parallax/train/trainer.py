@@ -11,7 +11,8 @@ For a ``"tokens"`` recipe the loss follows the global batch: each microbatch con
 unit losses / units in the global batch`` (counted by the Trainer over dp), so the loss and the
 update are the same at every layout. A ``"step"`` recipe runs the step's forwards and backwards
 itself (pp = 1). Pass labels on the host (as the loaders do): what the loss needs is read from
-them without a device synchronisation.
+them without a device synchronisation. The step's device inputs come from
+:mod:`parallax.train.staging`: made ahead by the session's prefetch thread, or by the step.
 """
 
 from __future__ import annotations
