@@ -216,7 +216,12 @@ def print_plan(cfg: Run, file=None) -> None:
 def data_note(cfg: TrainConfig) -> str:
     """What the run reads and how (not opened by a dry run), and where its data wait shows."""
 
-    wait = "metrics.jsonl's data_wait_s is the seconds each step waited for its batch"
+    ahead = (
+        f"each step's batch made {cfg.prefetch} step(s) ahead in a thread (--prefetch)"
+        if cfg.prefetch
+        else "each step's batch made between steps (--prefetch 0)"
+    )
+    wait = f"{ahead}; metrics.jsonl's data_wait_s is the seconds each step waited for it"
     if cfg.data == "synthetic":
         return f"data synthetic: the family's built-in task, made in the training process; {wait}"
     data = cfg.data if isinstance(cfg.data, str) else f"{len(cfg.data)} [[data]] datasets"
