@@ -134,3 +134,25 @@ def test_a_trained_weight_is_refused():
         quantize_layer(layer, "nf4")
     with pytest.raises(ValueError, match="nf4, int8"):
         quantize(torch.zeros(2, 2), "fp4")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_compiled_quantized_layer_traces_its_rebuild(kind):
+    """Dynamo traces the rebuild and its autograd function in one graph (no break) and gives
+    eager's values (aot_eager runs the same ops)."""
+    torch._dynamo.reset()
+    layer = RowParallelLinear(128, 64, bias=True, ctx=None)
+    add_adapter(layer, ("m",), rank=4, alpha=8, seed=1)
+    layer.weight.requires_grad_(False)
+    quantize_base(layer, kind)
+    x = torch.randn(2, 3, 128)
+    outs = []
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for module in (layer, compiled):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, layer.lora_A.grad.clone()))
+        layer.zero_grad(set_to_none=True)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
