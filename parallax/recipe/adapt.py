@@ -24,6 +24,7 @@ from parallax.context import ParallelContext
 from parallax.recipe.base import Recipe
 from parallax.run import Run
 from parallax.run import param_groups as groups
+from parallax.tensor.fp8_apply import FP8Report, check_fp8_device, enable_fp8
 from parallax.tensor.lora_apply import (
     LoRAReport,
     apply_lora,
@@ -52,7 +53,9 @@ def build_chunk(
 ) -> tuple[nn.Module, LoRAReport | None]:
     """The recipe's chunk of ``blocks`` with the run's adapters and frozen parameters, and its
     LoRA report (None for full fine-tuning); with ``--quantize-base``, its frozen linears
-    quantized (:func:`quantize_chunk`)."""
+    quantized (:func:`quantize_chunk`); with ``--fp8``, its linears in FP8 (:func:`fp8_chunk`)."""
+    if run.fp8 and str(device) != "meta":
+        check_fp8_device(device)  # torch and the GPU, before anything is built
     quantizing = run.quantize_base is not None
     # A checkpoint is read on the host and reaches the device quantized, layer by layer; a
     # seed's init is drawn where it runs (a host draw of 7B normals takes minutes).
@@ -64,7 +67,19 @@ def build_chunk(
     groups.apply_freeze([chunk], run, run.recipe.model.freeze_aliases)
     if quantizing:
         quantize_chunk(chunk, run, device, moved=torch.device(home) != torch.device(device))
+    if run.fp8:
+        fp8_chunk(chunk, run, device)
     return chunk, report
+
+
+def fp8_chunk(chunk: nn.Module, run: Run, device) -> FP8Report:
+    """``--fp8``: the chunk's parallel linears but the family's output head compute in FP8;
+    the log says once which stay in bf16 (shapes ``torch._scaled_mm`` cannot take)."""
+    report = enable_fp8(chunk, run.recipe.model.fp8_exclude)
+    chunk.fp8_report = report
+    if str(device) != "meta":
+        log.info(report.describe())
+    return report
 
 
 def quantize_chunk(chunk: nn.Module, run: Run, device, *, moved: bool) -> QuantReport:

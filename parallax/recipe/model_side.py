@@ -87,6 +87,8 @@ class ModelSide:
     pin_first: int = 1
     # last name parts of the linears ``--lora-targets all-linear`` leaves alone (output heads)
     lora_exclude: tuple[str, ...] = ("lm_head",)
+    # the linears --fp8 leaves in the model's dtype (the output head: parallax.tensor.fp8_apply)
+    fp8_exclude: tuple[str, ...] = ("lm_head",)
 
     # -- what a family must say ------------------------------------------------------------------
     def resolve(self, spec: str) -> ModelSpec:

@@ -99,6 +99,16 @@ class DataOptions:
         choices=PRECISIONS,
         params=True,
     )
+    fp8: bool = opt(
+        False,
+        "on GPUs with FP8 tensor cores (Ada, Hopper): the column- and row-parallel linears "
+        "(not the LM head) run their forward and backward GEMMs in FP8 with per-row scales; "
+        "weights, masters, optimizer state, norms and attention stay as --precision bf16 keeps "
+        "them (docs/fp8.md)",
+        DATA,
+        switch="on",
+        needs=("precision", "bf16", "FP8 GEMMs take and give bf16"),
+    )
 
 
 @dataclass(frozen=True)

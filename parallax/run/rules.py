@@ -9,9 +9,12 @@ verdict before any collective; the layout's own checks come with the model
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from parallax.run.option import needs_problems, options, problems
 from parallax.run.values import convert, field_kinds, out_problems, show
@@ -80,6 +83,26 @@ def _cuda_graphs(cfg: Any) -> str | None:
     return None
 
 
+# tests only: lets --fp8 run on a CPU with the emulated FP8 GEMM (parallax.tensor.fp8.gemm)
+FP8_EMULATE_ENV = "PARALLAX_FP8_EMULATE"
+
+
+def _fp8(cfg: Any) -> str | None:
+    """``--fp8`` composes with neither a quantized base (its weights are codes, not bf16) nor a
+    CPU run (no FP8 GEMMs there). The device is the one :func:`parallax.init_parallel` will
+    pick: a GPU when CUDA is available; a dry run plans for elsewhere and is not refused."""
+    if not cfg.fp8:
+        return None
+    if cfg.quantize_base is not None:
+        return (
+            f"--fp8 with --quantize-base {cfg.quantize_base}: the quantized base is rebuilt into "
+            "bf16 GEMMs; use one or the other"
+        )
+    if cfg.dry_run or torch.cuda.is_available() or os.environ.get(FP8_EMULATE_ENV) == "1":
+        return None
+    return "--fp8 needs a GPU with FP8 tensor cores (Ada, Hopper or newer); this run is on the CPU"
+
+
 def _zero(cfg: Any) -> str | None:
     if cfg.offload != "none" and cfg.zero < 2:
         return (
@@ -129,6 +152,7 @@ RULES: tuple[Callable[[Any], str | None], ...] = (
     _cuda_graphs,
     _step_schedule,
     _zero,
+    _fp8,
 )
 
 

@@ -18,6 +18,7 @@ from parallax import comm
 from parallax.comm import Group
 from parallax.tensor import functional as tpf
 from parallax.tensor.embedding import VocabParallelEmbedding
+from parallax.tensor.fp8 import fp8_linear
 from parallax.tensor.sharding import TPShard, make_shard, shard_tensor, unshard_tensor
 from parallax.tensor.tp import TPLayer, TPLike, resolve_tp, tp_param, uniform_
 
@@ -36,9 +37,12 @@ class _DenseLinear(TPLayer):
     """``from_dense`` / ``to_dense`` of the parallel linears: each parameter is split, or kept
     whole, as its ``tp_shard`` (or its absence) says. A frozen weight may be held quantized
     (``--quantize-base``: :func:`~parallax.tensor.quant.quantize_layer` puts a
-    :class:`~parallax.tensor.quant.QuantizedWeight` in ``quantized`` in place of ``weight``)."""
+    :class:`~parallax.tensor.quant.QuantizedWeight` in ``quantized`` in place of ``weight``).
+    With ``fp8`` (``--fp8``: :func:`~parallax.tensor.fp8_apply.enable_fp8`) its GEMMs run in
+    FP8 (:func:`~parallax.tensor.fp8.fp8_linear`)."""
 
     quantized: nn.Module | None
+    fp8: bool = False
 
     @property
     def weight_shard(self) -> TPShard:
@@ -60,7 +64,9 @@ class _DenseLinear(TPLayer):
     def _base_product(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` on this rank, without the bias: (..., in) -> (..., out)."""
         q = self.quantized
-        return F.linear(x, self.weight) if q is None else q.linear(x)
+        if q is not None:
+            return q.linear(x)
+        return fp8_linear(x, self.weight) if self.fp8 else F.linear(x, self.weight)
 
     @classmethod
     def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs):
@@ -175,9 +181,9 @@ class ColumnParallelLinear(_DenseLinear):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's product (a LoRA layer adds its adapter's)."""
-        if self.quantized is None:
+        if self.quantized is None and not self.fp8:
             return F.linear(x, self.weight, self.bias)
-        y = self.quantized.linear(x)  # (..., out/tp)
+        y = self._base_product(x)  # (..., out/tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
