@@ -3,8 +3,8 @@
 A tensor ``t`` (rows, cols) goes to FP8 one row at a time: the row's largest magnitude (its
 amax) decides a dequantization scale ``s = 2^ceil(log2(amax / fmax))``, the smallest power of
 two that brings the row within the format's largest finite value ``fmax``; the codes are
-``t / s`` rounded to the format, saturated at +-fmax (torch's cast is not saturating: values
-past the range become NaN in e4m3 and inf in e5m2). Powers of two keep the division exact, so
+``t / s`` rounded to the format, saturated at +-fmax (torch's cast does not promise it: past the
+range, e5m2 overflows to inf). Powers of two keep the division exact, so
 the only rounding is the format's own (torchao's rowwise recipe rounds its scales the same way).
 ``codes * s`` is the value a GEMM sees: :func:`torch._scaled_mm` takes ``s`` as ``scale_a``
 (rows, 1) of its first operand and ``scale_b`` (1, cols) of its second.
