@@ -64,7 +64,9 @@ class Part:
     is the rows the piece's matmuls see (their efficiency grows with it), ``seq`` the sequence
     its attention sees (0: ``tokens``); ``tp_reduces`` the all-reduces of one forward at
     tp > 1, ``tp_bytes`` their bytes. ``compiled``: what a compiled piece keeps instead of
-    ``saved`` (``None``: the same), where the compiler's fusion drops intermediates.
+    ``saved`` (``None``: the same), where the compiler's fusion drops intermediates. ``fp8``:
+    its matmuls are parallel linears that ``--fp8`` runs in FP8 (not an output head or a
+    convolution).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Part:
     tp_bytes: float = 0.0
     seq: int = 0
     compiled: Split | None = None
+    fp8: bool = True
 
     def recomputes(self, checkpointing: bool | str) -> bool:
         """Whether ``--activation-checkpointing`` (``True``, or a scope) recomputes it."""
@@ -167,6 +170,7 @@ def vit_stem(cfg: ViTConfig, e: int, images: int = 1) -> Part:
         saved=Split(0.0, (3.0 * cfg.image_size**2 * e + pre) * images),
         gemm_flops=2.0 * p * 3 * cfg.patch_size**2 * w * images,
         tokens=p * images,
+        fp8=False,  # a convolution
     )
 
 
@@ -240,4 +244,5 @@ def lm_head(cfg: LlamaConfig, rows: int, e: int) -> Part:
         tokens=rows,
         tp_reduces=2,
         tp_bytes=8.0 * rows,
+        fp8=False,  # the LM head stays in bf16
     )

@@ -3,8 +3,10 @@
 In well under two minutes: the GEMM rate at the model's decoder shapes and dtype (at two row
 counts, which gives ``gemm_half_tokens``), causal attention's rate, eager element-wise
 bandwidth, pinned host-device copies, the host's element-wise bandwidth and AdamW rate (fused
-on the CPU where this torch has it), and under ``torchrun`` the collectives' bandwidth and
-latency within a node (and across nodes, with one rank per node) at a few sizes. On a machine
+on the CPU where this torch has it), on a GPU with FP8 tensor cores the rowwise-scaled FP8
+GEMM's speed-up over bf16 at the same shapes (``--fp8``), and under ``torchrun`` the
+collectives' bandwidth and latency within a node (and across nodes, with one rank per node) at
+a few sizes. On a machine
 without a GPU every size is tiny and the collectives run on gloo, so tests can run it; what
 it could not measure stays at the nearest shipped default, and the profile's ``notes`` say so.
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from parallax.plan.machine import GIB, LINKS, Link, Machine, default_for, save
 from parallax.plan.options import parse_calibrate
 from parallax.recipe import registry
+from parallax.tensor.fp8 import E4M3, cast_rows, scaled_mm, support_problem
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,18 @@ def gemm(device, dtype, hidden: int, inner: int, rows: int, iters: int) -> float
     b = torch.randn(hidden, inner, device=device, dtype=dtype)
     s = _timed(lambda: a @ b, device, iters)
     return 2.0 * rows * hidden * inner / s / 1e12
+
+
+def fp8_speedup(device, hidden: int, inner: int, rows: int, iters: int) -> float | None:
+    """How many times faster ``torch._scaled_mm`` (rowwise, operands already cast) runs a
+    ``(rows, hidden) @ (hidden, inner)`` product than bf16; None where FP8 cannot run."""
+    if device.type != "cuda" or support_problem(device) or hidden % 16 or inner % 16:
+        return None
+    a = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    b = torch.randn(inner, hidden, device=device, dtype=torch.bfloat16)
+    (qa, sa), (qb, sb) = cast_rows(a, E4M3), cast_rows(b, E4M3)
+    fp8 = _timed(lambda: scaled_mm(qa, qb.t(), sa, sb.t(), fast_accum=True), device, iters)
+    return _timed(lambda: a @ b.t(), device, iters) / fp8
 
 
 def half_rows(rate_many: float, many: int, rate_few: float, few: int) -> float:
@@ -168,6 +183,8 @@ def measure(model: str | None, precision: str) -> tuple[dict, list[str]]:
         used = total - free - torch.cuda.memory_reserved(device)
         rates["cuda_context_gib"] = max(used, 0) / GIB
         notes.append(f"GPU {torch.cuda.get_device_name(device)}")
+        speedup = fp8_speedup(device, h, f, rows, iters)  # None: this GPU runs no FP8
+        rates["fp8_gemm_speedup"] = 1.0 if speedup is None else speedup
     else:
         notes.append("no GPU: device rates are the CPU's, copies and GPU memory left at defaults")
     return rates, notes

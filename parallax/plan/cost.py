@@ -81,12 +81,14 @@ def _link(machine: Machine, span: int) -> Link:
     return machine.intra if span <= machine.gpus_per_node else machine.inter
 
 
-def part_times(part: Part, layout: Layout, machine: Machine, compiled: bool):
+def part_times(part: Part, layout: Layout, machine: Machine, compiled: bool, fp8: bool = False):
     """(forward seconds without tp, tp seconds, matmul seconds) of a part's ``count`` pieces on
-    one microbatch."""
+    one microbatch; with ``fp8`` (``--fp8``) its linears' GEMMs ``fp8_gemm_speedup`` faster."""
     tp, mb = layout.tp, layout.micro_batch_size
     rows = part.tokens * mb
     rate = machine.gemm_tflops * 1e12 * rows / (rows + machine.gemm_half_tokens)
+    if fp8 and part.fp8:
+        rate *= machine.fp8_gemm_speedup
     gemm = part.gemm_flops * mb / tp / rate
     seq = part.seq or part.tokens  # short sequences leave attention kernels underused
     rate = machine.attention_tflops * 1e12 * seq / (seq + machine.attention_half_tokens)
@@ -103,7 +105,7 @@ def part_times(part: Part, layout: Layout, machine: Machine, compiled: bool):
 
 def _stage(model: Workload, layout: Layout, machine: Machine, blocks: range, grads) -> _Stage:
     """One virtual stage's forward and backward per microbatch."""
-    compiled = bool(model.run.compile)
+    compiled, fp8 = bool(model.run.compile), bool(model.run.fp8)
     forward = backward = recompute = tp = 0.0
     # each pass's gradients: written by autograd, then added into ZeRO-1's buffer (read both,
     # write one) or copied to fp32 pass buffers and added into the shard (ZeRO-2/3)
@@ -120,7 +122,7 @@ def _stage(model: Workload, layout: Layout, machine: Machine, blocks: range, gra
         forward += rebuild
         backward += rebuild * (2 if recomputed else 1)
         for part in parts:
-            f, comm, gemm = part_times(part, layout, machine, compiled)
+            f, comm, gemm = part_times(part, layout, machine, compiled, fp8)
             again = part.recomputes(layout.checkpointing)
             forward += f + comm
             b = 2 * (f - gemm) + (inputs + weights) * gemm + comm

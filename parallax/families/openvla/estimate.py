@@ -89,4 +89,5 @@ def _head(model, run, seq: int, e: int) -> Part:
     rows, h = config.oft.slots, config.text.hidden_size
     saved = Split(0.0, rows * h * e * (2 + 2 * config.oft.head_blocks) + rows * h * 4)
     flops = model.blocks(config)[-1].cost  # its forward, as the pipeline split counts it
-    return Part("L1 action head", saved=saved, gemm_flops=flops, tokens=rows)
+    # mostly plain nn.Linear (and the LM head's share): no FP8 counted under --fp8
+    return Part("L1 action head", saved=saved, gemm_flops=flops, tokens=rows, fp8=False)
