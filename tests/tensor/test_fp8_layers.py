@@ -115,3 +115,22 @@ def test_tp2_equals_tp1_where_the_scales_agree_and_within_fp8_where_a_shard_spli
         for got, other, want, is_exact in zip(two[name], again[name], one[name], flags):
             assert torch.equal(got, other)  # every tp rank holds the same result
             _close(got, want, is_exact)
+
+
+def test_the_fp8_product_traces_into_one_graph():
+    """Dynamo takes a layer's whole FP8 product, casts and both gradients, without a break:
+    what lets the compiler fuse the casts into the neighbouring kernels on a GPU (where
+    ``tests/tensor/test_fp8_cuda.py`` runs the inductor)."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(32, 48, ctx=None)
+    layer.fp8 = True
+    x = torch.randn(2, 8, 32)
+    outs = []
+    for module in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi)
+        y.sum().backward()
+        outs.append((y.detach(), xi.grad, layer.weight.grad.clone()))
+        layer.zero_grad(set_to_none=True)
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
