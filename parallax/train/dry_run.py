@@ -174,7 +174,8 @@ def print_plan(cfg: Run, file=None) -> None:
         f"[bold]parallax plan[/bold]: model {cfg.model}, {dims} = {dims.world_size} "
         f"rank{'s' if dims.world_size > 1 else ''}; "
         f"global batch {cfg.global_batch_size} = {dims.dp} dp x {m} microbatches x "
-        f"{cfg.micro_batch_size}; precision {cfg.precision}; schedule {cfg.schedule}; "
+        f"{cfg.micro_batch_size}; precision {cfg.precision}{' (FP8 linears)' if cfg.fp8 else ''}; "
+        f"schedule {cfg.schedule}; "
         f"{_memory_words(cfg)}",
         highlight=False,
     )
