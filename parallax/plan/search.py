@@ -241,7 +241,7 @@ def search(
 
 
 def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]:
-    """The ``top`` best by :func:`_preference`, the first one :func:`_monotone_first`,
+    """The ``top`` best by :func:`_preference`, the first one :func:`first_choice`,
     simulating a pipeline only while its bound (the time of a pipeline without idling) can still
     beat the slowest of those kept (so every candidate of the fastest's tie bucket is timed)."""
     bounds = [(s.timed(c, exact=False).time.seconds, i) for i, c in enumerate(fitting)]
@@ -257,11 +257,11 @@ def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]
         best = sorted([*best, timed], key=_preference)[:top]
     if not best:
         return best
-    first = _monotone_first(timed_all)
+    first = first_choice(timed_all)
     return [first, *(c for c in best if c is not first)][:top]
 
 
-def _monotone_first(timed: list[Candidate]) -> Candidate:
+def first_choice(timed: list[Candidate]) -> Candidate:
     """The first choice: the fastest of the choices :func:`_preference` makes under every
     smaller memory cap. Preferring a simpler layout within a tie could otherwise make more
     memory choose a slower one (up to :data:`TIE`): a simpler layout that only fits the larger

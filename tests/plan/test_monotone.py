@@ -11,7 +11,7 @@ import pytest
 from parallax.plan.cost import StepTime
 from parallax.plan.layout import Layout
 from parallax.plan.machine import H200
-from parallax.plan.search import Candidate, _monotone_first, search
+from parallax.plan.search import Candidate, first_choice, search
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.recipe.flags import parse_args
@@ -53,7 +53,7 @@ def _candidate(seconds: float, gpu: float, zero: int) -> Candidate:
 def test_a_simpler_layout_that_needs_more_memory_does_not_win_a_tie_against_a_faster_one():
     faster = _candidate(1.000, gpu=20.0, zero=3)  # fits a 20 GiB cap
     simpler = _candidate(1.002, gpu=40.0, zero=1)  # a tie, simpler, needs 40
-    assert _monotone_first([faster]) is faster
-    assert _monotone_first([simpler, faster]) is faster
+    assert first_choice([faster]) is faster
+    assert first_choice([simpler, faster]) is faster
     cheaper = _candidate(1.002, gpu=10.0, zero=1)  # a tie, simpler and smaller: it wins
-    assert _monotone_first([simpler, faster, cheaper]) is cheaper
+    assert first_choice([simpler, faster, cheaper]) is cheaper
