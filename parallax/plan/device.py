@@ -80,7 +80,7 @@ def device_profile(device: Device) -> Profile:
     """This device's own profile (see the module docstring), its memory the device's."""
     cached = cache_path(device.name)
     if cached.is_file():
-        machine = load(cached)
+        machine = _cached(cached)
         why = f"measured on this {device.name} by {CALIBRATE} (cached at {cached})"
     elif name := shipped_for(device.name):
         machine = DEFAULTS[name]
@@ -96,6 +96,17 @@ def device_profile(device: Device) -> Profile:
             f"{cached})"
         )
     return Profile(machine.with_(gpu_memory_gib=device.memory_gib), why)
+
+
+def _cached(path: Path) -> Machine:
+    """The cached profile at ``path``; a ``ValueError`` naming it and how to mend it."""
+    try:
+        return load(path)
+    except ValueError as err:
+        raise ValueError(
+            f"the cached profile of this GPU, {path}, cannot be used ({err}); run {CALIBRATE} "
+            "again to measure it, or delete the file to plan with the shipped profile"
+        ) from None
 
 
 def base_profile(machine: str | None, device: Device | None) -> Profile:

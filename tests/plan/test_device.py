@@ -127,3 +127,11 @@ def test_calibrate_on_a_gpu_caches_the_profile_the_planner_then_takes(tmp_path):
     assert "measured on this NVIDIA H200 by python -m parallax.plan calibrate" in said, said
     assert "4 GiB a GPU" in said
     assert calibrate.main(["--precision", "fp32"], no_gpu) == 2  # no GPU: --out is needed
+
+
+def test_a_broken_cache_is_named_with_how_to_mend_it():
+    path = cache_path("NVIDIA H200")
+    path.parent.mkdir(parents=True)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="the cached profile of this GPU, .*nvidia-h200.json"):
+        device_profile(h200())
