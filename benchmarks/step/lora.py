@@ -95,6 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--activation-memory-budget", type=float, default=1.0, help="with --compile (both)"
     )
+    p.add_argument(
+        "--quantize-base",
+        choices=("nf4", "int8"),
+        default=None,
+        help="the frozen base quantized: parallax's --quantize-base; hf: bitsandbytes 4-bit "
+        "NF4 with double quantization (nf4 only), as OpenVLA's --use_quantization loads it",
+    )
+    p.add_argument(
+        "--gpu-memory-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="cap this process's GPU memory (both stacks), as parallax's --gpu-memory-limit",
+    )
     p.add_argument("--batch", default=None, help="comma list of batches, or max (16)")
     p.add_argument(
         "--micro-batch",
@@ -119,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--checkpoint-scope picks the blocks --activation-checkpointing recomputes")
     if args.activation_checkpointing and args.stack != "parallax":
         p.error("--activation-checkpointing is a parallax row's option")
+    if args.stack == "hf" and args.quantize_base == "int8":
+        p.error("the hf row quantizes as OpenVLA's script does: --quantize-base nf4")
     args.model = args.model or ("tiny" if args.smoke else "openvla-7b")
     args.batch = args.batch or ("2,4" if args.smoke else "16")
     args.max_batch = args.max_batch or (8 if args.smoke else 512)
@@ -138,7 +154,14 @@ class Row:
             from benchmarks.step import lora_hf
 
             self.model, self.optimizer = lora_hf.build(
-                config, self.device, self.dtype, RANK, ALPHA, args.compile, args.cuda_graphs
+                config,
+                self.device,
+                self.dtype,
+                RANK,
+                ALPHA,
+                args.compile,
+                args.cuda_graphs,
+                quantize=args.quantize_base == "nf4",
             )
 
     def _trainer(self, n_micro: int, micro: int):
@@ -163,6 +186,7 @@ class Row:
                 activation_checkpointing=self.args.activation_checkpointing,
                 checkpoint_scope=self.args.checkpoint_scope,
                 activation_memory_budget=self.args.activation_memory_budget,
+                quantize_base=self.args.quantize_base,
                 out=tempfile.mkdtemp(prefix="parallax-lora-bench-"),  # nothing is written
             )
             backend = "aot_eager" if self.args.smoke else "inductor"
@@ -249,6 +273,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":  # before the first allocation: against fragmentation after OOMs
         default_allocator()  # as parallax.train runs
+        if args.gpu_memory_limit:  # both stacks under the same cap (the parallax.train rule)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(args.gpu_memory_limit * 2**30 / total)
     threads = torch.get_num_threads()
     if args.smoke:
         torch.set_num_threads(1)  # a small CPU shared with others: threads only contend
@@ -288,12 +315,16 @@ def _run(args, device: torch.device, world: int) -> list[dict]:
         variant += "+ac" if scope == "all" else f"+ac-{scope}"
     if args.activation_memory_budget < 1:
         variant += f"+budget{args.activation_memory_budget:g}"
+    if args.quantize_base:
+        variant += f"+{args.quantize_base}"
+    if args.gpu_memory_limit:
+        variant += f" <= {args.gpu_memory_limit:g} GiB"
     if world > 1:
         variant += f" dp{world}"
     if args.stack == "hf":
         from benchmarks.step import lora_hf
 
-        reason = lora_hf.missing()
+        reason = lora_hf.missing(args.quantize_base == "nf4")
         if reason:
             print(f"hf {variant}: {reason}", flush=True)
             return [{"stack": "hf", "variant": variant, "status": reason}]

@@ -24,9 +24,9 @@ from parallax.families.openvla.config import OpenVLAConfig
 from parallax.models.vit import ViTConfig
 
 
-def missing() -> str | None:
+def missing(quantize: bool = False) -> str | None:
     """Why the stack cannot be built here (a package missing), or ``None``."""
-    for name in ("timm", "transformers", "peft"):
+    for name in ("timm", "transformers", "peft", *(("bitsandbytes",) if quantize else ())):
         try:
             __import__(name)
         except ImportError:
@@ -117,14 +117,21 @@ def build(
     alpha: float,
     compile: bool,
     cuda_graphs: bool = False,
+    quantize: bool = False,
 ):
     """The PEFT-wrapped model and its AdamW, as the script builds them (random base);
-    ``cuda_graphs``: the compiled blocks in inductor's reduce-overhead mode."""
+    ``cuda_graphs``: the compiled blocks in inductor's reduce-overhead mode; ``quantize``: the
+    base's linears (all but ``lm_head``) in bitsandbytes' 4-bit NF4 with double quantization
+    and bf16 compute, what the script's ``--use_quantization`` loads (its
+    ``prepare_model_for_kbit_training`` is left out: it would add gradient checkpointing and
+    fp32 norms, both slower)."""
     from peft import LoraConfig, get_peft_model
 
     with torch.device(device):
         model = HFOpenVLA(config, use_timm_ids=config.text.num_hidden_layers >= 32)
     model = model.to(dtype)
+    if quantize:
+        to_4bit(model, dtype)
     lora = LoraConfig(
         r=rank,
         lora_alpha=min(rank, alpha),
@@ -143,6 +150,36 @@ def build(
             layer.compile(**options)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(trainable, lr=5e-4)
+
+
+@torch.no_grad()
+def to_4bit(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Every ``nn.Linear`` but ``lm_head`` replaced by bitsandbytes' ``Linear4bit`` (NF4, double
+    quantization), one at a time: each bf16 weight is freed once quantized."""
+    import bitsandbytes as bnb
+
+    for name in linear_targets(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        new = bnb.nn.Linear4bit(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        weight = bnb.nn.Params4bit(
+            old.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+        )
+        new.weight = weight.to(old.weight.device)  # quantized on the way to the GPU
+        if old.bias is not None:
+            new.bias = nn.Parameter(old.bias.data, requires_grad=False)
+        setattr(parent, child, new)
+        del old
+    torch.cuda.empty_cache()
 
 
 def step_fn(

@@ -135,6 +135,8 @@ SAVING = {
     "offload": dict(zero=2, offload="optimizer"),
     "ckpt-vision": dict(activation_checkpointing=True, checkpoint_scope="vision"),
     "budget": dict(activation_memory_budget=0.8),  # compiled only: the compiler recomputes
+    # QLoRA on a 16 GiB card: the base in NF4, every block recomputed, the process capped
+    "nf4-16": dict(quantize_base="nf4", gpu_memory_limit=16.0, activation_checkpointing=True),
 }
 
 
@@ -314,6 +316,8 @@ def _run(args, device, dtype) -> list[dict]:
             return builders[s](args, config, device, dtype, c, f)
 
         got = measure_train(args, build, device)
+        if device.type == "cuda":  # a row's --gpu-memory-limit caps only that row
+            torch.cuda.set_per_process_memory_fraction(1.0)
         step = got.get("step_s", math.nan)
         records.append(
             {"row": f"{name} train", "stack": stack, "batch": args.batch, "step_s": step,

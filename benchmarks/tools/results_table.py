@@ -163,6 +163,11 @@ SPECS: dict[str, Spec] = {
         ("format", "workers", "batch", "image_size"),
         (("samples/s", "samples_per_s", "g"), ("wait ms/step", "wait_ms_per_step", "g")),
     ),
+    "data_wait": Spec(
+        "data.wait",
+        ("source", "prefetch", "train_flags"),
+        (STEP, ("wait s", "data_wait_s", "g"), ("wait %", "wait_pct", "g")),
+    ),
 }
 META = ("run_id", "date", "commit", "hardware", "torch", "benchmark", "status")
 

@@ -85,7 +85,8 @@ def linear_costs(model: nn.Module, *inputs) -> list[LinearCost]:
             b = m.lora_rank * m.out_features
             a = adapter_numel(m) - b
         w = m.in_features * m.out_features
-        out.append(LinearCost(name, w, a, b, m.weight.requires_grad, *seen[name]))
+        trained = m.quantized is None and m.weight.requires_grad  # a quantized base is frozen
+        out.append(LinearCost(name, w, a, b, trained, *seen[name]))
     return out
 
 

@@ -25,6 +25,7 @@ from parallax.recipe.flags import option_classes
 from parallax.run import Run
 from parallax.run import param_groups as groups
 from parallax.run.option import options
+from parallax.tensor.quant import quantized_weights
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class BlockParams:
     layer or ViT block whole, any other module's own parameters apart)."""
 
     name: str
-    params: int  # elements on this tp rank, unpadded
+    params: int  # elements on this tp rank, unpadded (weights held quantized included)
     trainable_params: int
     adapters: int  # LoRA adapter elements
     groups: tuple[int, ...]  # trainable elements per optimizer group (group_labels order)
@@ -45,6 +46,10 @@ class BlockParams:
     partial: int = 0  # padded trainable elements whose gradient is partial over tp (own buckets)
     # (padded elements, element size, partial over tp) of each trainable parameter, in order
     sizes: tuple[tuple[int, int, bool], ...] = ()
+    # bytes of the frozen weights held quantized (--quantize-base): buffers, not parameters, so
+    # whole on every dp rank at any ZeRO stage
+    quantized: int = 0
+    quantized_params: int = 0  # the elements they stand for
 
     def trainable_elements(self) -> int:
         return sum(n for _, n in self.trainable)
@@ -98,9 +103,10 @@ def _block(name: str, chunk: nn.Module, run, adapters: int) -> BlockParams:
     by_group = tuple(
         sum(p.numel() for _, p in g["params"]) for g in groups.param_groups(named, run)
     )
+    held = [q for _, q in quantized_weights(chunk)]  # --quantize-base: buffers, frozen
     return BlockParams(
         name=name,
-        params=sum(p.numel() for p in chunk.parameters()),
+        params=sum(p.numel() for p in chunk.parameters()) + sum(q.numel() for q in held),
         trainable_params=sum(p.numel() for _, p in named),
         adapters=adapters,
         groups=by_group,
@@ -110,6 +116,8 @@ def _block(name: str, chunk: nn.Module, run, adapters: int) -> BlockParams:
         largest=max((padded(p.numel()) for _, p in named), default=0),
         partial=sum(padded(p.numel()) for _, p in named if _partial(p)),
         sizes=tuple((padded(p.numel()), p.element_size(), _partial(p)) for _, p in named),
+        quantized=sum(q.nbytes() for q in held),
+        quantized_params=sum(q.numel() for q in held),
     )
 
 

@@ -112,7 +112,14 @@ def _stage(model: Workload, layout: Layout, machine: Machine, blocks: range, gra
     for i in blocks:
         inputs, weights = grads[i]
         backward += per_element * params[i].trainable_params / (machine.hbm_gbs * 1e9)
-        for part in model.estimates[i].parts:
+        # --quantize-base: each GEMM's weight rebuilt from its codes (read them, write bf16),
+        # once in the forward, once in the backward and once more when recomputed
+        held, parts = params[i], model.estimates[i].parts
+        rebuild = (held.quantized + 2 * held.quantized_params) / (machine.hbm_gbs * 1e9)
+        recomputed = any(part.recomputes(layout.checkpointing) for part in parts)
+        forward += rebuild
+        backward += rebuild * (2 if recomputed else 1)
+        for part in parts:
             f, comm, gemm = part_times(part, layout, machine, compiled)
             again = part.recomputes(layout.checkpointing)
             forward += f + comm

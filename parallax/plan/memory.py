@@ -79,6 +79,7 @@ class RankMemory:
     host: float
     pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
     building: float = 0.0  # while the optimizer is made: the model as built and its flat copy
+    quantized: float = 0.0  # of the weights, the base's linears held quantized (--quantize-base)
     host_parts: tuple[tuple[str, float], ...] = ()  # the host bytes by what they hold
     offloaded: float = 0.0  # trainable elements whose optimizer this rank steps on the host
 
@@ -134,6 +135,7 @@ class _Counts:
     partial: int  # trainable elements whose gradient is partial over tp (buckets of their own)
     buckets: dict  # (element size, partial over tp) -> its largest ZeRO-1/2 bucket's elements
     order: list  # every bucket's (key, elements), in the order they are reduced
+    quantized: int = 0  # bytes of frozen weights held quantized: whole on every dp rank
 
     @property
     def trainable(self) -> int:
@@ -169,6 +171,7 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
         host=sum(hosted.values()),
         pinned=hosted.get(PINNED, 0.0),
         building=_building(c, layout),
+        quantized=float(c.quantized),
         host_parts=tuple(hosted.items()),
         offloaded=share * c.trainable / layout.dp,
     )
@@ -224,6 +227,7 @@ def _counts(blocks) -> _Counts:
         partial=sum(b.partial for b in blocks),
         buckets=largest,
         order=order,
+        quantized=sum(b.quantized for b in blocks),
     )
 
 
@@ -259,7 +263,8 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple:
         staged = share * (2.0 * c.t2 + 4.0 * c.t4) / dp  # one pass of offloaded gradients
         hosted[SCRATCH] = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
         hosted[PINNED] = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the ring
-    return held.weights, held.gradients, held.optimizer, gathered, buffers, hosted, share
+    weights = held.weights + c.quantized
+    return weights, held.gradients, held.optimizer, gathered, buffers, hosted, share
 
 
 def _element_bytes(

@@ -14,6 +14,7 @@ built on the meta device (no collective), so a typo fails on every rank alike.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -28,8 +29,12 @@ from parallax.tensor.lora_apply import (
     apply_lora,
     is_adapter_name,
     matches_target,
+    reset_lora,
     target_patterns,
 )
+from parallax.tensor.quant import QuantReport, quantize_base
+
+log = logging.getLogger(__name__)
 
 
 def lora_enabled(run: Run) -> bool:
@@ -46,13 +51,41 @@ def build_chunk(
     checkpoint: Path | None,
 ) -> tuple[nn.Module, LoRAReport | None]:
     """The recipe's chunk of ``blocks`` with the run's adapters and frozen parameters, and its
-    LoRA report (None for full fine-tuning)."""
+    LoRA report (None for full fine-tuning); with ``--quantize-base``, its frozen linears
+    quantized (:func:`quantize_chunk`)."""
+    quantizing = run.quantize_base is not None
+    # A checkpoint is read on the host and reaches the device quantized, layer by layer; a
+    # seed's init is drawn where it runs (a host draw of 7B normals takes minutes).
+    home = "cpu" if quantizing and checkpoint is not None and str(device) != "meta" else device
     chunk = run.recipe.model.build(
-        run, blocks, ctx, dtype=dtype, device=device, checkpoint=checkpoint
+        run, blocks, ctx, dtype=dtype, device=home, checkpoint=checkpoint
     )
     report = add_adapters(chunk, run, run.recipe)
     groups.apply_freeze([chunk], run, run.recipe.model.freeze_aliases)
+    if quantizing:
+        quantize_chunk(chunk, run, device, moved=torch.device(home) != torch.device(device))
     return chunk, report
+
+
+def quantize_chunk(chunk: nn.Module, run: Run, device, *, moved: bool) -> QuantReport:
+    """``--quantize-base``: the chunk's frozen linears quantized on ``device`` one at a time
+    (the output head left alone), then the rest of the chunk moved there; adapters built on the
+    host are drawn again on the device, so they equal an unquantized run's."""
+    report = quantize_base(chunk, run.quantize_base, device, run.recipe.model.lora_exclude)
+    if moved:
+        chunk.to(device)
+        if lora_enabled(run):
+            reset_lora(chunk, run.seed)
+    chunk.quant_report = report
+    if torch.device(device).type == "meta":
+        return report
+    log.info(
+        "--quantize-base %s: %d linears, %.2f GiB freed on this rank",
+        report.kind,
+        report.layers,
+        report.freed / 2**30,
+    )
+    return report
 
 
 def whole_model(
@@ -72,6 +105,8 @@ def whole_model(
     if report is not None:
         _check_lora_globs(whole, run, report)
     groups.apply_freeze([whole], run, aliases)
+    if run.quantize_base is not None:
+        quantize_chunk(whole, run, "meta", moved=False)
     if run.lr_groups:  # against every name that can train, adapters included
         groups.check_lr_group_globs(run, [n for n, _ in whole.named_parameters()])
     return whole, report

@@ -119,6 +119,14 @@ class SpeedOptions:
         SPEED,
         switch="on",
     )
+    prefetch: int = opt(
+        1,
+        "make the next N steps' batches (read, collate, pin, copy to the GPU on a side stream) "
+        "in a background thread while the step runs (0: between steps, in the training thread)",
+        SPEED,
+        check=within(0, 4),
+        metavar="N",
+    )
     overlap_param_gather: bool = opt(
         True,
         "at dp > 1, all-gather the updated weights under the next forward, each block waiting "

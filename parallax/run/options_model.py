@@ -13,6 +13,7 @@ from parallax.run.option import ONE, at_least, opt, positive, within
 
 PRECISIONS = ("fp32", "bf16")
 FINETUNES = ("full", "lora")
+QUANTIZED_BASES = ("nf4", "int8")
 DATA, LORA = "model and data", "LoRA"
 LORA_ONLY = {"needs": ("finetune", "lora")}  # the LoRA options mean nothing without it
 
@@ -139,5 +140,17 @@ class LoraOptions:
         "DIR: start from this PEFT adapter (adapter_config.json)",
         LORA,
         check=_adapter_dir,
+        **LORA_ONLY,
+    )
+    quantize_base: str | None = opt(
+        None,
+        "nf4|int8: hold the frozen base's linears quantized (QLoRA: NF4 with double-quantized "
+        "block scales, about 0.52 bytes a weight; int8 with per-row scales), dequantized into "
+        "each GEMM; adapters, trained modules and the output head stay as they are",
+        LORA,
+        choices=QUANTIZED_BASES,
+        metavar="KIND",
+        default_text="off",
+        params=True,  # the base's linear weights become buffers of another size
         **LORA_ONLY,
     )

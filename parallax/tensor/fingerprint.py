@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from parallax import comm
-from parallax.tensor.sharding import TPShard, logical_shape
+from parallax.tensor.quant import quantized_weights
+from parallax.tensor.sharding import TPShard
+
+
+def _logical(shape: torch.Size, info: TPShard | None) -> tuple[int, ...]:
+    """The whole tensor's shape from this rank's ``shape`` and its split."""
+    return tuple(shape) if info is None else info.full_shape(tuple(shape))
+
 
 Fingerprint = dict[str, list]  # name -> [logical shape, sum, weighted sum, sum of squares]
 _CHUNK = 4096  # rows converted to float64 at a time
@@ -54,18 +61,24 @@ def _local_sums(p: torch.Tensor, info: TPShard | None) -> torch.Tensor:
 
 @torch.no_grad()
 def base_fingerprint(model: nn.Module, ctx=None, names: Iterable[str] | None = None) -> Fingerprint:
-    """The fingerprint of ``names`` (default: every frozen parameter) over all stages;
-    collective (tp sums, one object gather over the world); the same dict on every rank."""
-    params = dict(model.named_parameters())
+    """The fingerprint of ``names`` (default: every frozen parameter, and every weight held
+    quantized, as its dequantized values) over all stages; collective (tp sums, one object
+    gather over the world); the same dict on every rank."""
+    params = {n: (p, getattr(p, "tp_shard", None)) for n, p in model.named_parameters()}
+    quantized = {n: q for n, q in quantized_weights(model)}
     if names is None:
-        names = [n for n, p in params.items() if not p.requires_grad]
+        names = [n for n, (p, _) in params.items() if not p.requires_grad] + list(quantized)
     chosen = sorted(names)
     tp_group = None if ctx is None else ctx.tp_group
     tp_rank = 0 if ctx is None else ctx.tp_rank
-    rows = []
+    rows, shapes = [], []
     for name in chosen:
-        p = params[name]
-        info = getattr(p, "tp_shard", None)
+        if name in quantized:
+            q = quantized[name]
+            p, info = q.dequantize(torch.float32), q.tp_shard
+        else:
+            p, info = params[name]
+        shapes.append(list(_logical(p.shape, info)))
         if info is None and tp_rank != 0:  # replicated: counted once, on tp rank 0
             rows.append(torch.zeros(3, dtype=torch.float64, device=p.device))
         else:
@@ -74,7 +87,7 @@ def base_fingerprint(model: nn.Module, ctx=None, names: Iterable[str] | None = N
     sums = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=device)
     comm.all_reduce(sums, tp_group)  # (params, 3): one collective for all of them
     mine: Fingerprint = {
-        name: [list(logical_shape(params[name])), *row] for name, row in zip(chosen, sums.tolist())
+        name: [shape, *row] for name, shape, row in zip(chosen, shapes, sums.tolist())
     }
     if ctx is None or ctx.world_size == 1:
         return mine

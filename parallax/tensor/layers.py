@@ -34,7 +34,33 @@ __all__ = [
 
 class _DenseLinear(TPLayer):
     """``from_dense`` / ``to_dense`` of the parallel linears: each parameter is split, or kept
-    whole, as its ``tp_shard`` (or its absence) says."""
+    whole, as its ``tp_shard`` (or its absence) says. A frozen weight may be held quantized
+    (``--quantize-base``: :func:`~parallax.tensor.quant.quantize_layer` puts a
+    :class:`~parallax.tensor.quant.QuantizedWeight` in ``quantized`` in place of ``weight``)."""
+
+    quantized: nn.Module | None
+
+    @property
+    def weight_shard(self) -> TPShard:
+        """How the weight is split over tp, whether held as a parameter or quantized."""
+        q = self.quantized
+        return self.weight.tp_shard if q is None else q.tp_shard
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The weight's dtype (a quantized one's: the dtype it was quantized from)."""
+        q = self.quantized
+        return self.weight.dtype if q is None else q.dtype
+
+    @property
+    def local_shape(self) -> tuple[int, int]:
+        q = self.quantized
+        return tuple(self.weight.shape) if q is None else q.shape
+
+    def _base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` on this rank, without the bias: (..., in) -> (..., out)."""
+        q = self.quantized
+        return F.linear(x, self.weight) if q is None else q.linear(x)
 
     @classmethod
     def from_dense(cls, module: nn.Linear, ctx: TPLike, **kwargs):
@@ -103,6 +129,7 @@ class ColumnParallelLinear(_DenseLinear):
     ) -> None:
         super().__init__(ctx, sequence_parallel, sequence_dim)
         self.in_features, self.out_features = in_features, out_features
+        self.quantized = None
         self.gather_output = gather_output
         if gather_output and partitions > 1:
             raise ValueError("gather_output=True is not supported for fused (partitions>1) weights")
@@ -142,18 +169,21 @@ class ColumnParallelLinear(_DenseLinear):
         y = self._product(x)  # (..., out/tp)
         if self.gather_output:
             y = tpf.gather_from_tp(y, self.group, dim=-1)
-            if self.weight.tp_shard.padded_size != self.out_features:
+            if self.weight_shard.padded_size != self.out_features:
                 y = y[..., : self.out_features]
         return y
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's product (a LoRA layer adds its adapter's)."""
-        return F.linear(x, self.weight, self.bias)
+        if self.quantized is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quantized.linear(x)  # (..., out/tp)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"tp={self.tp_size}, local_out={self.weight.shape[0]}, "
+            f"tp={self.tp_size}, local_out={self.local_shape[0]}, "
             f"gather_output={self.gather_output}"
         )
 
@@ -183,6 +213,7 @@ class RowParallelLinear(_DenseLinear):
     ) -> None:
         super().__init__(ctx, sequence_parallel, sequence_dim)
         self.in_features, self.out_features = in_features, out_features
+        self.quantized = None
         self.input_is_parallel = input_is_parallel
         info = make_shard(
             1,
@@ -218,12 +249,12 @@ class RowParallelLinear(_DenseLinear):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product, before the bias (a LoRA layer adds its adapter's)."""
-        return F.linear(x, self.weight)
+        return self._base_product(x)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"tp={self.tp_size}, local_in={self.weight.shape[1]}, "
+            f"tp={self.tp_size}, local_in={self.local_shape[1]}, "
             f"input_is_parallel={self.input_is_parallel}"
         )
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from parallax.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallax.tensor.lora import LORA_PARAMS, add_adapter, is_lora_layer, remove_adapter
+from parallax.tensor.quant import is_quantized, quantized_weights
 from parallax.tensor.sharding import logical_shape
 
 ALL_LINEAR = "all-linear"
@@ -231,11 +232,15 @@ def adapter_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
             yield name, p
 
 
-def base_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Every parameter but the adapters: what a merged export writes."""
+def base_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter but the adapters, then every weight held quantized (``--quantize-base``)
+    as a meta tensor of its shape and split, whose value :func:`merged_value` gives: what a
+    merged export writes."""
     for name, p in model.named_parameters():
         if not is_adapter_name(name):
             yield name, p
+    for name, q in quantized_weights(model):
+        yield name, q.placeholder()
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -246,11 +251,15 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def merged_value(model: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
     """This rank's slice of parameter ``name`` as the merged model holds it: for an adapted
-    weight ``W + (alpha/r) B A`` in fp32 (round it once, when writing), else the value itself.
+    weight ``W + (alpha/r) B A`` in fp32 (round it once, when writing), else the value itself;
+    a weight held quantized is its dequantized value (in fp32, the adapter's term added).
     Nothing is modified and no rank communicates."""
     owner, _, leaf = name.rpartition(".")
     if leaf == "weight":
         module = model.get_submodule(owner)
+        if is_quantized(module):
+            base = module.quantized.dequantize(torch.float32)  # (out, in) on this rank
+            return base + module.lora_delta() if is_lora_layer(module) else base
         if is_lora_layer(module):
             return param.detach().float() + module.lora_delta()
     return param.detach()
@@ -268,6 +277,13 @@ def merge_lora(model: nn.Module) -> int:
     slice, no gather) and remove the adapters; returns how many layers were merged. The base
     parameters keep their ``requires_grad`` (frozen after :func:`apply_lora`)."""
     layers = list(lora_layers(model))
+    held = [name for name, layer in layers if is_quantized(layer)]
+    if held:
+        raise ValueError(
+            f"merge_lora: {len(held)} adapted layers (e.g. {held[0]}) hold their base quantized; "
+            "a merge into codes would quantize the adapters away: export the merged model "
+            "(--export-hf writes it in bf16 from the dequantized base) instead"
+        )
     for _, layer in layers:
         remove_adapter(layer, merge=True)
     return len(layers)

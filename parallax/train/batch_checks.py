@@ -33,6 +33,20 @@ def check(
     one rank raises (:class:`InputError`) on all. Returns the largest ``wait_s`` (this rank's
     wait for its batch) over the ranks and whether any rank asked to ``stop`` (a SIGTERM),
     carried by the same all-reduce."""
+    problem = local_problem(trainer, microbatches, problem)
+    group = trainer.ctx.agreement_group
+    found, (slowest, stopping) = comm.problems_and_max(problem, (wait_s, float(stop)), group)
+    if found:
+        raise InputError(found)
+    return slowest, stopping > 0
+
+
+def local_problem(
+    trainer, microbatches: list[Microbatch], problem: str | None = None
+) -> str | None:
+    """What is wrong with this rank's microbatches alone (``problem``: the loader's), or
+    ``None``: the count, the keys and the recipe's own check. Host work only: the prefetch
+    thread also asks it before staging a batch."""
     if problem is None and len(microbatches) != trainer.num_microbatches:
         problem = (
             f"got {len(microbatches)} microbatches, the schedule runs "
@@ -42,14 +56,8 @@ def check(
         keys = trainer.recipe.data.input_keys
         missing = [k for k in keys if not isinstance(mb, dict) or k not in mb]
         if missing:
-            problem = f"microbatch {m} lacks {', '.join(missing)}"
-            break
+            return f"microbatch {m} lacks {', '.join(missing)}"
         problem = trainer.recipe.data.input_problem(trainer.run, mb)
         if problem:
-            problem = f"microbatch {m}: {problem}"
-            break
-    group = trainer.ctx.agreement_group
-    found, (slowest, stopping) = comm.problems_and_max(problem, (wait_s, float(stop)), group)
-    if found:
-        raise InputError(found)
-    return slowest, stopping > 0
+            return f"microbatch {m}: {problem}"
+    return problem

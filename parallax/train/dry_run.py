@@ -216,6 +216,14 @@ def print_plan(cfg: Run, file=None) -> None:
             "the frozen base has no gradients, masters or optimizer state",
             highlight=False,
         )
+    if cfg.quantize_base:
+        held = ", ".join(f"{pl.quantized / 2**30:.2f} GiB" for pl in plans)
+        console.print(
+            f"--quantize-base {cfg.quantize_base}: the frozen linears (all but the output head) "
+            f"held quantized, per rank of each pp rank: {held} (in weights; whole on every dp "
+            "rank at any ZeRO stage)",
+            highlight=False,
+        )
     console.print(_groups_table(cfg, plans))
     sim = simulate(schedule, 1.0, 2.0)
     console.print(format_schedule(schedule), highlight=False)
@@ -228,7 +236,12 @@ def print_plan(cfg: Run, file=None) -> None:
 def data_note(cfg: TrainConfig) -> str:
     """What the run reads and how (not opened by a dry run), and where its data wait shows."""
 
-    wait = "metrics.jsonl's data_wait_s is the seconds each step waited for its batch"
+    ahead = (
+        f"each step's batch made {cfg.prefetch} step(s) ahead in a thread (--prefetch)"
+        if cfg.prefetch
+        else "each step's batch made between steps (--prefetch 0)"
+    )
+    wait = f"{ahead}; metrics.jsonl's data_wait_s is the seconds each step waited for it"
     if cfg.data == "synthetic":
         return f"data synthetic: the family's built-in task, made in the training process; {wait}"
     data = cfg.data if isinstance(cfg.data, str) else f"{len(cfg.data)} [[data]] datasets"

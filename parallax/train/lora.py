@@ -62,6 +62,7 @@ def checkpoint_meta(trainer) -> dict:
         "dropout": run.lora_dropout,
         "targets": run.lora_targets,
         "train": run.train,
+        "quantize_base": run.quantize_base,
         "base": trainer.base_identity,
     }
 
@@ -82,6 +83,13 @@ def check_resume(meta: dict, trainer, path: Path) -> str | None:
     for key, mine in (("rank", run.lora_rank), ("alpha", run.lora_alpha)):
         if float(saved[key]) != float(mine):
             return f"{path} has LoRA {key} {saved[key]:g}; this run asks for {mine:g}"
+    kind = saved.get("quantize_base")
+    if kind != run.quantize_base:
+        given = f"--quantize-base {kind}" if kind else "no --quantize-base"
+        return (
+            f"{path} grew its adapters on a base held {kind or 'unquantized'}; this run asks for "
+            f"{run.quantize_base or 'an unquantized base'}: resume with {given}"
+        )
     bad = fingerprint_mismatches(saved["base"], trainer.base_identity)
     if bad:
         return (

@@ -12,7 +12,6 @@ checkpoint is written, so the latest stays the last good one.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,15 @@ from parallax.checkpoint import CheckpointError
 from parallax.context import ParallelContext
 from parallax.data import write_statistics
 from parallax.data.episodes import STATISTICS
+from parallax.data.prefetch import Serialized
 from parallax.run import Run
 from parallax.train import checkpoints, lora, sinks
-from parallax.train.agreement import USER_ERRORS, UserError, agree
+from parallax.train.agreement import UserError, agree
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Preempted, Preemption
 from parallax.train.memory_limit import out_of_memory_message
 from parallax.train.monitor import Monitor, NonFiniteError, offload_fields, truncate_metrics
+from parallax.train.step_batches import StepBatches
 from parallax.train.trainer import InputError, Trainer
 
 log = logging.getLogger("parallax.train")
@@ -51,6 +52,7 @@ class Session:
     start: int  # the step it resumed after (0: fresh)
     saved: int | None  # the latest checkpoint's step
     monitor: Monitor | None = None
+    batches: StepBatches | None = None  # the steps' batches, made --prefetch steps ahead
 
 
 def train(run: Run, ctx: ParallelContext, stop_after: int | None, preemption: Preemption):
@@ -61,14 +63,17 @@ def train(run: Run, ctx: ParallelContext, stop_after: int | None, preemption: Pr
     s.monitor = _monitor(s)
     preemption.armed, preempted = True, False
     try:
+        s.batches = StepBatches(s.loader, s.builder, s.trainer, s.start, run.steps, run.prefetch)
         preempted = _steps(s, stop_after, preemption)
         s.monitor.flush()  # the last step, before any export
     except NonFiniteError as err:
         raise UserError(_non_finite_message(err, s.saved, s.out)) from None
     finally:
         s.monitor.close()
-        if hasattr(s.loader, "close"):
-            s.loader.close()  # its worker processes
+        if s.batches is not None:
+            s.batches.close()  # the prefetch thread, then the loader's worker processes
+        elif hasattr(s.loader, "close"):
+            s.loader.close()
     if preempted:
         raise Preempted(s.saved)
     if run.export_hf:
@@ -84,7 +89,8 @@ def open_session(run: Run, ctx: ParallelContext) -> Session:
     loader = agree(ctx, "--data and batch sizes", lambda: data_side.loader(data, run, ctx))
     ckpt = agree(ctx, "--resume", lambda: _find_resume(run) if run.resume else None)
     trainer = agree(ctx, "building the model", lambda: Trainer(run, ctx))
-    builder = agree(ctx, "data and model", lambda: data_side.collator(run, data))
+    # the prefetch thread and the evaluation both collate: one call at a time
+    builder = agree(ctx, "data and model", lambda: Serialized(data_side.collator(run, data)))
     evaluator = None
     if run.eval_interval:
         evaluator = agree(
@@ -171,12 +177,15 @@ def _steps(s: Session, stop_after: int | None, preemption: Preemption) -> bool:
 
 def _one_step(s: Session, step: int, preemption: Preemption):
     """One optimizer step on this rank's next microbatches, recorded by the monitor."""
-    began = time.perf_counter()
-    microbatches, problem = next_microbatches(s.loader, s.builder)
-    waited = time.perf_counter() - began  # what the step waited for its batch
+    batch = s.batches.next()  # made ahead with --prefetch; waited_s: what the step waited
+    microbatches = batch.microbatches
     try:  # every rank agrees on the batches before the step's first collective
         output = s.trainer.train_step(
-            microbatches, problem=problem, data_wait_s=waited, stop=preemption.stop_asked()
+            microbatches,
+            problem=batch.problem,
+            data_wait_s=batch.waited_s,
+            stop=preemption.stop_asked(),
+            staged=batch.staged,
         )
     except InputError as err:
         more = f" (and {len(err.found) - 1} more)" if len(err.found) > 1 else ""
@@ -196,7 +205,8 @@ def _save(s: Session, step: int) -> None:
     """A checkpoint of ``step``; a failed save (a full disk) is an error every rank agrees on
     (one message, rank 0's), and the latest checkpoint stays as it was."""
     try:
-        checkpoints.save(s.trainer, step, s.loader, {"metrics": s.monitor.last})
+        # the position after this step's batch, not the loader's (it runs ahead)
+        checkpoints.save(s.trainer, step, s.batches, {"metrics": s.monitor.last})
     except CheckpointError as err:
         raise UserError(f"{err} ({_kept(s.saved, s.out)})") from None
     s.saved = step
@@ -218,15 +228,6 @@ def open_data(ctx: ParallelContext, run: Run):
     if ctx.world_size == 1:
         return data
     return agree(ctx, "--data", lambda: data if ctx.rank == 0 else side.dataset(run.data, run))
-
-
-def next_microbatches(loader, builder) -> tuple[list, str | None]:
-    """This rank's microbatches of the next step, or ``([], message)`` when its data is bad
-    (the trainer then makes every rank agree on it before the step runs)."""
-    try:
-        return [builder(samples) for samples in loader.next_batch()], None
-    except USER_ERRORS as err:
-        return [], str(err)
 
 
 def _find_resume(run: Run):

@@ -11,7 +11,8 @@ For a ``"tokens"`` recipe the loss follows the global batch: each microbatch con
 unit losses / units in the global batch`` (counted by the Trainer over dp), so the loss and the
 update are the same at every layout. A ``"step"`` recipe runs the step's forwards and backwards
 itself (pp = 1). Pass labels on the host (as the loaders do): what the loss needs is read from
-them without a device synchronisation.
+them without a device synchronisation. The step's device inputs come from
+:mod:`parallax.train.staging`: made ahead by the session's prefetch thread, or by the step.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from parallax.train.build import build_stages, compile_options
 from parallax.train.lr_schedule import lr_lambda
 from parallax.train.memory_limit import apply_gpu_memory_limit
 from parallax.train.optimizer import build_optimizer
+from parallax.train.staging import Staged, Stager
 
-__all__ = ["InputError", "StepOutput", "Trainer"]
+__all__ = ["InputError", "Staged", "StepOutput", "Trainer"]
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Trainer:
         # the schedule first: it validates pp, microbatches and chunks before anything is built
         self.schedule = make_schedule(run.schedule, ctx.pp_size, self.num_microbatches, run.chunks)
         self.program = lower(self.schedule)
+        self.stager = Stager(self)  # this rank's device inputs of a step (staging.py)
         blocks = self.recipe.model.blocks(self.model_config)
         self.block_names = [b.name for b in blocks]
         pin = self.recipe.model.pin_first
@@ -157,13 +160,6 @@ class Trainer:
 
         return of
 
-    def _inputs(self, microbatches: list[Microbatch]) -> list[tuple]:
-        dev = self.ctx.device
-        return [
-            tuple(x.to(dev, non_blocking=True) for x in self.recipe.data.stage_inputs(mb))
-            for mb in microbatches
-        ]
-
     def train_step(
         self,
         microbatches: list[Microbatch],
@@ -171,6 +167,7 @@ class Trainer:
         problem: str | None = None,
         data_wait_s: float = 0.0,
         stop: bool = False,
+        staged: Staged | None = None,
     ) -> StepOutput:
         """One optimizer step over this dp rank's microbatches (dicts of host tensors, as the
         recipe's collator makes them). A ``problem`` (this rank could not make its batch: bad
@@ -178,24 +175,28 @@ class Trainer:
         ``data_wait_s``: how long this rank waited for the batch; the output carries the
         largest wait over the ranks (the inputs' agreement reduces it, no extra collective).
         ``stop``: this rank was asked to stop; the output says whether any rank was (the same
-        agreement), so that every rank saves after the same step."""
+        agreement), so that every rank saves after the same step. ``staged``: these
+        microbatches' device inputs, made ahead (``self.stager(microbatches, ahead=True)``);
+        without them the step copies its inputs itself."""
         slowest, stopping = batch_checks.check(self, microbatches, problem, data_wait_s, stop)
+        staged = staged or self.stager(microbatches)
+        staged.ready()  # this stream waits for copies made ahead on a side stream
         if self.run.cuda_graphs:  # last step's graph outputs are dead: replay on the fast path
             torch.compiler.cudagraph_mark_step_begin()
         with memory_budget(self.run.activation_memory_budget):  # blocks compile in the step
-            output = self._train_step(microbatches, timeline, slowest)
+            output = self._train_step(microbatches, staged, timeline, slowest)
         output.stop = stopping
         return output
 
-    def _train_step(self, microbatches, timeline, slowest: float) -> StepOutput:
+    def _train_step(self, microbatches, staged: Staged, timeline, slowest: float) -> StepOutput:
         self.optimizer.zero_grad()
         if self.recipe.objective.kind == "step":
             with record_function("parallax.forward_backward"):
                 loss, metrics = self.recipe.objective.forward_backward(
-                    self.chunks, microbatches, self.ctx, self.run
+                    self.chunks, staged.microbatches, self.ctx, self.run
                 )
         else:
-            self._run_pipeline(microbatches, timeline)
+            self._run_pipeline(microbatches, staged, timeline)
             with record_function("parallax.grad_norm"):
                 # before step(): a collective queued after step()'s deferred gathers would wait
                 metrics = self._reduce_metrics()
@@ -213,11 +214,9 @@ class Trainer:
             loss = metrics[0] / self._units_ready()  # the global batch's mean unit loss
         return StepOutput(loss, grad_norm.detach(), metrics, lr, data_wait_s=slowest)
 
-    def _run_pipeline(self, microbatches: list[Microbatch], timeline: Timeline | None) -> None:
+    def _run_pipeline(self, microbatches: list[Microbatch], staged: Staged, timeline) -> None:
         self._units = self._global_units(microbatches)
         self._metrics = []
-        objective = self.recipe.objective
-        targets = [objective.loss_target(self.run, mb) for mb in microbatches]
         syncs = self.run.pipeline_syncs
         # the phases are named for profiles (benchmarks/step/openvla_profile.py); free otherwise
         with record_function("parallax.schedule"):
@@ -225,8 +224,8 @@ class Trainer:
                 self.program,
                 self.stages,
                 self.ctx,
-                inputs=self._inputs(microbatches),
-                targets=targets,
+                inputs=staged.inputs,
+                targets=staged.targets,
                 loss_fn=self._loss_fn,
                 loss_scale=1.0,
                 timeline=timeline,
@@ -270,7 +269,7 @@ class Trainer:
             self.schedule,
             {st.stage_index: st.module for st in self.stages},
             self.ctx,
-            self._inputs(microbatches),
+            self.stager(microbatches).inputs,
             last,
             self._recv_metas(microbatches),
         )

@@ -90,7 +90,7 @@ class LlavaNext(VisionLanguageModel):
             0 if s is None else anyres.num_tiles(s, cfg.image_grid_pinpoints, cfg.tile_size)
             for s in sizes
         ]
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        dtype = self.multi_modal_projector.linear_1.weight_dtype
         real = [pixel_values[i, :n] for i, n in enumerate(tiles) if n]
         if real:
             x = torch.cat(real).to(dtype)  # (N, 3, S, S): every real tile of the batch

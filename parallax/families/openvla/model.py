@@ -198,7 +198,7 @@ class OpenVLA(VisionLanguageModel):
         if self.config.oft is not None:
             return oft_embed(self, pixel_values, input_ids, *oft_inputs)
         self.check_inputs(pixel_values, input_ids)
-        dtype = self.projector.fc1.weight.dtype
+        dtype = self.projector.fc1.weight_dtype
         patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
         tokens = self.language_model.embed(input_ids)  # (b, t, h)
         return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)

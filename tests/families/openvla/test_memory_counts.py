@@ -1,7 +1,8 @@
 """The memory model against the run: on 4 gloo ranks, the predicted bytes of weights, gradients,
 optimizer state and ZeRO's staging buffers of each rank are within 10 % of what the Trainer's
 tensors hold (the optimizer's memory report, and the frozen weights outside it), for the tiny
-and small presets at several layouts, precisions and ZeRO stages, and with LoRA."""
+and small presets at several layouts, precisions and ZeRO stages, and with LoRA (on a bf16 and
+on an NF4 base: the quantized weights are buffers, whole on every dp rank)."""
 
 import pytest
 
@@ -13,6 +14,7 @@ from parallax.plan.memory import rank_memory
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
+from parallax.tensor.quant import quantized_weights
 from parallax.testing import context, run_ranks
 from parallax.train.trainer import Trainer
 
@@ -20,6 +22,7 @@ CASES = [
     ("tiny", (1, 1, 4), dict(precision="fp32")),
     ("tiny", (2, 1, 2), dict(precision="bf16")),
     ("tiny", (1, 2, 2), dict(precision="bf16", finetune="lora")),
+    ("tiny", (2, 1, 2), dict(precision="bf16", finetune="lora", quantize_base="nf4", zero=3)),
     ("small", (1, 2, 2), dict(precision="bf16")),
     ("tiny", (1, 1, 4), dict(precision="bf16", zero=2)),
     ("tiny", (2, 1, 2), dict(precision="bf16", zero=3)),
@@ -60,6 +63,7 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     stage = options.get("zero", 1)
     outside = [p for c in trainer.chunks for p in c.parameters() if not p.requires_grad]
     frozen = 0 if stage == 3 else sum(p.numel() * p.element_size() for p in outside)
+    frozen += sum(q.nbytes() for c in trainer.chunks for _, q in quantized_weights(c))  # whole
     mem = rank_memory(Workload(cfg), Layout.of(cfg, dp), ctx.pp_rank, cfg.overlap_grad_reduce)
     staging = mem.buffers if stage == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
     predicted = mem.weights + mem.gradients + mem.optimizer + staging

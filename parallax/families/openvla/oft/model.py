@@ -35,7 +35,7 @@ def oft_embed(model, pixel_values: torch.Tensor, input_ids: torch.Tensor, *rest:
     for name, m in (("attention_mask", attention_mask), ("action_mask", action_mask)):
         if tuple(m.shape) != (b, t):
             raise ValueError(f"{name} must be (b, t) = {(b, t)}, got {tuple(m.shape)}")
-    dtype = model.projector.fc1.weight.dtype
+    dtype = model.projector.fc1.weight_dtype
     tokens = model.language_model.embed(input_ids)  # (b, t, h)
     keep = (~action_mask).to(tokens.dtype)[..., None]  # (b, t, 1)
     film = None

@@ -40,7 +40,7 @@ FLAGS = {
     "model": "tiny", "seed": 0, "finetune": "full", "lora_rank": 32, "lora_alpha": 16.0,
     "lora_dropout": 0.0, "lora_targets": "all-linear", "train": None, "freeze": None,
     "freeze_vision": False, "pad_to_multiple_of": 1, "action_head": "l1", "action_chunk": None,
-    "film": False,
+    "film": False, "quantize_base": None,
 }  # fmt: skip
 # load_policy's keywords, in its order: OFT's options its release files cannot tell, or checks
 RELEASE_OPTIONS = ("chunk", "num_images", "action_dim", "proprio_dim", "film", "normalization")
