@@ -1,7 +1,8 @@
 """More memory never yields a slower first choice, on one machine profile: over a grid of caps
-(every GiB from 12 to 141, an H200's whole card) the predicted step of the planner's first
-choice does not grow with the cap, for OpenVLA-7B full fine-tuning and LoRA and LLaVA-NeXT-7B,
-on one GPU and on two. And the case that once broke it: a simpler layout that fits only the
+(12 to 141 GiB, an H200's whole card, every 3 GiB: the suite's time; every GiB held too when
+this was written) the predicted step of the planner's first choice does not grow with the cap,
+for OpenVLA-7B full fine-tuning and LoRA on one GPU and LLaVA-NeXT-7B on two (where 43 GiB once
+chose a slower layout than 42). And the case that once broke it: a simpler layout that fits only the
 larger cap used to win a tie (half a percent) against a faster one that fit the smaller cap."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.recipe.flags import parse_args
 
-CAPS = range(12, 142)
+CAPS = sorted({*range(12, 141, 3), 141, 43})  # 42 and 43: the pair that once broke
 RUNS = {
     "openvla-7b full": "--model openvla-7b --global-batch-size 256 --compile",
     "openvla-7b lora": "--model openvla-7b --finetune lora --global-batch-size 16",
@@ -28,8 +29,9 @@ def _workload(argv: str) -> Workload:
     return Workload(resolve(parse_args([*argv.split(), "--precision", "bf16"])))
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize(
+    "name,gpus", [("openvla-7b full", 1), ("openvla-7b lora", 1), ("llava-next-7b full", 2)]
+)
 def test_the_first_choice_is_never_slower_with_more_memory(name, gpus):
     model = _workload(RUNS[name])
     machine = H200.with_(gpus_per_node=gpus, cuda_context_gib=0.0)  # as under a cap
