@@ -28,6 +28,7 @@ import torch
 from benchmarks.tools.common import append_results, env_info, median, print_table
 from parallax.context import ParallelContext
 from parallax.families.llava_next.synthetic import SyntheticVQA
+from parallax.plan.device import detect, device_profile
 from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
 from parallax.plan.search import Searcher, option_problems, search
@@ -110,9 +111,11 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
     card = 1.0  # GiB: the CPU smoke plans the tiny presets for a small card
-    if device.type == "cuda":
-        card = torch.cuda.get_device_properties(device).total_memory / GIB
-    machine = load(args.machine) if args.machine else default_machine(card, None)
+    machine = default_machine(card, None)
+    if device.type == "cuda":  # this GPU's own profile, as --layout auto takes it
+        gpu = detect(device.index or 0)
+        machine, card = device_profile(gpu).machine, gpu.memory_gib
+    machine = load(args.machine) if args.machine else machine
     machine = machine.with_(gpus_per_node=1, nodes=1, gpu_memory_gib=card)
     if row.limit is not None:  # torch's fraction caps the allocator, not the CUDA context
         machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)

@@ -1,4 +1,6 @@
-"""``python -m parallax.plan calibrate --out FILE``: measure this machine once, write its profile.
+"""``python -m parallax.plan calibrate [--out FILE]``: measure this machine once, write its profile
+(on a GPU also to the device's cache, which the planner then takes there by default:
+:mod:`parallax.plan.device`).
 
 In well under two minutes: the GEMM rate at the model's decoder shapes and dtype (at two row
 counts, which gives ``gemm_half_tokens``), causal attention's rate, eager element-wise
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallax.plan.device import Detect, cache_path
+from parallax.plan.device import detect as detect_device
 from parallax.plan.machine import GIB, LINKS, Link, Machine, default_for, save
 from parallax.plan.options import parse_calibrate
 from parallax.recipe import registry
@@ -213,11 +217,14 @@ def measure_links(nodes: int, per_node: int) -> tuple[dict, list[str]]:
     return out, notes
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Measure and write the profile; ``--out`` and ``--model`` are checked before anything is
-    measured (one message, status 2)."""
+def main(argv: list[str] | None = None, detect: Detect = detect_device) -> int:
+    """Measure and write the profile (to ``--out`` and, on a GPU, to the device's cache:
+    :func:`parallax.plan.device.cache_path`); ``--out`` and ``--model`` are checked before
+    anything is measured (one message, status 2)."""
+    device = detect(int(os.environ.get("LOCAL_RANK", 0)))
+    cache = str(cache_path(device.name)) if device is not None else None
     try:
-        args = parse_calibrate(sys.argv[1:] if argv is None else argv)
+        args = parse_calibrate(sys.argv[1:] if argv is None else argv, cache)
         _shapes(args.model)  # an unknown --model, said now
     except ValueError as err:
         print(f"parallax.plan calibrate: error: {err}", file=sys.stderr)
@@ -248,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in rates.items() if k in Machine.__dataclass_fields__},
     )
     if int(os.environ.get("RANK", 0)) == 0:
-        save(machine, args.out)
-        log.info("wrote %s: %s", args.out, machine)
+        for path in [p for p in (args.out, cache) if p is not None]:
+            save(machine, path)  # atomic: a planner reading the cache sees all of it or none
+            log.info("wrote %s: %s", path, machine)
     if created:
         dist.destroy_process_group()
     return 0

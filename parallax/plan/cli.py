@@ -2,7 +2,9 @@
 
 Every option of ``parallax.train`` is taken as it is (the model, ``--finetune``, the batch,
 the data, ``--precision``: bf16 unless given); those that a layout sets (``--tp``, ``--zero``,
-``--micro-batch-size``...) constrain the search when given. The planner's own options say what
+``--micro-batch-size``...) constrain the search when given. On a GPU the profile is this card's
+own (:mod:`parallax.plan.device`), its memory ``--gpu-memory-limit`` or ``--gpu-memory`` when
+given; the note under the header says which profile and why. The planner's own options say what
 the machine is (:mod:`parallax.plan.options`: checked as the trainer checks its own, before any
 model is built). ``python -m parallax.plan calibrate --out FILE`` measures a profile
 (:mod:`parallax.plan.calibrate`). Status: 0 a layout fits, 1 none fits, 2 a bad input (one
@@ -13,12 +15,13 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from rich.console import Console
 
 from parallax.plan import calibrate
+from parallax.plan.device import Detect, Device, base_profile
+from parallax.plan.device import detect as detect_device
 from parallax.plan.layout import LAYOUT_OPTIONS
-from parallax.plan.machine import GIB, LINKS, Machine, target
+from parallax.plan.machine import DEFAULTS, LINKS, Machine, target
 from parallax.plan.options import PlanOptions, parse_plan, world
 from parallax.plan.report import command, layouts_table, nothing_fits
 from parallax.plan.ruled_out import ruled_out
@@ -29,13 +32,17 @@ from parallax.recipe.flags import option_classes, parse_args, train_parser
 from parallax.run import command_line as cl
 
 
-def machine_of(opts: PlanOptions, nodes: int, per_node: int) -> tuple[Machine, str | None]:
-    """The profile to plan for and, when it is a default no flag named, a note saying which
-    (and how to name another). ``--gpu-memory``, else the ``--machine`` profile's, else this
-    GPU's, else the default profile's."""
-    gib, note = opts.gpu_memory, None
-    if gib is None and opts.machine is None and torch.cuda.is_available():
-        gib = torch.cuda.get_device_properties(0).total_memory / GIB
+def machine_of(
+    opts: PlanOptions, nodes: int, per_node: int, device: Device | None
+) -> tuple[Machine, str]:
+    """The profile to plan for and a note saying which and why (and how to name another):
+    ``--machine``'s, else this GPU's own (:mod:`parallax.plan.device`), else the shipped
+    default nearest ``--gpu-memory`` (its memory ``--gpu-memory``, else the profile's, else this
+    GPU's)."""
+    gib = opts.gpu_memory
+    if gib is None and opts.machine is None and device is not None:
+        gib = device.memory_gib
+    base = base_profile(opts.machine, device)
     machine = target(
         gpus_per_node=per_node,
         nodes=nodes,
@@ -43,14 +50,21 @@ def machine_of(opts: PlanOptions, nodes: int, per_node: int) -> tuple[Machine, s
         host_memory_gib=opts.host_memory,
         interconnect=opts.interconnect,
         machine_file=opts.machine,
+        profile=base.machine,
     )
-    if gib is None and opts.machine is None:
-        note = (
+    if base.why:
+        return machine, f"profile {machine.name}: {base.why}"
+    if gib is None:
+        return machine, (
             f"no GPU here and no --gpu-memory: planning for the {machine.name} profile, "
             f"{machine.gpu_memory_gib:g} GiB a GPU; name another with --gpu-memory GIB (24: an "
-            "RTX 4090, 80: an H100) or --machine FILE (python -m parallax.plan calibrate)"
+            "RTX 4090, 80: an H100) or --machine FILE|NAME (a profile python -m parallax.plan "
+            f"calibrate measured, or a shipped card: {', '.join(DEFAULTS)})"
         )
-    return machine, note
+    return machine, (
+        f"no GPU here: planning for the shipped default nearest --gpu-memory {gib:g} GiB, "
+        f"{machine.name}; name a card with --machine ({', '.join(DEFAULTS)}, or a profile file)"
+    )
 
 
 def given_options(train_argv: list[str]) -> set[str]:
@@ -65,13 +79,16 @@ def given_options(train_argv: list[str]) -> set[str]:
     return set(values)
 
 
-def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
+def plan(
+    argv: list[str], console: Console, detect: Detect = detect_device
+) -> tuple[Result, str | None]:
     """Search and print; returns the result and the command of the first layout. Every flag
-    and the ``--machine`` profile are checked before the model is built."""
+    and the ``--machine`` profile are checked before the model is built; ``detect`` finds this
+    machine's GPU (tests pretend to have one)."""
     opts, train_argv = parse_plan(argv)
     gpus, nodes, per_node = world(opts)
     given = given_options(train_argv)
-    machine, note = machine_of(opts, nodes, per_node)
+    machine, note = machine_of(opts, nodes, per_node, detect(0))
     if "precision" not in given:
         train_argv = [*train_argv, "--precision", "bf16"]
     cfg = parse_args(train_argv)
@@ -80,13 +97,13 @@ def plan(argv: list[str], console: Console) -> tuple[Result, str | None]:
     limit = cfg.gpu_memory_limit
     if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
+        note += f"; --gpu-memory-limit {limit:g} GiB as its memory"
     model = Workload(run)
     result = search(model, machine, gpus, fixed, top=opts.top, margin=opts.margin)
     if why := ruled_out(result, model, gpus, per_node, fixed):
         raise ValueError(why)
     console.print(_header(run, model, machine, gpus, nodes, opts.margin), highlight=False)
-    if note:
-        console.print(note, highlight=False)
+    console.print(note, highlight=False)
     if not result.ranked:
         console.print(nothing_fits(result, gpus, run.finetune == "lora"), highlight=False)
         return result, None

@@ -177,7 +177,10 @@ def load(path: str | Path) -> Machine:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"--machine {path}: cannot read the profile ({err})") from None
+        raise ValueError(
+            f"--machine {path}: cannot read the profile ({err}); --machine takes a profile "
+            f"file or a shipped card's name: {', '.join(DEFAULTS)}"
+        ) from None
     try:
         return Machine.from_json(data)
     except ValueError as err:
@@ -249,6 +252,14 @@ def default_for(gpu_memory_gib: float | None, interconnect: str | None) -> Machi
     return base.with_(intra=link) if link is not None else base
 
 
+def named(spec: str) -> Machine:
+    """``--machine``'s profile: a file (``calibrate --out FILE``), else a shipped card's name
+    (``rtx4090``: :data:`DEFAULTS`)."""
+    if spec in DEFAULTS and not Path(spec).exists():
+        return DEFAULTS[spec]
+    return load(spec)
+
+
 def target(
     *,
     gpus_per_node: int,
@@ -257,11 +268,13 @@ def target(
     host_memory_gib: float | None = None,
     interconnect: str | None = None,
     machine_file: str | None = None,
+    profile: Machine | None = None,
 ) -> Machine:
-    """The profile to plan for: a measured one (``--machine FILE``) or the nearest shipped
-    default, with what was given on the command line overriding it."""
-    if machine_file:
-        base = load(machine_file)
+    """The profile to plan for: ``profile`` (the device's own,
+    :func:`parallax.plan.device.device_profile`), a measured or named one (``--machine``), or
+    the nearest shipped default, with what was given on the command line overriding it."""
+    if profile is not None or machine_file:
+        base = profile if profile is not None else named(str(machine_file))
         if gpu_memory_gib is not None:
             base = base.with_(gpu_memory_gib=float(gpu_memory_gib))
         if interconnect:

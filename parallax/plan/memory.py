@@ -41,12 +41,13 @@ from dataclasses import dataclass
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
 from parallax.optim.zero.offload.share import offloaded_share
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
-from parallax.optim.zero.stage import ElementBytes, ZeroStage, stage_of
+from parallax.optim.zero.stage import HOST_FLOOR_BYTES, ElementBytes, ZeroStage, stage_of
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
 from parallax.plan.workload import Workload, peak_weighted
 
 GIB = 2**30
+SCRATCH, PINNED = "step scratch", "pinned upload staging"  # host bytes beside the stage's terms
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
 HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
 # The backward's transient, as a share of a piece's saved bytes: measured as the peak of live
@@ -79,6 +80,19 @@ class RankMemory:
     pinned: float = 0.0  # of the host bytes, offload's pinned staging (made on GPUs only)
     building: float = 0.0  # while the optimizer is made: the model as built and its flat copy
     quantized: float = 0.0  # of the weights, the base's linears held quantized (--quantize-base)
+    host_parts: tuple[tuple[str, float], ...] = ()  # the host bytes by what they hold
+    offloaded: float = 0.0  # trainable elements whose optimizer this rank steps on the host
+
+    @property
+    def host_floor(self) -> float:
+        """The least the offloaded elements need on the host: fp32 masters and AdamW's moments
+        (:data:`~parallax.optim.zero.stage.HOST_FLOOR_BYTES` a parameter)."""
+        return self.offloaded * HOST_FLOOR_BYTES
+
+    @property
+    def host_ratio(self) -> float | None:
+        """The offload's host bytes over that floor; ``None`` without offload."""
+        return self.host / self.host_floor if self.offloaded else None
 
     @property
     def gpu(self) -> float:
@@ -137,7 +151,7 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     the backward, ``--overlap-grad-reduce``)."""
     held = _held(model, layout, pp_rank)
     c = held.counts
-    weights, gradients, optimizer, gathered, buffers, host, pinned = _states(c, layout, overlap)
+    weights, gradients, optimizer, gathered, buffers, hosted, share = _states(c, layout, overlap)
     activations, workspace = _activations(model, layout, pp_rank)
     return RankMemory(
         pp_rank=pp_rank,
@@ -154,10 +168,12 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
         activations=activations,
         workspace=workspace,
         buffers=buffers,
-        host=host,
-        pinned=pinned,
+        host=sum(hosted.values()),
+        pinned=hosted.get(PINNED, 0.0),
         building=_building(c, layout),
         quantized=float(c.quantized),
+        host_parts=tuple(hosted.items()),
+        offloaded=share * c.trainable / layout.dp,
     )
 
 
@@ -215,9 +231,10 @@ def _counts(blocks) -> _Counts:
     )
 
 
-def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
-    """(weights, gradients, optimizer, gathered, buffers, host, pinned) of ZeRO at this
-    layout (pinned: the host's staging, which only a run on GPUs makes)."""
+def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple:
+    """(weights, gradients, optimizer, gathered, buffers, host bytes by what they hold, share
+    offloaded) of ZeRO at this layout (:data:`PINNED`: the host's staging, which only a run on
+    GPUs makes)."""
     dp, stage = layout.dp, stage_of(layout.zero)
     share = offloaded_share([n for _, n in c.order], float(layout.offload))  # whole buckets
     held = _element_bytes(c, stage, dp, overlap, share)
@@ -237,15 +254,17 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple[float, ...]:
         # partial over tp; one for dp = 1's step of 16-bit buckets
         reduced = max(sixteen if dp > 1 else 0, partial)
         buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
-    host = pinned = 0.0
+    hosted: dict[str, float] = {}
     if share:  # the stage's host terms, the scratch and the pinned staging
+        for size, n in ((2, c.t2), (4, c.t4)):
+            for name, each in stage.host_parts(dp, size).items():
+                hosted[name] = hosted.get(name, 0.0) + each * share * n
         width = 2 if c.t2 else 4
         staged = share * (2.0 * c.t2 + 4.0 * c.t4) / dp  # one pass of offloaded gradients
-        pinned = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the staging ring
-        scratch = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
-        host = held.host + scratch + pinned
+        hosted[SCRATCH] = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
+        hosted[PINNED] = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the ring
     weights = held.weights + c.quantized
-    return weights, held.gradients, held.optimizer, gathered, buffers, host, pinned
+    return weights, held.gradients, held.optimizer, gathered, buffers, hosted, share
 
 
 def _element_bytes(

@@ -69,7 +69,7 @@ class PlanOptions:
     )
     gpu_memory: float | None = _trainer(
         "gpu_memory",
-        "GiB of each GPU",
+        "GiB of each GPU (the profile's rates kept: this GPU's own, or --machine's)",
         "the --machine profile's, else this GPU's, else the default profile's (an H200's 139.8)",
     )
     host_memory: float | None = _trainer(
@@ -83,8 +83,10 @@ class PlanOptions:
     )
     machine: str | None = _trainer(
         "machine",
-        "a measured machine profile (python -m parallax.plan calibrate --out FILE)",
-        "a shipped default, by --gpu-memory",
+        "a profile file (python -m parallax.plan calibrate --out FILE) or a shipped card's name "
+        "(h200, h100, rtx4090, rtx5090)",
+        "this GPU's own (calibrated, else shipped, by its name); without a GPU a shipped "
+        "default, by --gpu-memory",
     )
     margin: float = opt(
         MARGIN,
@@ -102,10 +104,12 @@ class CalibrateOptions:
 
     out: str | None = opt(
         None,
-        "the profile to write (JSON; missing folders are made)",
+        "the profile to write (JSON; missing folders are made); on a GPU the profile is also "
+        "cached for the device (the planner's default there)",
         CALIBRATE,
         metavar="FILE",
-        default_text="none: it is required",
+        default_text="on a GPU the device's cache only (~/.cache/parallax/machines/NAME.json); "
+        "required without one",
     )
     model: str | None = opt(
         None,
@@ -168,14 +172,17 @@ def parse_plan(argv: list[str]) -> tuple[PlanOptions, list[str]]:
     return opts, rest
 
 
-def parse_calibrate(argv: list[str]) -> CalibrateOptions:
-    """``calibrate``'s options, checked, ``--out`` among them (before anything is measured)."""
+def parse_calibrate(argv: list[str], cache: str | None = None) -> CalibrateOptions:
+    """``calibrate``'s options, checked, ``--out`` and the device's ``cache`` file (``None``:
+    no GPU) among them (before anything is measured)."""
     opts = CalibrateOptions(**cl.parse(argv, [CalibrateOptions], calibrate_parser()))
     found = problems(opts)
-    if opts.out is None:
-        found.insert(0, "calibrate needs --out FILE (where to write the profile)")
-    else:
+    if cache is not None:
+        found += file_problems("the device's profile cache", cache)
+    if opts.out is not None:
         found += file_problems("--out", opts.out)
+    elif cache is None:
+        found.insert(0, "calibrate needs --out FILE (where to write the profile) without a GPU")
     _refuse(found)
     return opts
 

@@ -241,19 +241,44 @@ def search(
 
 
 def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]:
-    """The ``top`` best by :func:`_preference`, simulating a pipeline only while its bound (the
-    time of a pipeline without idling) can still beat the slowest of those kept."""
+    """The ``top`` best by :func:`_preference`, the first one :func:`first_choice`,
+    simulating a pipeline only while its bound (the time of a pipeline without idling) can still
+    beat the slowest of those kept (so every candidate of the fastest's tie bucket is timed)."""
     bounds = [(s.timed(c, exact=False).time.seconds, i) for i, c in enumerate(fitting)]
     heapq.heapify(bounds)
     best: list[Candidate] = []
+    timed_all: list[Candidate] = []
     while bounds:
         bound, i = heapq.heappop(bounds)
         if len(best) >= top and bound > max(c.time.seconds for c in best) * TIE:
             break
-        best.append(s.timed(fitting[i]))
-        best.sort(key=_preference)
-        best = best[:top]
-    return best
+        timed = s.timed(fitting[i])
+        timed_all.append(timed)
+        best = sorted([*best, timed], key=_preference)[:top]
+    if not best:
+        return best
+    first = first_choice(timed_all)
+    return [first, *(c for c in best if c is not first)][:top]
+
+
+def first_choice(timed: list[Candidate]) -> Candidate:
+    """The first choice: the fastest of the choices :func:`_preference` makes under every
+    smaller memory cap. Preferring a simpler layout within a tie could otherwise make more
+    memory choose a slower one (up to :data:`TIE`): a simpler layout that only fits the larger
+    cap wins the tie against a faster one that fit the smaller cap. Only the fastest's tie
+    bucket matters (a choice is in its cap's fastest bucket, never faster than this one), and
+    a candidate fits every cap from its GPU need up (the host need does not change with it)."""
+    bucket = min(_preference(c)[0] for c in timed)
+    group = sorted((c for c in timed if _preference(c)[0] == bucket), key=lambda c: c.gpu)
+    chosen: Candidate | None = None
+    for k, c in enumerate(group):
+        if k + 1 < len(group) and group[k + 1].gpu == c.gpu:
+            continue  # the candidates of one need fit together
+        under = min(group[: k + 1], key=_preference)  # the choice under a cap of c's need
+        if chosen is None or under.time.seconds < chosen.time.seconds:
+            chosen = under
+    assert chosen is not None
+    return chosen
 
 
 def _preference(c: Candidate) -> tuple:

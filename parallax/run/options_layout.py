@@ -66,10 +66,11 @@ class LayoutOptions:
     )
     machine: str | None = opt(
         None,
-        "a measured machine profile for --layout auto (python -m parallax.plan calibrate "
-        "--out FILE)",
+        "the machine profile --layout auto plans with: a profile file (python -m parallax.plan "
+        "calibrate --out FILE) or a shipped card's name (h200, h100, rtx4090, rtx5090)",
         LAYOUT,
         metavar="FILE",
+        default_text="this GPU's own (its calibrated or shipped profile, by its name)",
         **AUTO_ONLY,
     )
     layout_given: str | None = opt(

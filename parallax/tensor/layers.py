@@ -28,6 +28,7 @@ __all__ = [
     "TPLike",
     "VocabParallelEmbedding",
     "heads_per_rank",
+    "weight_dtype",
     "resolve_tp",
     "sync_sequence_parallel_grads",
 ]
@@ -263,6 +264,13 @@ class RowParallelLinear(_DenseLinear):
             f"tp={self.tp_size}, local_in={self.local_shape[1]}, "
             f"input_is_parallel={self.input_is_parallel}"
         )
+
+
+def weight_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype of a linear layer's weight: a parallel one's (held quantized or not) or a
+    plain ``nn.Linear``'s (a model densified for torch's own parallelism)."""
+    own = getattr(linear, "weight_dtype", None)
+    return own if own is not None else linear.weight.dtype
 
 
 def heads_per_rank(num_heads: int, tp_size: int, what: str = "attention") -> int:

@@ -5,7 +5,8 @@ each pipeline rank's blocks, parameters and memory from the planner's memory mod
 (:mod:`parallax.plan.memory`, one code path with ``python -m parallax.plan``): weights,
 gradients and optimizer state at the run's ZeRO stage, ZeRO-3's gathered units, activations
 at the schedule's peak, the backward's workspace and buffers, what a card needs with the
-allocator's reserve and the CUDA context, and host memory with offload. Under a memory cap
+allocator's reserve and the CUDA context, and host memory with offload (by what it holds, and
+against the floor of 12 bytes a trainable parameter). Under a memory cap
 (``--gpu-memory-limit`` or ``--gpu-memory``) it says whether the layout fits, and which options
 would make it fit.
 """
@@ -19,6 +20,7 @@ from rich.table import Table
 
 from parallax.data.workers import auto_workers
 from parallax.dims import ParallelDims
+from parallax.optim.zero.stage import HOST_FLOOR_BYTES
 from parallax.pipeline import format_schedule, make_schedule, simulate
 from parallax.plan.advice import fit_advice
 from parallax.plan.layout import Layout
@@ -141,6 +143,22 @@ def memory_table(plans: list[RankMemory], machine, title: str) -> Table:
     return table
 
 
+def host_note(plans: list[RankMemory]) -> str | None:
+    """With offload, the host bytes of the rank that needs most, by what they hold, against
+    the floor of 12 bytes a trainable parameter (its fp32 master and AdamW's moments): the
+    memory model's terms, which are the optimizer's (:mod:`parallax.plan.memory`)."""
+    r = max(plans, key=lambda r: r.host)
+    if r.host_ratio is None:
+        return None
+    parts = ", ".join(f"{name} {_size(b)}" for name, b in r.host_parts)
+    return (
+        f"host memory of the optimizer offload (pp rank {r.pp_rank}, each of its tp and dp "
+        f"ranks): {_size(r.host)} ({parts}) for {r.offloaded:,.0f} offloaded trainable "
+        f"parameters: {r.host / r.offloaded:.2f} B a parameter, {r.host_ratio:.2f}x the floor "
+        f"of {HOST_FLOOR_BYTES} B (fp32 master and AdamW's moments, {_size(r.host_floor)})"
+    )
+
+
 def _memory_words(run: Run) -> str:
     layout = Layout.of(run, 1)
     words = [f"zero {layout.zero}"]
@@ -185,6 +203,8 @@ def print_plan(cfg: Run, file=None) -> None:
         f"{machine.cuda_context_gib:g} GiB CUDA context)"
     )
     console.print(memory_table(plans, machine, title))
+    if note := host_note(plans):
+        console.print(note, highlight=False)
     advice = fit_advice(model, cfg, dims, plans, machine)
     if advice:
         console.print(advice, highlight=False)

@@ -51,6 +51,8 @@ METRIC_FIELDS = (
     "mfu",
     "memory_gib",
     "host_memory_gib",
+    "offload_host_gib",
+    "offload_host_ratio",
     "step_time_s",
     "data_wait_s",
 )
@@ -108,6 +110,23 @@ def peak_memory_gib(device: torch.device) -> float:
     return host_memory_gib()
 
 
+def offload_fields(optimizer: object) -> dict[str, float | None]:
+    """``metrics.jsonl``'s offload host memory: the bytes this rank's optimizer holds on the
+    host (fp32 masters, moments, accumulators, scratch, pinned staging: measured from its
+    tensors, :meth:`~parallax.optim.zero.optimizer.ZeroOptimizer.memory_report`) and their
+    ratio to the floor of 12 bytes an offloaded parameter; ``None`` without offload. Asked once,
+    after the first step (whose host steps are done when ``step()`` returns, the moments
+    made)."""
+    report = getattr(optimizer, "memory_report", None)
+    measured = report() if callable(report) else None
+    if measured is None or not measured.host_numel:
+        return {"offload_host_gib": None, "offload_host_ratio": None}
+    return {
+        "offload_host_gib": measured.host_bytes / 2**30,
+        "offload_host_ratio": measured.host_ratio,
+    }
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop lines after ``last_step`` (written after the checkpoint a run resumes from)."""
     if not path.exists():
@@ -149,6 +168,7 @@ class Monitor:
         self.path = out / "metrics.jsonl"
         self.pending: tuple[int, StepOutput, float, float, float, float] | None = None
         self.last: dict[str, float] = {}
+        self.offload = offload_fields(None)  # set once the optimizer has stepped (session)
         self._t = time.perf_counter()
         self._console = self._progress = None
         if self.active:
@@ -229,6 +249,7 @@ class Monitor:
             "mfu": mfu,
             "memory_gib": peak_memory_gib(self.device),
             "host_memory_gib": host_memory_gib(),  # rank 0's peak RSS
+            **self.offload,  # rank 0's optimizer's host bytes and their ratio to the floor
             "step_time_s": seconds,
             "data_wait_s": data_wait_s,  # the slowest rank's wait for its batch
         }

@@ -30,7 +30,7 @@ from parallax.train.agreement import UserError, agree
 from parallax.train.evaluate import EvalDataError, Evaluator
 from parallax.train.failures import Preempted, Preemption
 from parallax.train.memory_limit import out_of_memory_message
-from parallax.train.monitor import Monitor, NonFiniteError, truncate_metrics
+from parallax.train.monitor import Monitor, NonFiniteError, offload_fields, truncate_metrics
 from parallax.train.step_batches import StepBatches
 from parallax.train.trainer import InputError, Trainer
 
@@ -192,6 +192,8 @@ def _one_step(s: Session, step: int, preemption: Preemption):
         raise UserError(f"the batch of step {step}: {err.found[0]}{more}") from None
     except torch.OutOfMemoryError as err:
         raise UserError(out_of_memory_message(s.run, step, err)) from None
+    if step == s.start + 1:  # the offload's host buffers and moments exist from now on
+        s.monitor.offload = offload_fields(s.trainer.optimizer)
     dp = s.ctx.dp_size
     tokens = s.trainer.tokens(microbatches) * dp
     flops = s.trainer.model_flops(microbatches) * dp  # what this step computes

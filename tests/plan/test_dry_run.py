@@ -3,6 +3,8 @@ memory and what a card needs; under a cap it says whether the layout fits and wh
 
 import io
 
+import pytest
+
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 from parallax.train import parse_args
@@ -33,3 +35,28 @@ def test_a_layout_over_its_cap_is_told_what_would_fit(monkeypatch):
     out = io.StringIO()
     print_plan(run.replace(layout="auto", gpu_memory=2.0), file=out)
     assert "fits --gpu-memory 2 GiB" in out.getvalue()
+
+
+def test_the_offloads_host_memory_is_said_against_its_floor(monkeypatch):
+    """OpenVLA-7B at ZeRO-3 with the optimizer offloaded: the host bytes by what they hold (the
+    memory model's, which are the optimizer's terms) add up, and are said against 12 bytes a
+    trainable parameter."""
+    from parallax.dims import ParallelDims
+    from parallax.train.dry_run import memory_plan
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["--model", "openvla-7b", "--precision", "bf16", "--global-batch-size", "256"]
+    argv += ["--micro-batch-size", "32", "--zero", "3", "--offload", "optimizer"]
+    run = resolve_run(parse_args([*argv, "--activation-checkpointing", "--dry-run"]))
+    (rank,) = memory_plan(run, ParallelDims())
+    parts = dict(rank.host_parts)
+    assert rank.host == pytest.approx(sum(parts.values()))
+    assert parts["masters and moments"] == pytest.approx(12 * rank.offloaded)
+    assert rank.offloaded == rank.trainable  # all of it, at dp 1
+    assert rank.host_ratio == pytest.approx(rank.host / (12 * rank.trainable))
+    assert 14 / 12 <= rank.host_ratio < 1.25  # + a bf16 accumulator, scratch and staging
+    out = io.StringIO()
+    print_plan(run, file=out)
+    text = " ".join(out.getvalue().split())
+    assert f"{rank.host_ratio:.2f}x the floor of 12 B" in text, text
+    assert "masters and moments" in text and "pinned upload staging" in text

@@ -4,9 +4,10 @@ On 2 gloo ranks (dp=2, then dp=1 x tp=2) a small model is trained one step by th
 ZeroOptimizer at stages 1, 2 and 3, bf16 and fp32, with and without overlap and offload, and its
 own ``memory_report()`` is compared with what the planner's memory model
 (:func:`parallax.plan.memory.rank_memory`) says of the same model, counted by the planner's own
-code (:mod:`parallax.plan.blocks`): weights, gradients, optimizer state, host bytes and ZeRO-1's
-fp32 staging, equal to the byte. Every parameter's size is a multiple of dp x 16 elements, so
-ZeRO's bucket padding, which the planner leaves out, is zero here. The buckets the planner packs
+code (:mod:`parallax.plan.blocks`): weights, gradients, optimizer state, host bytes (and the
+floor of 12 bytes an offloaded element they are reported against) and ZeRO-1's fp32 staging,
+equal to the byte. Every parameter's size is a multiple of dp x 16 elements, so ZeRO's bucket
+padding, which the planner leaves out, is zero here. The buckets the planner packs
 its counts into, and the ones it offloads, are the optimizer's own too (at a small bucket size,
 where there are several)."""
 
@@ -99,6 +100,7 @@ def _measured(ctx, stage, dtype, overlap, share, frozen) -> dict[str, float]:
         gradients=r.grad_bytes + r.grad_shard_bytes,
         optimizer=r.master_bytes + r.state_bytes,
         host=r.host_bytes,
+        floor=r.host_floor_bytes,  # 12 B an offloaded element: what host_ratio is against
         staging=r.staging_bytes,
     )
 
@@ -114,6 +116,7 @@ def _planned(tp: int, dp: int, stage, dtype, overlap, share, frozen) -> dict[str
         gradients=mem.gradients,
         optimizer=mem.optimizer,
         host=mem.host - mem.pinned,  # (the CPU makes no pinned staging)
+        floor=mem.host_floor,
         staging=mem.buffers if stage == 1 else 0.0,  # ZeRO-2/3's pass buffers live in a pass
     )
 

@@ -43,6 +43,7 @@ from parallax.families.llava_next.vision import (
 from parallax.models.stages import StageBlock
 from parallax.models.vit import VisionTransformer
 from parallax.models.vlm import VisionLanguageModel
+from parallax.tensor.layers import weight_dtype
 
 
 class LlavaNext(VisionLanguageModel):
@@ -90,7 +91,7 @@ class LlavaNext(VisionLanguageModel):
             0 if s is None else anyres.num_tiles(s, cfg.image_grid_pinpoints, cfg.tile_size)
             for s in sizes
         ]
-        dtype = self.multi_modal_projector.linear_1.weight_dtype
+        dtype = weight_dtype(self.multi_modal_projector.linear_1)
         real = [pixel_values[i, :n] for i, n in enumerate(tiles) if n]
         if real:
             x = torch.cat(real).to(dtype)  # (N, 3, S, S): every real tile of the batch

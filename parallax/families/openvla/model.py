@@ -40,6 +40,7 @@ from parallax.models.stages import StageBlock
 from parallax.models.vit import VisionTransformer
 from parallax.models.vlm import VisionLanguageModel, unfused_init
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear
+from parallax.tensor.layers import weight_dtype
 
 # unfused_init lives in models/vlm.py now; its old import path stays
 __all__ = ["FusedMLPProjector", "OpenVLA", "VisionBackbone", "openvla_init_fn", "unfused_init"]
@@ -198,7 +199,7 @@ class OpenVLA(VisionLanguageModel):
         if self.config.oft is not None:
             return oft_embed(self, pixel_values, input_ids, *oft_inputs)
         self.check_inputs(pixel_values, input_ids)
-        dtype = self.projector.fc1.weight_dtype
+        dtype = weight_dtype(self.projector.fc1)
         patches = self.projector(self.vision_backbone(pixel_values.to(dtype)))  # (b, P, h)
         tokens = self.language_model.embed(input_ids)  # (b, t, h)
         return torch.cat([tokens[:, :1], patches, tokens[:, 1:]], dim=1)  # (b, P + t, h)

@@ -18,7 +18,7 @@ from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.host_steps import HostSteps
 from parallax.optim.zero.reduction.bucket_reducer import GradReducer
 from parallax.optim.zero.reduction.pass_reducer import PassReducer
-from parallax.optim.zero.stage import ZeroStage
+from parallax.optim.zero.stage import HOST_FLOOR_BYTES, ZeroStage
 from parallax.optim.zero.weights.sharded_weights import ShardedWeights
 
 GiB = 2**30
@@ -55,6 +55,19 @@ class MemoryReport:
     peak_gathered_bytes: int = 0  # ZeRO-3: the most gathered at once so far
     pass_peak_bytes: int = 0  # ZeRO-2/3: the most pass buffers (one bucket each) alive so far
     host_bytes: int = 0  # --offload optimizer: masters and state in host memory (not in total)
+    host_numel: int = 0  # --offload optimizer: the elements this rank steps on the host
+
+    @property
+    def host_floor_bytes(self) -> int:
+        """The least the offloaded elements need on the host: fp32 masters and AdamW's moments
+        (:data:`~parallax.optim.zero.stage.HOST_FLOOR_BYTES` each)."""
+        return self.host_numel * HOST_FLOOR_BYTES
+
+    @property
+    def host_ratio(self) -> float | None:
+        """Host bytes over that floor (accumulation, scratch and staging are above it);
+        ``None`` without offload."""
+        return self.host_bytes / self.host_floor_bytes if self.host_numel else None
 
     @property
     def optimizer_bytes(self) -> int:
@@ -100,6 +113,7 @@ class MemoryReport:
             ("gathered blocks (peak)", self.peak_gathered_bytes),
             ("gradient pass buffers (peak)", self.pass_peak_bytes),
             ("host (offloaded)", self.host_bytes),
+            ("host floor (masters, moments)", self.host_floor_bytes),
             ("plain AdamW would need", self.plain_adamw_bytes),
         ]
         n = max(self.numel, 1)
@@ -156,4 +170,5 @@ def measure(
         peak_gathered_bytes=weights.gathers.peak_bytes if weights is not None else 0,
         pass_peak_bytes=getattr(reducer, "peak_bytes", 0),
         host_bytes=tensor_bytes(on_host) + tensor_bytes(states[True]),
+        host_numel=0 if flat.host_master_flat is None else flat.host_master_flat.numel(),
     )

@@ -16,6 +16,9 @@ from enum import IntEnum
 from torch import nn
 
 ADAMW_STATE_BYTES = 8  # AdamW's two fp32 moments per element
+# the least an offloaded element costs the host: its fp32 master and AdamW's moments (the floor
+# that offload's host memory is reported against: --dry-run, metrics.jsonl)
+HOST_FLOOR_BYTES = 4 + ADAMW_STATE_BYTES
 
 # Where a bucket's fp32 reduced gradient (this rank's chunk) lives between the reduction and the
 # optimizer step (:meth:`ZeroStage.grad_home`)
@@ -157,9 +160,18 @@ class ZeroStage(IntEnum):
             gradients += 4 / dp  # this rank's fp32 slice of the reduced gradient
         weights = self.frozen_bytes(dp, element_size).weights
         if offloaded:  # fp32 master, state, accumulator
-            return ElementBytes(weights, gradients, host=(4 + state_bytes + element_size) / dp)
+            host = sum(self.host_parts(dp, element_size, state_bytes).values())
+            return ElementBytes(weights, gradients, host=host)
         master = 0.0 if fp32 else 4 / dp
         return ElementBytes(weights, gradients, optimizer=master + state_bytes / dp)
+
+    def host_parts(
+        self, dp: int, element_size: int, state_bytes: float = ADAMW_STATE_BYTES
+    ) -> dict[str, float]:
+        """What one offloaded element of ``element_size`` bytes costs the host of a rank of
+        ``dp``, by what it is: the fp32 master and the optimizer's state (the floor), and the
+        gradient's accumulator in the model's dtype (its passes summed there)."""
+        return {"masters and moments": (4 + state_bytes) / dp, "accumulation": element_size / dp}
 
     def frozen_bytes(self, dp: int, element_size: int) -> ElementBytes:
         """What one frozen element costs a rank: its weight, 1/dp of it at stage 3."""

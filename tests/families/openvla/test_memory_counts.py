@@ -23,10 +23,8 @@ CASES = [
     ("tiny", (2, 1, 2), dict(precision="bf16")),
     ("tiny", (1, 2, 2), dict(precision="bf16", finetune="lora")),
     ("tiny", (2, 1, 2), dict(precision="bf16", finetune="lora", quantize_base="nf4", zero=3)),
-    ("small", (1, 2, 2), dict(precision="bf16")),
     ("tiny", (1, 1, 4), dict(precision="bf16", zero=2)),
     ("tiny", (2, 1, 2), dict(precision="bf16", zero=3)),
-    ("small", (1, 1, 4), dict(precision="bf16", zero=3)),
     ("tiny", (1, 1, 4), dict(precision="fp32", zero=3, offload="optimizer")),
     (
         "small",

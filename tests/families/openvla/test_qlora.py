@@ -89,11 +89,11 @@ def _reference(bases: dict[str, torch.Tensor]):
 @pytest.mark.parametrize(
     "tp,pp,dp,extra",
     [
-        (2, 2, 2, dict(quantize_base="nf4")),
+        (2, 2, 2, dict(quantize_base="nf4", activation_checkpointing=True)),
         (2, 1, 2, dict(quantize_base="int8", zero=3)),
         (1, 1, 2, dict(quantize_base="nf4", zero=2, offload="optimizer")),
     ],
-    ids=["tp2pp2dp2-nf4", "tp2dp2-int8-zero3", "dp2-nf4-zero2-offload"],
+    ids=["tp2pp2dp2-nf4-ckpt", "tp2dp2-int8-zero3", "dp2-nf4-zero2-offload"],
 )
 def test_layouts_match_one_process_holding_the_same_weights(tp, pp, dp, extra):
     threads = torch.get_num_threads()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from parallax.tensor.layers import weight_dtype
+
 
 def oft_embed(model, pixel_values: torch.Tensor, input_ids: torch.Tensor, *rest: torch.Tensor):
     """``(x (b, prefix + t, h), key_mask (b, prefix + t) bool)`` from ``pixel_values``
@@ -35,7 +37,7 @@ def oft_embed(model, pixel_values: torch.Tensor, input_ids: torch.Tensor, *rest:
     for name, m in (("attention_mask", attention_mask), ("action_mask", action_mask)):
         if tuple(m.shape) != (b, t):
             raise ValueError(f"{name} must be (b, t) = {(b, t)}, got {tuple(m.shape)}")
-    dtype = model.projector.fc1.weight_dtype
+    dtype = weight_dtype(model.projector.fc1)
     tokens = model.language_model.embed(input_ids)  # (b, t, h)
     keep = (~action_mask).to(tokens.dtype)[..., None]  # (b, t, 1)
     film = None

@@ -1,0 +1,31 @@
+"""``metrics.jsonl`` says what the optimizer offload holds on the host: the bytes measured from
+the optimizer's host tensors and their ratio to the floor of 12 bytes an offloaded parameter
+(fp32 master, AdamW's moments); null without offload."""
+
+import json
+
+import pytest
+
+from parallax import ParallelContext
+from parallax.recipe import resolve
+from parallax.train import parse_args
+from parallax.train.cli import run
+
+RUN = ["--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--log-interval", "1"]
+
+
+def _rows(out, flags: list[str]) -> list[dict]:
+    run(resolve(parse_args(["--out", str(out), *RUN, *flags])), ParallelContext.local())
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_offloads_host_bytes_and_their_ratio_to_the_floor_are_in_the_metrics(tmp_path):
+    rows = _rows(tmp_path / "offload", ["--zero", "2", "--offload", "optimizer"])
+    assert len(rows) == 2
+    for r in rows:
+        # masters and moments (12 B) and the fp32 accumulator (4 B: this run is fp32) at least
+        assert r["offload_host_ratio"] == pytest.approx(rows[0]["offload_host_ratio"])
+        assert 16 / 12 <= r["offload_host_ratio"] < 2, r
+        assert 0 < r["offload_host_gib"] < r["host_memory_gib"], r
+    plain = _rows(tmp_path / "plain", ["--zero", "2"])
+    assert all(r["offload_host_gib"] is None and r["offload_host_ratio"] is None for r in plain)
