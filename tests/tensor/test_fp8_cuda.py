@@ -52,15 +52,17 @@ def test_the_function_on_the_gpu_equals_its_emulation_on_the_cpu():
 
 
 def _block(kind: str):
-    """A SigLIP-so400m ViT block, or a 1B-wide Llama decoder layer with its rotary tables."""
-    from parallax.families.openvla.towers import SIGLIP_SO400M
+    """A SigLIP-so400m-wide ViT block, or a 1B-wide Llama decoder layer with its rotary
+    tables."""
     from parallax.models.llama import LlamaDecoderLayer, rope_cos_sin
     from parallax.models.llama_config import LlamaConfig
     from parallax.models.vit import ViTBlock
+    from parallax.models.vit_config import ViTConfig
 
     kw = dict(device="cuda", dtype=torch.bfloat16)
     if kind == "vit":
-        return ViTBlock(SIGLIP_SO400M, None, **kw), (2, 256, SIGLIP_SO400M.width), ()
+        vit = ViTConfig(width=1152, num_heads=16, mlp_hidden=4304, act="gelu_tanh")
+        return ViTBlock(vit, None, **kw), (2, 256, vit.width), ()
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=8)
     positions = torch.arange(256, device="cuda")
     rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.bfloat16)
