@@ -149,3 +149,20 @@ def test_a_frozen_weight_gets_no_gradient_and_bf16_stays_bf16():
     y = fp8_linear(x, w)
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad is None
+
+
+def test_what_a_gpu_needs_is_said(monkeypatch):
+    """A CPU needs nothing (the emulation); an old torch or GPU is named in the message."""
+    from parallax.tensor.fp8 import gemm
+
+    assert gemm.support_problem(torch.device("cpu")) is None
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(gemm.torch, "__version__", "2.4.1")
+    assert "torch >= 2.5" in gemm.support_problem(cuda) and "2.4.1" in gemm.support_problem(cuda)
+    monkeypatch.setattr(gemm.torch, "__version__", "2.6.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA A100")
+    assert "NVIDIA A100 has 8.0" in gemm.support_problem(cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
+    assert gemm.support_problem(cuda) is None

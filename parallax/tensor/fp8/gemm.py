@@ -22,9 +22,11 @@ OUT_DTYPE = torch.bfloat16  # what the rowwise kernels write
 
 def support_problem(device: torch.device) -> str | None:
     """Why FP8 GEMMs cannot run on ``device`` with this torch (None: they can). A CPU runs the
-    emulation (tests); a GPU needs torch >= 2.5 and compute capability >= 8.9."""
+    emulation (tests); a GPU needs CUDA (not ROCm), torch >= 2.5 and capability >= 8.9."""
     if device.type != "cuda":
         return None
+    if torch.version.hip:
+        return "--fp8 runs on NVIDIA GPUs only (ROCm's FP8 formats are the fnuz kinds)"
     have = TorchVersion(torch.__version__)
     if have < MIN_TORCH or not hasattr(torch, "_scaled_mm"):
         return f"--fp8 needs torch >= {MIN_TORCH} (rowwise-scaled torch._scaled_mm); this is {have}"
