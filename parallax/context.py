@@ -8,8 +8,10 @@ function in :mod:`parallax.comm` treats as "nothing to communicate".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -211,11 +213,20 @@ def init_parallel(
     return ctx
 
 
+EXIT_BARRIER = timedelta(seconds=15)
+
+
 def _destroy_at_exit() -> None:
-    """Tear down the gloo process group this module made, unless its owner did (local: no
-    collective)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear down the gloo process group this module made, unless its owner did. The ranks
+    first meet at a short barrier (skipped when this one leaves on an error): a rank that tore
+    its sockets down while a peer's gloo threads still read them aborted that peer
+    ("terminate called without an active exception"), on a loaded machine."""
+    if not dist.is_initialized():
+        return
+    if not hasattr(sys, "last_value"):  # set when an uncaught error ends the script
+        with contextlib.suppress(RuntimeError):  # a rank that never comes: leave anyway
+            dist.monitored_barrier(timeout=EXIT_BARRIER)
+    dist.destroy_process_group()
 
 
 def _device(backend: str | None) -> tuple[torch.device, bool]:
