@@ -93,20 +93,24 @@ class JointLayer(nn.Module):
         streams = ((self.prefix, None), (self.expert, cond))
         present = [(i, s, xs[i], c) for i, (s, c) in enumerate(streams) if xs[i] is not None]
         qs, ks, vs, gates = [], [], [], []
-        for _, stream, x, c in present:
+        for i, stream, x, c in present:
             h, gate = stream.input_layernorm(x, c)
             q, k, v = stream.self_attn.qkv(h)  # (b, nh/tp, s_i, hd), (b, 1, s_i, hd) x2
-            qs, ks, vs, gates = qs + [q], ks + [k], vs + [v], gates + [gate]
-        q = apply_rope(torch.cat(qs, dim=2), cos, sin)  # (b, nh/tp, s, hd)
+            ks, vs, gates = ks + [k], vs + [v], gates + [gate]
+            qs += [q] if outputs[i] else []  # unwanted queries would reach nothing
         k = apply_rope(torch.cat(ks, dim=2), cos, sin)  # (b, 1, s, hd)
         v = torch.cat(vs, dim=2)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)  # (b, 1, t, hd)
-        o = joint_attention(q, k, v, bias)  # (b, nh/tp, s, hd)
-        o = o.transpose(1, 2).flatten(2)  # (b, s, nh/tp hd)
-        parts = o.split([x.shape[1] for _, _, x, _ in present], dim=1)
         out: list[torch.Tensor | None] = [None, None]
-        for (i, stream, x, c), attn, gate in zip(present, parts, gates):
-            if outputs[i]:
-                out[i] = stream.finish(x, attn, gate, c)  # (b, s_i, w_i)
+        if not qs:
+            return tuple(out)
+        skip = xs[0].shape[1] if xs[0] is not None and not outputs[0] else 0
+        q = apply_rope(torch.cat(qs, dim=2), cos[:, :, skip:], sin[:, :, skip:])
+        o = joint_attention(q, k, v, bias[:, :, skip:])  # (b, nh/tp, s - skip, hd)
+        o = o.transpose(1, 2).flatten(2)  # (b, s - skip, nh/tp hd)
+        wanted = [(i, st, x, c, g) for (i, st, x, c), g in zip(present, gates) if outputs[i]]
+        parts = o.split([x.shape[1] for _, _, x, _, _ in wanted], dim=1)
+        for (i, stream, x, c, gate), attn in zip(wanted, parts):
+            out[i] = stream.finish(x, attn, gate, c)  # (b, s_i, w_i)
         return tuple(out)

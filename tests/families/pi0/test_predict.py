@@ -1,0 +1,36 @@
+"""Euler sampling over the cached prefix equals recomputing the whole prefix at every step
+(both variants, float32), and the public ``predict_action_chunk`` takes one sample or a batch,
+text or token ids."""
+
+import pytest
+import torch
+
+from parallax.families.pi0.predict import predict_action_chunk, sample_chunk
+from tests.families.pi0.helpers import inputs, tiny_model
+
+
+@pytest.mark.parametrize("variant", ["pi0", "pi05"])
+def test_the_prefix_cache_changes_nothing(variant):
+    model = tiny_model(variant)
+    x = inputs(model.config)
+    args = [x[k] for k in ("images", "image_masks", "tokens", "token_mask", "state", "noise")]
+    cached = sample_chunk(model, *args, num_steps=3)
+    whole = sample_chunk(model, *args, num_steps=3, use_cache=False)
+    torch.testing.assert_close(cached, whole, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(cached, x["noise"])  # it moved
+    # one Euler step by hand: x + (-1) * v(noise, 1)
+    v = model.velocity(*args[:5], x["noise"], torch.ones(2))
+    one = sample_chunk(model, *args, num_steps=1)
+    torch.testing.assert_close(one, x["noise"] - v.detach(), rtol=1e-5, atol=1e-5)
+
+    # the public API: a batch of text prompts equals its samples one by one; ids work too
+    cams = [list(x["images"][i]) for i in range(2)]
+    state = torch.randn(2, model.config.max_state_dim)
+    texts = ["pick up the cube", "open the drawer"]
+    batch = predict_action_chunk(model, cams, texts, state, x["noise"], num_steps=2)
+    for i in range(2):
+        one = predict_action_chunk(model, cams[i], texts[i], state[i], x["noise"][i], num_steps=2)
+        torch.testing.assert_close(one, batch[i], rtol=1e-5, atol=1e-5)
+    ids = [[2, 50, 60, 70], [2, 80]]
+    by_ids = predict_action_chunk(model, x["images"], ids, state, x["noise"], num_steps=2)
+    assert by_ids.shape == (2, model.config.chunk, model.config.max_action_dim)
