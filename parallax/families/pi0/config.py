@@ -80,6 +80,7 @@ class Pi0Config(ConfigFile):
     text_length: int = 48
     num_steps: int = 10
     source: str | None = None
+    lerobot: dict | None = None  # the config.json it was read from (written back with updates)
 
     def __post_init__(self) -> None:
         problems = []

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from parallax.families.pi0.checkpoint import load_model
 from parallax.families.pi0.prompt import ByteTokenizer, padded_ids, prompt_text
 
 
@@ -131,7 +132,5 @@ def predict_action_chunk(
 def load_policy(path: str | Path, ctx=None, *, dtype=torch.float32, device=None):
     """A pi0 / pi0.5 policy from a LeRobot policy folder (``config.json`` +
     ``model.safetensors``), ready for :func:`predict_action_chunk` (eval mode)."""
-    from parallax.families.pi0.checkpoint import load_model  # noqa: PLC0415 - checkpoint imports the model
-
     model = load_model(path, ctx, dtype=dtype, device=device)
     return model.eval()
