@@ -109,6 +109,12 @@ class Pi0Model(nn.Module):
         return rope_tables(positions, p.head_dim, p.rope_theta, dtype)  # each (b, 1, s, hd)
 
     # -- training: both streams at once ------------------------------------------------------------
+    def forward(self, images, image_masks, tokens, token_mask, state, x_t, t) -> torch.Tensor:
+        """The trainer's call (:func:`~.batches.stage_inputs`): :meth:`velocity` (pi0.5's
+        ``state`` is ignored: it is in the prompt)."""
+        state = None if self.config.pi05 else state
+        return self.velocity(images, image_masks, tokens, token_mask, state, x_t, t)
+
     def velocity(self, images, image_masks, tokens, token_mask, state, x_t, t) -> torch.Tensor:
         """The model's velocity ``(b, H, A)`` float32 at noisy actions ``x_t`` (b, H, A) and
         times ``t`` (b,), over the prefix of :meth:`embed_prefix`; ``state`` (b, Ds) for pi0."""
