@@ -142,10 +142,11 @@ def config_from_folder(path: str | Path) -> Pi0Config:
 
 
 @torch.no_grad()
-def load_model(path, ctx=None, *, dtype=torch.float32, device=None) -> Pi0Model:
-    """A whole :class:`Pi0Model` from a LeRobot policy folder, each tp rank reading its slices."""
+def load_model(path, ctx=None, *, blocks=None, dtype=torch.float32, device=None) -> Pi0Model:
+    """A :class:`Pi0Model` (whole, or the chunk of ``blocks``) from a LeRobot policy folder,
+    each tp rank reading its slices."""
     config = config_from_folder(path)
-    model = Pi0Model(config, ctx, dtype=dtype, device=device)
+    model = Pi0Model(config, ctx, blocks=blocks, dtype=dtype, device=device)
     reader = CheckpointReader(path)
     present = reader.shapes()
     for name, p in model.named_parameters():
@@ -190,6 +191,8 @@ def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None) -> None
     """Write ``model`` (a whole model; any tp: collective over the tp group, rank 0 writes) as
     a LeRobot policy folder."""
     path = Path(path)
+    if not (model.has_embed and model.has_head):
+        raise ValueError("writing a policy folder from pipeline stages is not supported yet")
     group, tp_rank, _ = resolve_tp(ctx)
     writing = tp_rank == 0 and (ctx is None or getattr(ctx, "rank", 0) == 0)
     params = list(model.named_parameters())

@@ -18,19 +18,22 @@ def _stream_saved(g: GemmaConfig, tokens: int, e: int) -> Split:
 
 
 def block_estimates(config: Pi0Config, run) -> list[BlockEstimate]:
+    """One per :meth:`~.model.Pi0Model.stage_blocks` block; each but the last hands on the
+    two streams' hidden states (and pi0.5's conditioning)."""
     e = 2 if run.precision == "bf16" else 4
     f = forward_flops(config)
     n_p, n_s = config.prefix_length, config.suffix_length
-    layer = _stream_saved(config.prefix, n_p, e) + _stream_saved(config.expert, n_s, e)
-    parts = (
-        *vision_tower(config.vision, e, images=config.num_cameras),
-        Part(
-            "joint layer",
-            count=config.depth,
-            saved=layer,
-            gemm_flops=(f["prefix"] + f["expert"]) / config.depth,
-            tokens=n_p + n_s,
-        ),
-        Part("heads", gemm_flops=f["heads"], tokens=config.chunk),
+    hands_on = e * (n_p * config.prefix.width + (n_s + config.pi05) * config.expert.width) + n_p
+    layer = Part(
+        "joint layer",
+        saved=_stream_saved(config.prefix, n_p, e) + _stream_saved(config.expert, n_s, e),
+        gemm_flops=(f["prefix"] + f["expert"]) / config.depth,
+        tokens=n_p + n_s,
     )
-    return [BlockEstimate(parts)]
+    embed = (
+        *vision_tower(config.vision, e, images=config.num_cameras),
+        Part("suffix heads", gemm_flops=f["heads"] / 2, tokens=config.chunk),
+    )
+    head = Part("action head", gemm_flops=f["heads"] / 2, tokens=config.chunk)
+    body = [BlockEstimate((layer,), hands_on)] * (config.depth - 1)
+    return [BlockEstimate(embed, hands_on), *body, BlockEstimate((layer, head), 0.0)]

@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from parallax.families.pi0.config import Pi0Config
+from parallax.families.pi0.flops import forward_flops
 from parallax.families.pi0.gemma import GemmaRMSNorm, make_norm, rope_tables
 from parallax.families.pi0.joint import JointLayer, PrefixCache, attention_bias, joint_layout
-from parallax.families.pi0.suffix import add_heads, embed_suffix, suffix_flags
+from parallax.families.pi0.suffix import add_input_heads, embed_suffix, suffix_flags
 from parallax.init import InitFn, init_parameters
+from parallax.models.stages import StageBlock, check_block_range
 from parallax.models.vit import VisionTransformer
 from parallax.tensor import VocabParallelEmbedding
 
@@ -47,14 +49,16 @@ def pi0_init_fn() -> InitFn:
 
 
 class Pi0Model(nn.Module):
-    """A whole pi0 / pi0.5 policy network on this rank (module doc); ``seed``: the layout-free
-    init (else the layers' own)."""
+    """pi0 / pi0.5 on this rank (module doc): the whole model, or under a pipeline the chunk of
+    ``blocks`` (:meth:`stage_blocks`: ``embed``, then ``layers.{i}``, the last with the output
+    head); ``seed``: the layout-free init (else the layers' own)."""
 
     def __init__(
         self,
         config: Pi0Config,
         ctx=None,
         *,
+        blocks: range | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         seed: int | None = None,
@@ -63,16 +67,32 @@ class Pi0Model(nn.Module):
         self.config = config
         kw = dict(device=device, dtype=dtype)
         p, e = config.prefix, config.expert
-        self.vision = VisionTransformer(config.vision, ctx, **kw)
-        self.projector = nn.Linear(config.vision.width, p.width, **kw)
-        self.embed_tokens = VocabParallelEmbedding(p.vocab_size, p.width, ctx=ctx, **kw)
-        layers = {str(i): JointLayer(config, ctx, i, **kw) for i in range(config.depth)}
-        self.layers = nn.ModuleDict(layers)
-        self.norm = GemmaRMSNorm(p.width, p.eps, **kw)
-        self.expert_norm = make_norm(e.width, e.eps, config.pi05, **kw)
-        add_heads(self, config, **kw)
+        self.block_range = check_block_range(blocks, config.depth + 1)
+        self.has_embed = 0 in self.block_range
+        self.has_head = config.depth in self.block_range
+        if self.has_embed:
+            self.vision = VisionTransformer(config.vision, ctx, **kw)
+            self.projector = nn.Linear(config.vision.width, p.width, **kw)
+            self.embed_tokens = VocabParallelEmbedding(p.vocab_size, p.width, ctx=ctx, **kw)
+            add_input_heads(self, config, **kw)
+        mine = [i - 1 for i in self.block_range if i > 0]
+        self.layers = nn.ModuleDict({str(i): JointLayer(config, ctx, i, **kw) for i in mine})
+        if self.has_head:
+            self.norm = GemmaRMSNorm(p.width, p.eps, **kw)
+            self.expert_norm = make_norm(e.width, e.eps, config.pi05, **kw)
+            self.action_out_proj = nn.Linear(e.width, config.max_action_dim, **kw)
         if seed is not None:
             init_parameters(self, seed, pi0_init_fn())
+
+    @staticmethod
+    def stage_blocks(config: Pi0Config) -> list[StageBlock]:
+        """``embed`` (tower, projector, embeddings, the suffix's input heads), then layer ``i``
+        of both streams per block, the last with the norms and ``action_out_proj``."""
+        f = forward_flops(config)
+        layer = (f["prefix"] + f["expert"]) / config.depth
+        blocks = [StageBlock("embed", f["vision"] + f["heads"] / 2)]
+        blocks += [StageBlock(f"layers.{i}", layer) for i in range(config.depth)]
+        return blocks
 
     def unused_names(self) -> list[str]:
         """Parameters that never reach the actions (module doc)."""
@@ -109,25 +129,42 @@ class Pi0Model(nn.Module):
         return rope_tables(positions, p.head_dim, p.rope_theta, dtype)  # each (b, 1, s, hd)
 
     # -- training: both streams at once ------------------------------------------------------------
-    def forward(self, images, image_masks, tokens, token_mask, state, x_t, t) -> torch.Tensor:
-        """The trainer's call (:func:`~.batches.stage_inputs`): :meth:`velocity` (pi0.5's
-        ``state`` is ignored: it is in the prompt)."""
-        state = None if self.config.pi05 else state
-        return self.velocity(images, image_masks, tokens, token_mask, state, x_t, t)
+    def forward(self, *inputs: torch.Tensor):
+        """The trainer's call. The first block takes :func:`~.batches.stage_inputs` (the
+        prefix's inputs, ``state``, ``x_t``, ``t``; pi0.5 ignores ``state``: it is in the
+        prompt); a later one ``(prefix, suffix, pad[, cond])``, what every block but the last
+        hands on; the last returns the velocity ``(b, H, A)`` float32."""
+        if self.has_embed:
+            images, image_masks, tokens, token_mask, state, x_t, t = inputs
+            state = None if self.config.pi05 else state
+            prefix, pad = self.embed_prefix(images, image_masks, tokens, token_mask)
+            suffix, cond = embed_suffix(self, state, x_t, t)  # (b, S, w_e), (b, w_e) | None
+        else:
+            prefix, suffix, pad, *rest = inputs
+            cond = rest[0] if rest else None
+        xs = self.run_layers(prefix, suffix, pad.bool(), cond)
+        if self.has_head:
+            return self.actions_out(xs[1], cond)
+        return (*xs, pad, *(() if cond is None else (cond,)))
 
     def velocity(self, images, image_masks, tokens, token_mask, state, x_t, t) -> torch.Tensor:
-        """The model's velocity ``(b, H, A)`` float32 at noisy actions ``x_t`` (b, H, A) and
-        times ``t`` (b,), over the prefix of :meth:`embed_prefix`; ``state`` (b, Ds) for pi0."""
-        prefix, pad = self.embed_prefix(images, image_masks, tokens, token_mask)
-        suffix, cond = embed_suffix(self, state, x_t, t)  # (b, S, w_e), (b, w_e) | None
+        """The whole model's velocity ``(b, H, A)`` float32 at noisy actions ``x_t``
+        (b, H, A) and times ``t`` (b,), over the prefix of :meth:`embed_prefix`; ``state``
+        (b, Ds) for pi0."""
+        if not (self.has_embed and self.has_head):
+            raise ValueError("velocity runs the whole model: under a pipeline, train")
+        return self(images, image_masks, tokens, token_mask, state, x_t, t)
+
+    def run_layers(self, prefix, suffix, pad, cond):
+        """This chunk's joint layers over ``prefix`` (b, P, w_p) and ``suffix`` (b, S, w_e)."""
         allowed, positions = joint_layout(pad, suffix_flags(self.config, pad.device))
         bias = attention_bias(allowed, prefix.dtype)  # (b, 1, T, T)
         cos, sin = self._rope(positions, prefix.dtype)
         xs = (prefix, suffix)
         last = self.config.depth - 1
-        for i, layer in enumerate(self.layers.values()):
-            xs = layer(xs, cos, sin, bias, cond, outputs=(i < last, True))
-        return self.actions_out(xs[1], cond)
+        for i, layer in self.layers.items():
+            xs = layer(xs, cos, sin, bias, cond, outputs=(int(i) < last, True))
+        return xs
 
     def actions_out(self, suffix: torch.Tensor, cond) -> torch.Tensor:
         """The expert's final norm and ``action_out_proj`` over the last ``H`` tokens."""

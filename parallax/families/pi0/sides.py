@@ -1,10 +1,12 @@
 """pi0's model and data sides (:mod:`parallax.families.pi0.recipe` composes them with the
 flow-matching objective).
 
-One pipeline block for now (pp = 1; layer ``i`` of both streams in one stage is the plan, the
-tower and embeddings in the first). The last layer's prefix stream after its keys and values
-and the prefix model's final norm never reach the actions (:meth:`Pi0Model.unused_names`):
-they are frozen so that nothing waits for their gradients.
+Pipeline blocks (:meth:`Pi0Model.stage_blocks`): the tower, the projector, the embeddings and
+the suffix's input heads first, then layer ``i`` of both streams per block, the last with the
+output head; every block but the last hands on ``(prefix, suffix, pad[, cond])``. The last
+layer's prefix stream after its keys and values and the prefix model's final norm never reach
+the actions (:meth:`Pi0Model.unused_names`): they are frozen so that nothing waits for their
+gradients.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from parallax.families.pi0.checkpoint import config_from_folder, load_model, sav
 from parallax.families.pi0.config import PRESETS, Pi0Config
 from parallax.families.pi0.data import IndexedSamples, synthetic_task
 from parallax.families.pi0.estimate import block_estimates
-from parallax.families.pi0.flops import flops_per_sample, forward_flops
+from parallax.families.pi0.flops import flops_per_sample
 from parallax.families.pi0.model import Pi0Model
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
@@ -60,7 +62,16 @@ class Pi0Data(DataSide):
         return stage_inputs(mb)
 
     def stage_metas(self, run: Run, mb: Microbatch, dtype) -> list[TensorMeta]:
-        raise ValueError("pi0 runs as one pipeline block (pp = 1) for now")
+        """``(prefix, suffix, pad[, cond])``: what every block but the last hands on."""
+        c: Pi0Config = run.model_config
+        b = mb["tokens"].shape[0]
+        p, s = c.prefix_length, c.suffix_length
+        metas = [
+            TensorMeta((b, p, c.prefix.width), dtype, True),
+            TensorMeta((b, s, c.expert.width), dtype, True),
+            TensorMeta((b, p), torch.bool, False),
+        ]
+        return metas + ([TensorMeta((b, c.expert.width), dtype, True)] if c.pi05 else [])
 
 
 class Pi0Side(ModelSide):
@@ -87,19 +98,16 @@ class Pi0Side(ModelSide):
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_LARGE)
 
-    def check_layout(self, run: Run, dims) -> None:
-        if dims.pp > 1:
-            raise ValueError(f"--pp {dims.pp}: pi0 runs with --pp 1 for now (one block)")
-
     def blocks(self, config: Pi0Config) -> list[StageBlock]:
-        return [StageBlock("pi0", sum(forward_flops(config).values()))]
+        return Pi0Model.stage_blocks(config)
 
     def build(self, run, blocks, ctx, *, dtype, device, checkpoint) -> nn.Module:
         if checkpoint is not None:
-            model = load_model(checkpoint, ctx, dtype=dtype, device=device)
+            model = load_model(checkpoint, ctx, blocks=blocks, dtype=dtype, device=device)
         else:
             seed = init_seed(run, device)
-            model = Pi0Model(run.model_config, ctx, dtype=dtype, device=device, seed=seed)
+            kw = dict(blocks=blocks, dtype=dtype, device=device, seed=seed)
+            model = Pi0Model(run.model_config, ctx, **kw)
         model.ctx = ctx  # the export gathers over its tp group
         for name in model.unused_names():
             model.get_parameter(name).requires_grad_(False)

@@ -33,12 +33,12 @@ def time_embedding(t: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Ten
     return torch.cat([angle.sin(), angle.cos()], dim=1).to(dtype)  # (b, w)
 
 
-def add_heads(model: nn.Module, config: Pi0Config, device=None, dtype=None) -> None:
-    """Give ``model`` the variant's suffix heads (LeRobot's names, at its top level)."""
+def add_input_heads(model: nn.Module, config: Pi0Config, device=None, dtype=None) -> None:
+    """Give ``model`` the variant's heads that make the suffix (LeRobot's names, at its top
+    level; ``action_out_proj`` is the model's last block's)."""
     w, a = config.expert.width, config.max_action_dim
     kw = dict(device=device, dtype=dtype)
     model.action_in_proj = nn.Linear(a, w, **kw)
-    model.action_out_proj = nn.Linear(w, a, **kw)
     if config.pi05:
         model.time_mlp_in = nn.Linear(w, w, **kw)
         model.time_mlp_out = nn.Linear(w, w, **kw)

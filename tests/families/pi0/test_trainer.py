@@ -1,4 +1,5 @@
-"""pi0 and pi0.5 through the Trainer: tp2 and dp2 (ZeRO 1, and ZeRO 3) equal one process.
+"""pi0 and pi0.5 through the Trainer: tp2, pp2, dp2 (ZeRO 1, and ZeRO 3) and tp2 pp2 equal one
+process.
 
 Full fine-tuning of the tiny presets on the synthetic task's pi0 form (16 px, 2 cameras), two
 steps; per step the loss and the gradient norm on every rank (1e-5), and every updated weight
@@ -72,9 +73,9 @@ def _run(ctx, cfg):
     return history, weights
 
 
-def _parallel(tp, dp, **memory):
-    ctx = context(tp=tp, dp=dp)
-    return {m: _run(ctx, _cfg(m, tp=tp, dp=dp, **memory)) for m in VARIANTS}
+def _parallel(tp, pp, dp, **memory):
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    return {m: _run(ctx, _cfg(m, tp=tp, pp=pp, dp=dp, **memory)) for m in VARIANTS}
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +88,18 @@ def reference():
         torch.set_num_threads(threads)
 
 
-LAYOUTS = {"tp2": (2, 1, {}), "dp2": (1, 2, {}), "dp2-zero3": (1, 2, dict(zero=3))}
+LAYOUTS = {
+    "tp2": (2, 1, 1, {}),
+    "pp2": (1, 2, 1, {}),
+    "dp2": (1, 1, 2, {}),
+    "dp2-zero3": (1, 1, 2, dict(zero=3)),
+    "tp2pp2": (2, 2, 1, {}),
+}
 
 
-@pytest.mark.parametrize("tp,dp,memory", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_layouts_match_one_process(reference, tp, dp, memory):
-    results = run_ranks(_parallel, tp * dp, tp, dp, **memory)
+@pytest.mark.parametrize("tp,pp,dp,memory", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_layouts_match_one_process(reference, tp, pp, dp, memory):
+    results = run_ranks(_parallel, tp * pp * dp, tp, pp, dp, **memory)
     for model in VARIANTS:
         ref_history, ref_weights = reference[model]
         assert ref_history[-1][0] != ref_history[0][0]
