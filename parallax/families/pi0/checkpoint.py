@@ -31,7 +31,8 @@ from parallax.families.pi0.model import Pi0Model
 from parallax.models.hf_io import CheckpointReader, read_param
 from parallax.models.safetensors_io import SafetensorsWriter
 from parallax.models.vit_config import ViTConfig
-from parallax.tensor import full_tensor, logical_shape, resolve_tp
+from parallax.tensor import logical_shape, resolve_tp, unshard_tensor
+from parallax.tensor.lora_apply import base_parameters, merged_value
 
 P = "model.paligemma_with_expert."
 VISION = P + "paligemma.model.vision_tower.vision_model."
@@ -189,13 +190,14 @@ def lerobot_config(config: Pi0Config) -> dict:
 @torch.no_grad()
 def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None) -> None:
     """Write ``model`` (a whole model; any tp: collective over the tp group, rank 0 writes) as
-    a LeRobot policy folder."""
+    a LeRobot policy folder, LoRA adapters merged (``W + (alpha/r) B A`` in fp32, rounded once
+    to the parameter's dtype); each tensor in ``dtype`` or its parameter's."""
     path = Path(path)
     if not (model.has_embed and model.has_head):
         raise ValueError("writing a policy folder from pipeline stages is not supported yet")
     group, tp_rank, _ = resolve_tp(ctx)
     writing = tp_rank == 0 and (ctx is None or getattr(ctx, "rank", 0) == 0)
-    params = list(model.named_parameters())
+    params = list(base_parameters(model))  # LoRA adapters are merged in, in fp32
     entries = [(k, s) for n, p in params for k, s in lerobot_keys(n, logical_shape(p))]
     embed = dict(params)["embed_tokens.weight"]
     extras = [(PREFIX_HEAD, tuple(logical_shape(embed)))]
@@ -214,7 +216,8 @@ def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None) -> None
         writer = SafetensorsWriter(path / "model.safetensors", rows, meta)
     try:
         for name, p in params:
-            full = full_tensor(p, group)  # collective over tp
+            value, info = merged_value(model, name, p), getattr(p, "tp_shard", None)
+            full = value if info is None else unshard_tensor(value, info, group)  # over tp
             parts = lerobot_keys(name, tuple(full.shape))
             pieces = full.split([s[0] for _, s in parts]) if len(parts) > 1 else [full]
             for (key, shape), t in zip(parts, pieces):

@@ -161,11 +161,11 @@ _PI0 = Pi0Config("pi0", siglip_so400m(), GEMMA_2B, GEMMA_300M)
 _TINY = Pi0Config(
     "pi0", TINY_VISION, TINY_PREFIX, TINY_EXPERT, chunk=4, max_action_dim=8, max_state_dim=8
 )
-_TINY = replace(_TINY, num_cameras=2, text_length=8)
+_TINY = replace(_TINY, num_cameras=2, text_length=32)  # the byte prompt of a synthetic task
 PRESETS = {
     "pi0": _PI0,
     "pi05": replace(_PI0, variant="pi05", text_length=200),
     "pi0-tiny": _TINY,
-    "pi05-tiny": replace(_TINY, variant="pi05", text_length=12),
+    "pi05-tiny": replace(_TINY, variant="pi05", text_length=64),  # and its state bins
 }
 Pi0Config.PRESETS = PRESETS

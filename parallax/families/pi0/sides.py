@@ -34,6 +34,15 @@ from parallax.run import Run
 
 DEFAULT_LR = {"pi0-tiny": 1e-3, "pi05-tiny": 1e-3}
 DEFAULT_LR_LARGE = 2.5e-5  # openpi's fine-tuning peak rate
+SUFFIX_HEADS = (
+    "action_in_proj",
+    "action_out_proj",
+    "state_proj",
+    "action_time_mlp_in",
+    "action_time_mlp_out",
+    "time_mlp_in",
+    "time_mlp_out",
+)
 
 
 class Pi0Data(DataSide):
@@ -97,6 +106,11 @@ class Pi0Side(ModelSide):
 
     def default_lr(self, spec: str) -> float:
         return DEFAULT_LR.get(spec, DEFAULT_LR_LARGE)
+
+    def fully_trained(self, run: Run) -> tuple[str, ...]:
+        """Beside LoRA's adapters the suffix heads and pi0.5's adaptive norms train whole (new
+        modules of the action expert, no adapters on plain linears)."""
+        return SUFFIX_HEADS + ("*.dense",) if run.model_config.pi05 else SUFFIX_HEADS
 
     def blocks(self, config: Pi0Config) -> list[StageBlock]:
         return Pi0Model.stage_blocks(config)

@@ -21,12 +21,13 @@ from parallax.run import TrainConfig
 from parallax.testing import context, run_ranks
 
 STEPS = 2
-# Updated weights: Adam divides each gradient by its own scale, so where a gradient is near zero
-# the order of tp's and dp's sums shows in the step. SigLIP's key bias has an exactly zero
-# gradient (a constant added to every score of a row leaves the softmax unchanged): Adam turns
-# its roundoff into whole steps, so it is left out. Elsewhere the largest difference seen was
-# 1.8e-5 (one row of pi0.5's expert gate_proj at tp2), hence 3e-5.
-WEIGHT_ATOL = 3e-5
+# Updated weights: Adam divides each gradient by its own running scale, so where a gradient is
+# near zero the order of tp's and dp's sums shows in the step. SigLIP's key bias has an exactly
+# zero gradient (a constant added to every score of a row leaves the softmax unchanged): Adam
+# turns its roundoff into whole steps, so it is left out. Elsewhere single elements differ by
+# up to 5e-5 (2.5 % of one step at lr 2e-3; seen at tp2 with 32-byte prompts), hence 1e-4; the
+# gradients themselves are compared at 1e-5 in test_parallel.py.
+WEIGHT_ATOL = 1e-4
 VARIANTS = ("pi0-tiny", "pi05-tiny")
 
 
