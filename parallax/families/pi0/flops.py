@@ -8,7 +8,7 @@
   keys it sees (the prefix: the prefix; the suffix: prefix and suffix), the full squares
   counted (the mask's zeros are still computed);
 - the suffix heads: ``action_in_proj``, pi0's state token and action-time MLP, pi0.5's time
-  MLP, ``action_out_proj``.
+  MLP and the final adaptive norm's dense, ``action_out_proj``.
 
 The last layer's prefix stream after its keys and values is not run (it reaches nothing).
 """
@@ -36,13 +36,25 @@ def forward_flops(config: Pi0Config) -> dict[str, float]:
     expert = config.depth * stream_layer_flops(e, n_s, n_p + n_s, config.pi05)
     w, a, h = e.width, config.max_action_dim, config.chunk
     heads = 2 * h * a * w * 2  # action_in_proj, action_out_proj
-    heads += 2 * 2 * w * w if config.pi05 else 2 * config.max_state_dim * w + 2 * h * 3 * w * w
+    if config.pi05:  # the time MLP, the final adaptive norm's dense
+        heads += 2 * 2 * w * w + 2 * w * 3 * w
+    else:  # the state token, the action-time MLP
+        heads += 2 * config.max_state_dim * w + 2 * h * 3 * w * w
     return {
         "vision": config.num_cameras * per_camera,
         "prefix": prefix,
         "expert": expert,
         "heads": heads,
     }
+
+
+def attention_flops(config: Pi0Config) -> float:
+    """The attention part of :func:`forward_flops` (scores and weighted values)."""
+    v, p, e = config.vision, config.prefix, config.expert
+    n_p, n_s = config.prefix_length, config.suffix_length
+    vision = config.num_cameras * (v.feature_index + 1) * 4 * v.num_patches**2 * v.width
+    prefix = (config.depth - 1) * 4 * n_p * n_p * p.heads * p.head_dim
+    return vision + prefix + config.depth * 4 * n_s * (n_p + n_s) * e.heads * e.head_dim
 
 
 def flops_per_sample(config: Pi0Config, train: bool = True) -> float:

@@ -96,10 +96,11 @@ class GemmaAttentionProjections(nn.Module):
         self.v_proj = nn.Linear(cfg.width, kv, **kw)
         self.o_proj = RowParallelLinear(q, cfg.width, ctx=ctx, **kw)
 
-    def qkv(self, x: torch.Tensor):
-        """``(q (b, nh/tp, s, hd), k, v (b, kv, s, hd))``, before rotary."""
+    def qkv(self, x: torch.Tensor, queries: bool = True):
+        """``(q (b, nh/tp, s, hd) | None, k, v (b, kv, s, hd))``, before rotary (``queries``:
+        whether the queries are wanted)."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) if queries else None
         k = copy_to_tp(self.k_proj(x), self.group)  # (b, s, kv hd)
         v = copy_to_tp(self.v_proj(x), self.group)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)

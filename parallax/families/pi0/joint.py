@@ -95,9 +95,10 @@ class JointLayer(nn.Module):
         qs, ks, vs, gates = [], [], [], []
         for i, stream, x, c in present:
             h, gate = stream.input_layernorm(x, c)
-            q, k, v = stream.self_attn.qkv(h)  # (b, nh/tp, s_i, hd), (b, 1, s_i, hd) x2
+            # unwanted queries would reach nothing: not computed
+            q, k, v = stream.self_attn.qkv(h, outputs[i])  # (b, nh/tp, s_i, hd), (b, 1, s_i, hd)
             ks, vs, gates = ks + [k], vs + [v], gates + [gate]
-            qs += [q] if outputs[i] else []  # unwanted queries would reach nothing
+            qs += [q] if outputs[i] else []
         k = apply_rope(torch.cat(ks, dim=2), cos, sin)  # (b, 1, s, hd)
         v = torch.cat(vs, dim=2)
         if cache is not None:
