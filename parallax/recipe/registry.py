@@ -43,7 +43,9 @@ FAMILIES: dict[str, Family] = {
         "parallax.families.llava_next.recipe:LlavaRecipe", ("llava-tiny", "llava-v1.6-vicuna-7b")
     ),
     "pi0": Family(
-        "parallax.families.pi0.recipe:Pi0Recipe", ("pi0", "pi05", "pi0-tiny", "pi05-tiny")
+        "parallax.families.pi0.recipe:Pi0Recipe",
+        ("pi0", "pi05", "pi0-tiny", "pi05-tiny"),
+        "parallax.families.pi0.options:Pi0Options",
     ),
     "siglip": Family(
         "parallax.families.siglip.recipe:SiglipRecipe",

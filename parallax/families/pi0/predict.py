@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from parallax.families.pi0.checkpoint import load_model
-from parallax.families.pi0.prompt import ByteTokenizer, padded_ids, prompt_text
+from parallax.families.pi0.prompt import find_tokenizer, padded_ids, prompt_text
 
 
 @torch.no_grad()
@@ -91,8 +91,8 @@ def predict_action_chunk(
     token ids in place of text (a list of id lists). ``state``: the normalised, padded state
     ``(Ds,)`` or ``(b, Ds)`` (pi0: the state token; pi0.5: written into the prompt).
     ``tokenizer``: the PaliGemma tokenizer (``encode(text) -> ids`` with BOS), else the
-    built-in :class:`~.prompt.ByteTokenizer`. ``noise`` (b, H, A): the flow's start (drawn
-    from ``generator`` otherwise)."""
+    model folder's own or the built-in :class:`~.prompt.ByteTokenizer`. ``noise`` (b, H, A):
+    the flow's start (drawn from ``generator`` otherwise)."""
     config = model.config
     device = next(model.parameters()).device
     images, state, single = _batched(images, state)
@@ -100,7 +100,7 @@ def predict_action_chunk(
     texts = [instruction] if isinstance(instruction, str) else list(instruction)
     if len(texts) != b:
         raise ValueError(f"{b} samples of images but {len(texts)} instructions")
-    tok = tokenizer or ByteTokenizer()
+    tok = tokenizer or find_tokenizer(None, config.source)
     ids = []
     for i, text in enumerate(texts):
         if isinstance(text, str):

@@ -10,6 +10,7 @@ are right-padded (or cut) to the model's ``text_length``. The built-in :class:`B
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +27,49 @@ class ByteTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = [3 + b for b in text.encode("utf-8")]
         return [self.bos_id, *ids] if add_bos else ids
+
+
+class PaliGemmaTokenizer:
+    """The PaliGemma (Gemma) tokenizer of a folder: ``tokenizer.json`` through ``tokenizers`` or
+    ``tokenizer.model`` through ``sentencepiece``; BOS 2, EOS 1, pad 0 (Gemma's ids), BOS added
+    here as LeRobot's processor adds it."""
+
+    pad_id, eos_id, bos_id = 0, 1, 2
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self._tok = self._sp = None
+        if (path / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer  # optional dependency (the tokenizers extra)
+
+            self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        elif (path / "tokenizer.model").is_file():
+            import sentencepiece  # optional dependency, the other back end
+
+            self._sp = sentencepiece.SentencePieceProcessor(
+                model_file=str(path / "tokenizer.model")
+            )
+        else:
+            raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        if self._tok is not None:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._sp.encode(text)
+        return [self.bos_id, *ids] if add_bos else list(ids)
+
+
+def find_tokenizer(path: str | Path | None, model_folder: str | Path | None = None):
+    """``--tokenizer``'s folder, else the model folder's own tokenizer files, else the built-in
+    :class:`ByteTokenizer`."""
+    for folder in (path, model_folder):
+        if folder is None:
+            continue
+        files = [Path(folder) / f for f in ("tokenizer.json", "tokenizer.model")]
+        if any(f.is_file() for f in files) or folder is path:
+            return PaliGemmaTokenizer(folder)
+    return ByteTokenizer()
 
 
 def state_bins(state) -> np.ndarray:

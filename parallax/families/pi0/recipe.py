@@ -7,12 +7,14 @@ and the times come with the microbatch (:mod:`.batches`). pp = 1 for now (:mod:`
 """
 
 from parallax.families.pi0.objective import FlowMatchingObjective
+from parallax.families.pi0.options import Pi0Options
 from parallax.families.pi0.sides import Pi0Data, Pi0Side
 from parallax.recipe import Recipe
 
 
 class Pi0Recipe(Recipe):
     name = "pi0"
+    options = Pi0Options
     # options of OpenVLA's robot data streaming and of a language model's head
     unread = ("augment", "workers", "data_config", "logits", "fused_projections")
 

@@ -25,6 +25,7 @@ from parallax.families.pi0.data import IndexedSamples, synthetic_task
 from parallax.families.pi0.estimate import block_estimates
 from parallax.families.pi0.flops import flops_per_sample
 from parallax.families.pi0.model import Pi0Model
+from parallax.families.pi0.prompt import find_tokenizer
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.pipeline import TensorMeta
@@ -65,7 +66,8 @@ class Pi0Data(DataSide):
 
     def collator(self, run: Run, dataset: Any):
         stats = next(iter(dataset.statistics.values()))
-        return Pi0Batches(run.model_config, stats, run.seed)
+        tokenizer = find_tokenizer(run.family_options.tokenizer, run.checkpoint)
+        return Pi0Batches(run.model_config, stats, run.seed, tokenizer)
 
     def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
         return stage_inputs(mb)
