@@ -143,9 +143,9 @@ class Pi0Config(ConfigFile):
 
 GEMMA_2B = GemmaConfig(width=2048, depth=18, mlp_hidden=16384, vocab_size=257152)
 GEMMA_300M = GemmaConfig(width=1024, depth=18, mlp_hidden=4096)
-TINY_VISION = ViTConfig(
-    image_size=16,
-    patch_size=4,
+TINY_VISION = ViTConfig(  # 32 px: the synthetic task's objects span a few pixels; 16 patches
+    image_size=32,
+    patch_size=8,
     width=32,
     depth=2,
     num_heads=2,
