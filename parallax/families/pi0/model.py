@@ -20,6 +20,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parallax.families.pi0.config import Pi0Config
 from parallax.families.pi0.flops import forward_flops
@@ -27,6 +28,7 @@ from parallax.families.pi0.gemma import GemmaRMSNorm, make_norm, rope_tables
 from parallax.families.pi0.joint import JointLayer, PrefixCache, attention_bias, joint_layout
 from parallax.families.pi0.suffix import add_input_heads, embed_suffix, suffix_flags
 from parallax.init import InitFn, init_parameters
+from parallax.models.compile import checkpoint_parts, compile_modules
 from parallax.models.stages import StageBlock, check_block_range
 from parallax.models.vit import VisionTransformer
 from parallax.tensor import VocabParallelEmbedding
@@ -81,8 +83,24 @@ class Pi0Model(nn.Module):
             self.norm = GemmaRMSNorm(p.width, p.eps, **kw)
             self.expert_norm = make_norm(e.width, e.eps, config.pi05, **kw)
             self.action_out_proj = nn.Linear(e.width, config.max_action_dim, **kw)
+        self.checkpoint_layers = False  # recompute each joint layer in the backward
         if seed is not None:
             init_parameters(self, seed, pi0_init_fn())
+
+    def set_activation_checkpointing(self, enabled: bool | str = True) -> None:
+        """Recompute each ViT block and joint layer in the backward (non-reentrant); a scope
+        (``"vision"``, ``"text"``: :func:`~parallax.models.compile.checkpoint_parts`) picks the
+        tower or the joint layers alone."""
+        vision, text = checkpoint_parts(enabled)
+        self.checkpoint_layers = text
+        if self.has_embed:
+            self.vision.activation_checkpointing = vision
+
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` each joint layer and ViT block (their forward, in place)."""
+        compile_modules(self.layers.values(), **options)
+        if self.has_embed:
+            self.vision.compile_blocks(**options)
 
     @staticmethod
     def stage_blocks(config: Pi0Config) -> list[StageBlock]:
@@ -162,8 +180,10 @@ class Pi0Model(nn.Module):
         cos, sin = self._rope(positions, prefix.dtype)
         xs = (prefix, suffix)
         last = self.config.depth - 1
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for i, layer in self.layers.items():
-            xs = layer(xs, cos, sin, bias, cond, outputs=(int(i) < last, True))
+            args = (xs, cos, sin, bias, cond, None, (int(i) < last, True))
+            xs = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return xs
 
     def actions_out(self, suffix: torch.Tensor, cond) -> torch.Tensor:

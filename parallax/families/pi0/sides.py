@@ -127,7 +127,7 @@ class Pi0Side(ModelSide):
         model.ctx = ctx  # the export gathers over its tp group
         for name in model.unused_names():
             model.get_parameter(name).requires_grad_(False)
-        model.compile_blocks = lambda **options: None  # --compile: not yet per layer
+        model.set_activation_checkpointing(run.checkpointing)
         return model
 
     def export(self, run: Run, chunk: Pi0Model, path: Path, statistics: Mapping | None) -> None:

@@ -44,5 +44,19 @@ def _tp2_case() -> None:
             assert err <= 1e-5 * scale + 1e-5 * got.abs().max().item(), (variant, name, err, scale)
 
 
+def test_activation_checkpointing_and_compiling_change_no_gradient():
+    plain, recomputed, compiled = (tiny_model("pi05") for _ in range(3))
+    recomputed.set_activation_checkpointing(True)
+    compiled.compile_blocks(backend="aot_eager")  # traced as --compile does; no C++ compiler
+    x = inputs(plain.config)
+    for model in (plain, recomputed, compiled):
+        flow_matching_loss(model, x, noise=x["noise"], time=x["time"]).backward()
+    grads = dict(plain.named_parameters())
+    for other in (recomputed, compiled):
+        for name, p in other.named_parameters():
+            if p.grad is not None or grads[name].grad is not None:
+                assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_tp2_equals_tp1():
     run_ranks(_tp2_case, 2)
