@@ -94,13 +94,35 @@ LAYOUTS = {
     "pp2": (1, 2, 1, {}),
     "dp2": (1, 1, 2, {}),
     "dp2-zero3": (1, 1, 2, dict(zero=3)),
+    "dp2-zero2-offload": (1, 1, 2, dict(zero=2, offload="optimizer")),
     "tp2pp2": (2, 2, 1, {}),
 }
 
 
 @pytest.mark.parametrize("tp,pp,dp,memory", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_layouts_match_one_process(reference, tp, pp, dp, memory):
-    results = run_ranks(_parallel, tp * pp * dp, tp, pp, dp, **memory)
+    _match(run_ranks(_parallel, tp * pp * dp, tp, pp, dp, **memory), reference)
+
+
+LORA = dict(finetune="lora", lora_rank=4, lora_alpha=8.0)
+
+
+def test_lora_at_tp2_matches_one_process():
+    """Adapters on both streams' parallel linears (column-parallel A's gradient summed over
+    tp), the suffix heads and pi0.5's adaptive norms trained whole."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = {m: _run(ParallelContext.local(), _cfg(m, **LORA)) for m in VARIANTS}
+    finally:
+        torch.set_num_threads(threads)
+    assert any(".lora_" in n for n in one["pi0-tiny"][1])
+    assert "action_in_proj.weight" in one["pi0-tiny"][1]
+    assert any(n.endswith("input_layernorm.dense.weight") for n in one["pi05-tiny"][1])
+    _match(run_ranks(_parallel, 2, 2, 1, 1, **LORA), one)
+
+
+def _match(results, reference) -> None:
     for model in VARIANTS:
         ref_history, ref_weights = reference[model]
         assert ref_history[-1][0] != ref_history[0][0]
