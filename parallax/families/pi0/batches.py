@@ -35,6 +35,15 @@ def normalize(x, stats: Mapping, quantiles: bool) -> np.ndarray:
     return (x - np.asarray(stats["mean"])) / (np.asarray(stats["std"]) + 1e-8)
 
 
+def unnormalize(x, stats: Mapping, quantiles: bool) -> np.ndarray:
+    """The inverse of :func:`normalize` on the first ``len(stats["mean"])`` dims of ``x``."""
+    x = np.asarray(x, dtype=np.float64)[..., : len(stats["mean"])]
+    if quantiles:
+        lo, hi = np.asarray(stats["q01"]), np.asarray(stats["q99"])
+        return np.where(hi > lo, (x + 1) / 2 * (hi - lo) + lo, lo)
+    return x * (np.asarray(stats["std"]) + 1e-8) + np.asarray(stats["mean"])
+
+
 def padded(x: np.ndarray, width: int, what: str) -> torch.Tensor:
     if x.shape[-1] > width:
         raise ValueError(f"{what} of {x.shape[-1]} dimensions, the model takes at most {width}")
