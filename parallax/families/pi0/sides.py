@@ -114,6 +114,16 @@ class Pi0Side(ModelSide):
         modules of the action expert, no adapters on plain linears)."""
         return SUFFIX_HEADS + ("*.dense",) if run.model_config.pi05 else SUFFIX_HEADS
 
+    def check_layout(self, run: Run, dims) -> None:
+        if run.export_hf and dims.pp > 1:
+            raise ValueError(
+                f"--export-hf with --pp {dims.pp}: pi0's policy folder is written from whole "
+                "models for now; export from a --pp 1 run (or resume the checkpoint at --pp 1)"
+            )
+        heads = run.model_config.prefix.heads
+        if heads % dims.tp:
+            raise ValueError(f"--tp {dims.tp} does not divide the Gemma streams' {heads} heads")
+
     def blocks(self, config: Pi0Config) -> list[StageBlock]:
         return Pi0Model.stage_blocks(config)
 
