@@ -42,6 +42,11 @@ FAMILIES: dict[str, Family] = {
     "llava": Family(
         "parallax.families.llava_next.recipe:LlavaRecipe", ("llava-tiny", "llava-v1.6-vicuna-7b")
     ),
+    "pi0": Family(
+        "parallax.families.pi0.recipe:Pi0Recipe",
+        ("pi0", "pi05", "pi0-tiny", "pi05-tiny"),
+        "parallax.families.pi0.options:Pi0Options",
+    ),
     "siglip": Family(
         "parallax.families.siglip.recipe:SiglipRecipe",
         (

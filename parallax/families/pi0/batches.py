@@ -1,0 +1,125 @@
+"""Raw robot samples -> pi0's microbatches.
+
+A sample holds its cameras (:data:`~.data.CAMERAS` order; slots past them are absent cameras,
+all -1 and masked out), the instruction, the state and the chunk of the next ``H`` actions.
+As LeRobot's processors: state and actions normalised (pi0 mean/std, ``(x - mean) / (std +
+1e-8)``; pi0.5 quantiles, ``2 (x - q01) / (q99 - q01) - 1``, 0 where q99 = q01) and
+zero-padded to the model's widths; images to [-1, 1]; the prompt (:mod:`.prompt`; pi0.5's with
+the discretised state) right-padded to ``text_length``. The flow-matching noise and time of
+each sample are drawn here from ``(seed, index, visit)`` (:mod:`.data`), so every layout draws
+the same ones; ``x_t`` is made from them in the stage inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from parallax.families.pi0.config import Pi0Config
+from parallax.families.pi0.data import CAMERAS
+from parallax.families.pi0.objective import flow_terms, sample_time
+from parallax.families.pi0.prompt import ByteTokenizer, padded_ids, prompt_text
+from parallax.seeds import param_seed
+
+
+def normalize(x, stats: Mapping, quantiles: bool) -> np.ndarray:
+    """pi0's (mean/std) or pi0.5's (quantile) normalisation of ``x`` (..., d)."""
+    x = np.asarray(x, dtype=np.float64)
+    if quantiles:
+        lo, hi = np.asarray(stats["q01"]), np.asarray(stats["q99"])
+        span = hi - lo
+        return np.where(span > 0, 2 * (x - lo) / np.where(span > 0, span, 1) - 1, 0.0)
+    return (x - np.asarray(stats["mean"])) / (np.asarray(stats["std"]) + 1e-8)
+
+
+def unnormalize(x, stats: Mapping, quantiles: bool) -> np.ndarray:
+    """The inverse of :func:`normalize` on the first ``len(stats["mean"])`` dims of ``x``."""
+    x = np.asarray(x, dtype=np.float64)[..., : len(stats["mean"])]
+    if quantiles:
+        lo, hi = np.asarray(stats["q01"]), np.asarray(stats["q99"])
+        return np.where(hi > lo, (x + 1) / 2 * (hi - lo) + lo, lo)
+    return x * (np.asarray(stats["std"]) + 1e-8) + np.asarray(stats["mean"])
+
+
+def padded(x: np.ndarray, width: int, what: str) -> torch.Tensor:
+    if x.shape[-1] > width:
+        raise ValueError(f"{what} of {x.shape[-1]} dimensions, the model takes at most {width}")
+    return F.pad(torch.tensor(x, dtype=torch.float32), (0, width - x.shape[-1]))
+
+
+def image_tensor(image: torch.Tensor, size: int) -> torch.Tensor:
+    """``(S, S, 3)`` uint8 -> ``(3, size, size)`` in [-1, 1] (bilinear, no corner alignment)."""
+    x = image.permute(2, 0, 1).float()[None] / 255.0  # (1, 3, S, S)
+    if x.shape[-1] != size or x.shape[-2] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    return x[0] * 2 - 1  # (3, size, size)
+
+
+class Pi0Batches:
+    """Lists of raw samples -> ``{"images", "image_masks", "tokens", "token_mask", "state",
+    "actions", "action_dim", "noise", "time"}`` (module doc). ``stats``: the dataset's
+    ``norm_stats`` entry (``action``, ``proprio``)."""
+
+    def __init__(self, config: Pi0Config, stats: Mapping, seed: int, tokenizer=None) -> None:
+        self.config, self.stats, self.seed = config, stats, seed
+        self.tokenizer = tokenizer or ByteTokenizer()
+
+    def noise_and_time(self, sample: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        key = f"pi0-flow:{sample.get('index', 0)}:{sample.get('visit', 0)}"
+        g = torch.Generator().manual_seed(param_seed(self.seed, key))
+        noise = torch.randn(c.chunk, c.max_action_dim, generator=g)  # (H, A)
+        return noise, sample_time(1, g)[0]
+
+    def images(self, sample: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+        c, size = self.config, self.config.vision.image_size
+        present = [k for k in CAMERAS[: c.num_cameras] if k in sample]
+        out = [image_tensor(sample[k], size) for k in present]
+        out += [torch.full((3, size, size), -1.0)] * (c.num_cameras - len(out))
+        mask = torch.arange(c.num_cameras) < len(present)
+        return torch.stack(out), mask  # (n, 3, S, S), (n,)
+
+    def __call__(self, samples: Sequence[Mapping]) -> dict:
+        c, pi05 = self.config, self.config.pi05
+        rows: dict[str, list] = {k: [] for k in ("images", "masks", "state", "actions", "ids")}
+        rows.update(noise=[], time=[])
+        dims = set()
+        for s in samples:
+            state = normalize(s["state"], self.stats["proprio"], pi05)
+            actions = normalize(s["actions"], self.stats["action"], pi05)  # (H, D)
+            dims.add(actions.shape[-1])
+            images, mask = self.images(s)
+            text = prompt_text(s["instruction"], state if pi05 else None, pi05)
+            noise, time = self.noise_and_time(s)
+            rows["images"].append(images)
+            rows["masks"].append(mask)
+            rows["state"].append(padded(state, c.max_state_dim, "a state"))
+            rows["actions"].append(padded(actions, c.max_action_dim, "actions"))
+            rows["ids"].append(self.tokenizer.encode(text))
+            rows["noise"].append(noise)
+            rows["time"].append(time)
+        if len(dims) != 1:
+            raise ValueError(f"a microbatch mixes action widths {sorted(dims)}")
+        tokens, token_mask = padded_ids(rows["ids"], c.text_length, self.tokenizer.pad_id)
+        return {
+            "images": torch.stack(rows["images"]),  # (b, n, 3, S, S)
+            "image_masks": torch.stack(rows["masks"]),  # (b, n)
+            "tokens": tokens,  # (b, L)
+            "token_mask": token_mask,  # (b, L)
+            "state": torch.stack(rows["state"]),  # (b, Ds)
+            "actions": torch.stack(rows["actions"]),  # (b, H, A)
+            "action_dim": dims.pop(),
+            "noise": torch.stack(rows["noise"]),  # (b, H, A)
+            "time": torch.stack(rows["time"]),  # (b,)
+        }
+
+
+def stage_inputs(mb: Mapping) -> tuple[torch.Tensor, ...]:
+    """What the model's forward takes from a microbatch, in order: the prefix's inputs, the
+    state (pi0.5's model ignores it), the noisy actions and the times."""
+    terms = flow_terms(mb["actions"], mb["noise"], mb["time"])
+    prefix = (mb["images"], mb["image_masks"], mb["tokens"], mb["token_mask"])
+    return (*prefix, mb["state"], terms.x_t, terms.time)

@@ -1,0 +1,57 @@
+"""What ``--data`` opens for pi0: the synthetic task's pi0 form (for now; LeRobot datasets and
+LIBERO come next, issue 38).
+
+The pi0 form of :mod:`parallax.data.synthetic`: a static third-person camera and the wrist
+camera (the model's first two camera slots; further slots are absent cameras), the gripper's
+position as the state, chunks of the model's horizon, episodes a few steps longer than a chunk,
+images rendered at the tower's resolution. :class:`IndexedSamples` adds each sample's index
+and how often this process has served it: the flow-matching noise and time of a sample are
+drawn from ``(seed, index, visit)`` (:mod:`.batches`), the same whatever the layout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from parallax.data.synthetic import SyntheticTask
+from parallax.families.pi0.config import Pi0Config
+
+SYNTHETIC_EXTRA_STEPS = 4  # episodes of chunk + 4 steps: 5 samples each
+CAMERAS = ("image", "wrist_image")  # the synthetic task's cameras, in the model's slot order
+
+
+def synthetic_task(config: Pi0Config, seed: int, **overrides: Any) -> SyntheticTask:
+    """The synthetic task's pi0 form (module doc)."""
+    kw = dict(
+        seed=seed,
+        camera="static",
+        wrist_image=True,
+        state=True,
+        chunk=config.chunk,
+        episode_length=config.chunk + SYNTHETIC_EXTRA_STEPS,
+        image_size=config.vision.image_size,
+    )
+    return SyntheticTask(**{**kw, **overrides})
+
+
+class IndexedSamples:
+    """A random-access dataset whose samples carry ``index`` and ``visit`` (how many times
+    this process served that index before): see the module doc."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.visits: Counter[int] = Counter()
+
+    @property
+    def statistics(self):
+        return self.dataset.statistics
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = dict(self.dataset[index])
+        sample["index"], sample["visit"] = int(index), self.visits[int(index)]
+        self.visits[int(index)] += 1
+        return sample

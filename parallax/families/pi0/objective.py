@@ -1,0 +1,90 @@
+"""pi0's flow-matching objective (``shared/pi0.md``).
+
+``t = 0.001 + 0.999 * Beta(1.5, 1)``, ``noise ~ N(0, I)``, ``x_t = t * noise + (1 - t) *
+actions``, target velocity ``u = noise - actions``; the loss is the mean squared error between
+the model's velocity and ``u`` over the real action dimensions (the padded ones are computed,
+then cut). Beta(1.5, 1) has CDF ``x^1.5``, so it is drawn by inversion, ``U^(2/3)``, from a
+generator the caller may give. Noise and times may be given (a test fixes them).
+
+In the trainer the loss of a microbatch is the *sum* of squared errors over ``b x H x D``
+elements, the units the trainer divides the global batch's sum by
+(:class:`FlowMatchingObjective`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from parallax.recipe import TokenObjective
+
+# what a microbatch gives the model, in the order of Pi0Model.velocity's first arguments
+MODEL_INPUTS = ("images", "image_masks", "tokens", "token_mask", "state")
+
+
+def sample_time(b: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """``(b,)`` flow-matching times: ``0.001 + 0.999 * Beta(1.5, 1)``."""
+    u = torch.rand(b, generator=generator, device=device, dtype=torch.float64)
+    return (0.001 + 0.999 * u.pow(2.0 / 3.0)).float()
+
+
+def sample_noise(actions: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``N(0, I)`` of the padded actions' shape ``(b, H, A)``, float32."""
+    return torch.randn(
+        actions.shape, generator=generator, device=actions.device, dtype=torch.float32
+    )
+
+
+@dataclass
+class FlowMatching:
+    """One microbatch's flow-matching terms: the noisy actions the model reads and the target."""
+
+    x_t: torch.Tensor  # (b, H, A)
+    target: torch.Tensor  # (b, H, A): noise - actions
+    time: torch.Tensor  # (b,)
+
+
+def flow_terms(actions: torch.Tensor, noise: torch.Tensor, time: torch.Tensor) -> FlowMatching:
+    """``x_t`` and ``u`` of padded ``actions`` (b, H, A) at ``noise`` and ``time`` (b,)."""
+    actions, noise, t = actions.float(), noise.float(), time.float()[:, None, None]
+    return FlowMatching(t * noise + (1 - t) * actions, noise - actions, time.float())
+
+
+def squared_error_sum(velocity, target, action_dim: int) -> torch.Tensor:
+    """Sum of squared errors over the first ``action_dim`` (real) dimensions."""
+    err = (velocity.float() - target) ** 2  # (b, H, A)
+    return err[..., :action_dim].sum()
+
+
+def flow_matching_loss(
+    model, mb: Mapping, noise=None, time=None, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """The mean squared error of one batch (``mb``: the collated tensors of
+    :mod:`.batches`, on the model's device), with given or drawn ``noise`` and ``time``."""
+    actions = mb["actions"]  # (b, H, A)
+    noise = sample_noise(actions, generator) if noise is None else noise
+    time = sample_time(actions.shape[0], generator, actions.device) if time is None else time
+    terms = flow_terms(actions, noise, time)
+    v = model.velocity(*(mb.get(k) for k in MODEL_INPUTS), terms.x_t, terms.time)
+    d = int(mb["action_dim"])
+    return squared_error_sum(v, terms.target, d) / (actions.shape[0] * actions.shape[1] * d)
+
+
+class FlowMatchingObjective(TokenObjective):
+    """The trainer's side: units ``b x H x D``; noise and times come with the microbatch
+    (drawn on the host by the collator from the run's seed, so every layout draws the same)."""
+
+    def loss_units(self, mb: Mapping) -> int:
+        b, h = mb["actions"].shape[:2]
+        return int(b * h * int(mb["action_dim"]))
+
+    def loss_target(self, run, mb: Mapping):
+        terms = flow_terms(mb["actions"], mb["noise"], mb["time"])
+        return terms.target, int(mb["action_dim"])
+
+    def loss(self, chunk, output, target, ctx, run):
+        goal, d = target
+        total = squared_error_sum(output, goal.to(output.device), d)
+        return total, torch.zeros(0, device=output.device)

@@ -1,0 +1,22 @@
+"""pi0 and pi0.5 as a recipe: presets ``pi0``, ``pi05``, ``pi0-tiny``, ``pi05-tiny`` or a
+LeRobot policy folder (found by its ``config.json``'s ``type``).
+
+The objective is flow matching (:mod:`.objective`): per microbatch the sum of squared velocity
+errors over the real action dimensions, divided by the global batch's ``b x H x D``; the noise
+and the times come with the microbatch (:mod:`.batches`). pp = 1 for now (:mod:`.sides`).
+"""
+
+from parallax.families.pi0.objective import FlowMatchingObjective
+from parallax.families.pi0.options import Pi0Options
+from parallax.families.pi0.sides import Pi0Data, Pi0Side
+from parallax.recipe import Recipe
+
+
+class Pi0Recipe(Recipe):
+    name = "pi0"
+    options = Pi0Options
+    # options of OpenVLA's robot data streaming and of a language model's head
+    unread = ("augment", "workers", "data_config", "logits", "fused_projections")
+
+    def __init__(self) -> None:
+        super().__init__(Pi0Side(), Pi0Data(), FlowMatchingObjective())
