@@ -13,10 +13,11 @@ tp and dp peers hold as much):
   and moments (8/dp), on the host instead with ``--offload optimizer``;
 - **gathered**: ZeRO-3's whole units at once: the one running and the one prefetched (two of
   the largest), or with ``--no-reshard-after-forward`` every unit of the stage until the step;
-- **activations**: what the blocks keep for the backward (:meth:`Recipe.block_estimates`:
-  checkpointed blocks keep their input), times the micro-batch, at the schedule's peak of
-  microbatches in flight per stage (:func:`parallax.pipeline.simulate.peak_activations`, per
-  stage for interleaved schedules), with the tensors a stage receives and sends;
+- **activations** (:mod:`parallax.plan.activations`): what the blocks keep for the backward
+  (:meth:`Recipe.block_estimates`: checkpointed blocks keep their input), times the
+  micro-batch, at the schedule's peak of microbatches in flight per stage
+  (:func:`parallax.pipeline.simulate.peak_activations`, per stage for interleaved schedules),
+  with the tensors a stage receives and sends;
 - **workspace**: the backward's transient: the gradients in flight in one piece's backward
   (a recomputed piece's saved tensors again first), less what the pieces after it have freed;
 - **buffers**: ZeRO's fp32 staging and per-pass buffers, about a bucket each;
@@ -42,20 +43,15 @@ from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_num
 from parallax.optim.zero.offload.share import offloaded_share
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
 from parallax.optim.zero.stage import HOST_FLOOR_BYTES, ElementBytes, ZeroStage, stage_of
+from parallax.plan.activations import activation_bytes
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
-from parallax.plan.workload import Workload, peak_weighted
+from parallax.plan.workload import Workload
 
 GIB = 2**30
 SCRATCH, PINNED = "step scratch", "pinned upload staging"  # host bytes beside the stage's terms
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
 HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
-# The backward's transient, as a share of a piece's saved bytes: measured as the peak of live
-# tensors over what the forward left, on ViT blocks (0.26-0.27) and a Llama layer (0.29), and
-# on the same ViT blocks recomputed (1.19-1.20: their saved tensors again, then the gradients)
-# (tests/families/siglip/test_activation_peak.py measures whole steps against it)
-GRADIENTS_IN_FLIGHT = 0.3
-RECOMPUTED = 1.2
 
 
 @dataclass(frozen=True)
@@ -152,7 +148,7 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     held = _held(model, layout, pp_rank)
     c = held.counts
     weights, gradients, optimizer, gathered, buffers, hosted, share = _states(c, layout, overlap)
-    activations, workspace = _activations(model, layout, pp_rank)
+    activations, workspace = activation_bytes(model, layout, pp_rank)
     return RankMemory(
         pp_rank=pp_rank,
         blocks=held.blocks,
@@ -290,55 +286,6 @@ def _building(c: _Counts, layout: Layout) -> float:
     if stage_of(layout.zero).shards_weights:
         return float(c.full_bytes) + float(min(c.unit, c.full_bytes))
     return float(c.full_bytes) + 2.0 * c.t2 + 4.0 * c.t4
-
-
-def _activations(model: Workload, layout: Layout, pp_rank: int) -> tuple[float, float]:
-    """(activations at the schedule's peak, the backward's workspace) of a pipeline rank."""
-    kept, largest = _per_sample(model, layout, pp_rank)
-    mb = layout.micro_batch_size
-    if model.run.compile:  # the compiler keeps at most this share of the fused blocks' own
-        mb *= model.run.activation_memory_budget
-    states = model.in_flight_states(layout, pp_rank)
-    return peak_weighted(states, [mb * k for k in kept]), mb * largest
-
-
-def _per_sample(model: Workload, layout: Layout, pp_rank: int) -> tuple[list[float], float]:
-    """Per local stage, the bytes one sample keeps (with what the stage receives and sends);
-    and the largest piece's backward transient."""
-    ckpt, compiled = layout.checkpointing, bool(model.run.compile)
-    key = ("acts", layout.tp, layout.pp, layout.chunks, pp_rank, ckpt, compiled)
-    if key in model.cache:
-        return model.cache[key]  # type: ignore[return-value]
-    tp, est = layout.tp, model.estimates
-    ranges = model.ranges(layout.pp, layout.chunks)
-    last = layout.pp * layout.chunks - 1
-    kept, largest = [], 0.0
-    for s in model.stages_of(layout, pp_rank):
-        r = ranges[s]
-        k = sum(est[i].keeps(ckpt, compiled).at(tp) for i in r)
-        if s > 0:  # what the stage received, held for the gradient it sends back
-            k += est[r.start - 1].output_bytes
-        if s < last:  # what it sent, held until its gradient comes
-            k += est[r[-1]].output_bytes
-        kept.append(k)
-        parts = [part for i in r for part in est[i].parts]
-        largest = max(largest, _transient(parts, ckpt, compiled, tp))
-    model.cache[key] = (kept, largest)
-    return kept, largest
-
-
-def _transient(parts: list, ckpt: bool | str, compiled: bool, tp: int) -> float:
-    """The backward's transient above what a stage holds, per sample: the gradients in flight
-    while a piece's backward runs (:data:`GRADIENTS_IN_FLIGHT` of what it saved; a recomputed
-    piece rebuilds its saved tensors first, :data:`RECOMPUTED`), less what the pieces after it
-    kept and their backwards, which run first, have freed. A dual encoder's small text tower
-    runs last, so its transient, not the larger image tower's, sets the peak."""
-    worst, after = 0.0, 0.0
-    for part in reversed(parts):  # the backward's order
-        again = RECOMPUTED if part.recomputes(ckpt) else GRADIENTS_IN_FLIGHT
-        worst = max(worst, again * part.saved.at(tp) - after)
-        after += part.keeps(ckpt, compiled).at(tp)
-    return worst
 
 
 def plan_memory(model: Workload, layout: Layout, overlap: bool = True) -> list[RankMemory]:
