@@ -22,7 +22,8 @@
 - :mod:`~parallax.optim.zero.torch_contract`: the ``torch.optim.Optimizer`` face and everything
   relied on beyond torch's documented API.
 - :mod:`~parallax.optim.zero.assembly` and :mod:`~parallax.optim.zero.optimizer`: the parts put
-  together, and the step and public methods that ask them.
+  together, and the step that asks them; :mod:`~parallax.optim.zero.weights_and_state`: the
+  weights and the state as checkpoints, exports and evaluation read them.
 """
 
 from parallax.optim.zero.memory_report import MemoryReport
