@@ -22,7 +22,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +38,19 @@ _POOLS: dict[int, _Pool] = {}  # per test process
 
 class RankError(RuntimeError):
     """One or more ranks failed or did not finish in time."""
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread in this process for the block, as the pool's ranks run: a
+    single-process reference beside them on a shared two-core machine would otherwise contend
+    with them (and ran many times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def context(tp: int = 1, pp: int = 1, dp: int | None = None) -> ParallelContext:

@@ -13,7 +13,7 @@ from parallax import ParallelContext
 from parallax.checkpoint import latest_checkpoint
 from parallax.tensor.quant import quantized_weights
 from parallax.tensor.sharding import unshard_tensor
-from parallax.testing import context, run_ranks
+from parallax.testing import context, one_thread, run_ranks
 from parallax.train import resolve
 from tests.families.openvla.test_lora_train import _cfg, _losses
 from tests.families.openvla.test_trainer import _batches, separate
@@ -96,14 +96,10 @@ def _reference(bases: dict[str, torch.Tensor]):
     ids=["tp2pp2dp2-nf4-ckpt", "tp2dp2-int8-zero3", "dp2-nf4-zero2-offload"],
 )
 def test_layouts_match_one_process_holding_the_same_weights(tp, pp, dp, extra):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         results = run_ranks(_parallel, tp * pp * dp, tp, pp, dp, extra)
         bases = {n: v for _, _, b, _ in results for n, v in b.items()}
         ref_history, ref_weights = _reference(bases)
-    finally:
-        torch.set_num_threads(threads)
     assert len(bases) > 30 and all(still for *_, still in results)  # the codes never change
     seen = {}
     for history, weights, _, _ in results:

@@ -18,7 +18,7 @@ from parallax.families.pi0.config import Pi0Config
 from parallax.families.pi0.data import IndexedSamples, synthetic_task
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
-from parallax.testing import context, run_ranks
+from parallax.testing import context, one_thread, run_ranks
 
 STEPS = 2
 # Updated weights: Adam divides each gradient by its own running scale, so where a gradient is
@@ -81,12 +81,8 @@ def _parallel(tp, pp, dp, **memory):
 
 @pytest.fixture(scope="module")
 def reference():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return {m: _run(ParallelContext.local(), _cfg(m)) for m in VARIANTS}
-    finally:
-        torch.set_num_threads(threads)
 
 
 LAYOUTS = {
@@ -110,12 +106,8 @@ LORA = dict(finetune="lora", lora_rank=4, lora_alpha=8.0)
 def test_lora_at_tp2_matches_one_process():
     """Adapters on both streams' parallel linears (column-parallel A's gradient summed over
     tp), the suffix heads and pi0.5's adaptive norms trained whole."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         one = {m: _run(ParallelContext.local(), _cfg(m, **LORA)) for m in VARIANTS}
-    finally:
-        torch.set_num_threads(threads)
     assert any(".lora_" in n for n in one["pi0-tiny"][1])
     assert "action_in_proj.weight" in one["pi0-tiny"][1]
     assert any(n.endswith("input_layernorm.dense.weight") for n in one["pi05-tiny"][1])
