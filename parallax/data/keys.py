@@ -46,6 +46,7 @@ class KeyConfig:
 
     primary: str | None = None  # None: the format's first camera
     wrist: str | None = None
+    extra: tuple[str, ...] = ()  # further cameras (pi0's third slot): LeRobot features
     state: tuple[str, ...] = ()
     action: tuple[str, ...] = ("action",)
     instruction: str | None = "language_instruction"  # None: from the format's metadata
@@ -56,7 +57,7 @@ class KeyConfig:
     format: str | None = None  # which reader this config is for (None: any)
 
     def __post_init__(self) -> None:
-        for attr in ("state", "action", "unnormalized"):
+        for attr in ("extra", "state", "action", "unnormalized"):
             value = getattr(self, attr)
             if isinstance(value, (str, int)):
                 object.__setattr__(self, attr, (value,))

@@ -100,7 +100,7 @@ class LeRobotSource(Source):
             cfg = cfg.replace(primary=cameras[0])
         if is_default:
             cfg = cfg.replace(state=tuple(k for k in cfg.state if k in features))
-        for key in (*cfg.action, *cfg.state, cfg.primary, cfg.wrist):
+        for key in (*cfg.action, *cfg.state, cfg.primary, cfg.wrist, *cfg.extra):
             if key is not None and key not in features:
                 raise DatasetError(
                     f"{root / 'meta' / 'info.json'}: missing key {key!r}; features are "
@@ -163,7 +163,7 @@ class LeRobotSource(Source):
                 ),
                 float(row[f"videos/{key}/from_timestamp"]),
             )
-        cams = {self.config.primary, self.config.wrist} - {None}
+        cams = {self.config.primary, self.config.wrist, *self.config.extra} - {None}
         videos = {k: video(k) for k in cams if self.features[k].get("dtype") == "video"}
         return data, videos
 
@@ -229,7 +229,9 @@ class _LeRobotEpisode(OpenEpisode):
         ref = source.episodes[episode]
         data, ep, self.videos = ref.where
         columns = source.columns()
-        images = [k for k in (source.config.primary, source.config.wrist) if k]
+        images = [
+            k for k in (source.config.primary, source.config.wrist, *source.config.extra) if k
+        ]
         images = [k for k in images if source.features[k].get("dtype") == "image"]
         table = _table(source.path / data, columns + images, filters=[("episode_index", "=", ep)])
         arrays = source.frame_arrays(table, ref.label)

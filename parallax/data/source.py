@@ -224,7 +224,11 @@ class Source:
         return episode, index - (self._ends[episode - 1] if episode else 0)
 
     def camera_key(self, camera: str) -> str:
-        key = {"primary": self.config.primary, "wrist": self.config.wrist}.get(camera)
+        """The dataset key of ``camera``: ``primary``, ``wrist`` or ``extraK`` (the K-th of the
+        config's ``extra`` cameras)."""
+        named = {"primary": self.config.primary, "wrist": self.config.wrist}
+        named.update({f"extra{k}": key for k, key in enumerate(self.config.extra)})
+        key = named.get(camera)
         if key is None:
             raise DatasetError(f"dataset {self.name!r} has no {camera!r} camera in its config")
         return key
@@ -279,13 +283,17 @@ class SourceDataset:
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        episode, step = self.index.locate(int(index))
+    def opened(self, episode: int) -> OpenEpisode:
+        """Episode ``episode`` opened (kept among the most recently used)."""
         opened = self._open.pop(episode, None) or self.source.open_episode(episode)
         self._open[episode] = opened
         while len(self._open) > self._max_open:
             self._open.popitem(last=False)[1].close()
-        raw = self.source.sample(opened, step, chunk=self.chunk)
+        return opened
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        episode, step = self.index.locate(int(index))
+        raw = self.source.sample(self.opened(episode), step, chunk=self.chunk)
         return {
             **raw,
             "image": torch.from_numpy(raw["image"].copy()),

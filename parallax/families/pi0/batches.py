@@ -50,12 +50,26 @@ def padded(x: np.ndarray, width: int, what: str) -> torch.Tensor:
     return F.pad(torch.tensor(x, dtype=torch.float32), (0, width - x.shape[-1]))
 
 
-def image_tensor(image: torch.Tensor, size: int) -> torch.Tensor:
-    """``(S, S, 3)`` uint8 -> ``(3, size, size)`` in [-1, 1] (bilinear, no corner alignment)."""
-    x = image.permute(2, 0, 1).float()[None] / 255.0  # (1, 3, S, S)
-    if x.shape[-1] != size or x.shape[-2] != size:
-        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-    return x[0] * 2 - 1  # (3, size, size)
+def resize_with_pad(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``(1, 3, H, W)`` in [0, 1] -> ``(1, 3, size, size)`` as openpi's ``resize_with_pad``:
+    the longer side to ``size`` keeping the aspect (bilinear, no corner alignment), then black
+    borders split evenly (the odd pixel below and right)."""
+    h, w = x.shape[-2:]
+    if (h, w) == (size, size):
+        return x
+    ratio = max(w / size, h / size)
+    rh, rw = int(h / ratio), int(w / ratio)
+    x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False).clamp(0, 1)
+    top, left = (size - rh) // 2, (size - rw) // 2
+    return F.pad(x, (left, size - rw - left, top, size - rh - top), value=0.0)  # (1, 3, S, S)
+
+
+def image_tensor(image, size: int) -> torch.Tensor:
+    """``(H, W, 3)`` uint8 (tensor or array) -> ``(3, size, size)`` in [-1, 1]
+    (:func:`resize_with_pad`)."""
+    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).float()[None] / 255
+    # x: (1, 3, H, W) in [0, 1]
+    return resize_with_pad(x, size)[0] * 2 - 1  # (3, size, size)
 
 
 class Pi0Batches:

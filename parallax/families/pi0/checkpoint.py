@@ -28,6 +28,7 @@ from safetensors import safe_open
 from parallax.atomic import atomic_write_json
 from parallax.families.pi0.config import GemmaConfig, Pi0Config
 from parallax.families.pi0.model import Pi0Model
+from parallax.families.pi0.processors import read_statistics, write_processors
 from parallax.models.hf_io import CheckpointReader, read_param
 from parallax.models.safetensors_io import SafetensorsWriter
 from parallax.models.vit_config import ViTConfig
@@ -157,6 +158,7 @@ def load_model(path, ctx=None, *, blocks=None, dtype=torch.float32, device=None)
                 raise ValueError(f"{path}: {key} has shape {present.get(key)}, expected {shape}")
         value = read_param(reader, sources, getattr(p, "tp_shard", None))
         p.copy_(value.reshape(p.shape))
+    model.statistics = read_statistics(path)  # the processor files' (None: none there)
     return model
 
 
@@ -188,11 +190,14 @@ def lerobot_config(config: Pi0Config) -> dict:
 
 
 @torch.no_grad()
-def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None) -> None:
+def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None, statistics=None) -> None:
     """Write ``model`` (a whole model; any tp: collective over the tp group, rank 0 writes) as
     a LeRobot policy folder, LoRA adapters merged (``W + (alpha/r) B A`` in fp32, rounded once
-    to the parameter's dtype); each tensor in ``dtype`` or its parameter's."""
+    to the parameter's dtype); each tensor in ``dtype`` or its parameter's. ``statistics`` (a
+    ``norm_stats`` entry; default the model's own, read with it) go into LeRobot's processor
+    files (:mod:`.processors`)."""
     path = Path(path)
+    stats = getattr(model, "statistics", None) if statistics is None else statistics
     if not (model.has_embed and model.has_head):
         raise ValueError("writing a policy folder from pipeline stages is not supported yet")
     group, tp_rank, _ = resolve_tp(ctx)
@@ -208,6 +213,8 @@ def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None) -> None
     if writing:
         path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path / "config.json", lerobot_config(config))
+        if stats is not None:
+            write_processors(path, config, stats)
     meta = {"format": "pt", "vision_heads": str(config.vision.num_heads)}
     order = entries + extras
     writer = None

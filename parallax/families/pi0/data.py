@@ -1,5 +1,5 @@
-"""What ``--data`` opens for pi0: the synthetic task's pi0 form (for now; LeRobot datasets and
-LIBERO come next, issue 38).
+"""What ``--data`` opens for pi0: the synthetic task's pi0 form here; LeRobot datasets and
+LIBERO in :mod:`.robot_data`.
 
 The pi0 form of :mod:`parallax.data.synthetic`: a static third-person camera and the wrist
 camera (the model's first two camera slots; further slots are absent cameras), the gripper's
@@ -18,7 +18,8 @@ from parallax.data.synthetic import SyntheticTask
 from parallax.families.pi0.config import Pi0Config
 
 SYNTHETIC_EXTRA_STEPS = 4  # episodes of chunk + 4 steps: 5 samples each
-CAMERAS = ("image", "wrist_image")  # the synthetic task's cameras, in the model's slot order
+# a sample's cameras, in the model's slot order (the synthetic task has the first two)
+CAMERAS = ("image", "wrist_image", "extra_image")
 
 
 def synthetic_task(config: Pi0Config, seed: int, **overrides: Any) -> SyntheticTask:
@@ -37,15 +38,17 @@ def synthetic_task(config: Pi0Config, seed: int, **overrides: Any) -> SyntheticT
 
 class IndexedSamples:
     """A random-access dataset whose samples carry ``index`` and ``visit`` (how many times
-    this process served that index before): see the module doc."""
+    this process served that index before): see the module doc. ``statistics``: what the
+    samples are normalised by, when not the dataset's own (a policy folder's processors)."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, statistics: dict | None = None) -> None:
         self.dataset = dataset
         self.visits: Counter[int] = Counter()
+        self._statistics = statistics
 
     @property
-    def statistics(self):
-        return self.dataset.statistics
+    def statistics(self) -> dict:
+        return self.dataset.statistics if self._statistics is None else self._statistics
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -16,7 +16,7 @@ class Pi0Recipe(Recipe):
     name = "pi0"
     options = Pi0Options
     # options of OpenVLA's robot data streaming and of a language model's head
-    unread = ("augment", "workers", "data_config", "logits", "fused_projections")
+    unread = ("augment", "workers", "logits", "fused_projections")
 
     def __init__(self) -> None:
         super().__init__(Pi0Side(), Pi0Data(), FlowMatchingObjective())

@@ -26,6 +26,7 @@ from parallax.families.pi0.estimate import block_estimates
 from parallax.families.pi0.flops import flops_per_sample
 from parallax.families.pi0.model import Pi0Model
 from parallax.families.pi0.prompt import find_tokenizer
+from parallax.families.pi0.robot_data import robot_dataset
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.pipeline import TensorMeta
@@ -47,17 +48,15 @@ SUFFIX_HEADS = (
 
 
 class Pi0Data(DataSide):
-    """The synthetic task's pi0 form (:mod:`.data`); microbatches of :class:`Pi0Batches`."""
+    """The synthetic task's pi0 form (:mod:`.data`), LeRobot datasets, LIBERO and RLDS
+    (:mod:`.robot_data`); microbatches of :class:`Pi0Batches`."""
 
     input_keys = ("images", "image_masks", "tokens", "token_mask", "actions", "noise", "time")
 
     def dataset(self, spec: Any, run: Run) -> Any:
-        if spec != "synthetic":
-            raise ValueError(
-                f"--data {spec}: pi0 reads the synthetic task for now (--data synthetic); "
-                "LeRobot datasets and LIBERO are not wired yet"
-            )
-        return IndexedSamples(synthetic_task(run.model_config, run.seed))
+        if spec == "synthetic":
+            return IndexedSamples(synthetic_task(run.model_config, run.seed))
+        return robot_dataset(spec, run)
 
     def eval_dataset(self, spec: str | None, run: Run) -> Any:
         if spec is None and run.data == "synthetic":
@@ -141,8 +140,10 @@ class Pi0Side(ModelSide):
         return model
 
     def export(self, run: Run, chunk: Pi0Model, path: Path, statistics: Mapping | None) -> None:
-        """LeRobot's policy folder (:func:`~.checkpoint.save_policy`)."""
-        save_policy(chunk, path, getattr(chunk, "ctx", None))
+        """LeRobot's policy folder (:func:`~.checkpoint.save_policy`), with the processor files
+        of the statistics the run normalised by (:mod:`.processors`)."""
+        entry = next(iter(statistics.values())) if statistics else None
+        save_policy(chunk, path, getattr(chunk, "ctx", None), statistics=entry)
 
     def flops(self, run: Run, microbatches: Sequence[Microbatch], model=None) -> float:
         b = sum(mb["actions"].shape[0] for mb in microbatches)
