@@ -19,6 +19,7 @@ A user's TOML file (``--data-config FILE``) holds one table per dataset name::
     format = "lerobot"              # optional: which reader the table is for
     primary = "observation.images.top"
     wrist = "observation.images.wrist"
+    extra = ["observation.images.side"]   # further cameras (LeRobot; pi0's third slot)
     state = "observation.state"
     action = "action"
     transform = "none"

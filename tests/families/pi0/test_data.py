@@ -1,0 +1,153 @@
+"""pi0's ``--data`` on LeRobot (v2.1 video, v3.0 images in the rows) and LIBERO datasets
+written by benchmarks/data: microbatches of both variants against a hand computation (chunks,
+padding, mean/std or quantile normalisation, images resized with centred padding), the
+flow-matching draws keyed by (seed, index, visit), LeRobot's processor files read and written
+back bit for bit, and a short trainer run that exports them."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.data.lerobot_writer import write_lerobot
+from benchmarks.data.writers import make_episodes, write_libero
+from parallax.families.pi0.checkpoint import save_policy
+from parallax.families.pi0.predict import load_policy
+from parallax.families.pi0.processors import read_statistics
+from parallax.recipe import resolve
+from parallax.run import TrainConfig
+from tests.families.pi0.helpers import tiny_model
+from tests.train.test_cli import metrics, single
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("h5py")
+H = 4  # the tiny presets' chunk
+TOL = dict(rtol=1e-5, atol=1e-5)  # the statistics are kept in float32
+
+
+def _episodes(state_dim: int, instruction: str | None = None):
+    eps = make_episodes(3, length=6, size=16, state_dim=state_dim)
+    for ep in eps:  # 12 x 16 frames: resized to 24 x 32, 4 black rows above and below
+        ep.images, ep.wrist = ep.images[:, :12], ep.wrist[:, :12]
+        ep.instruction = instruction or ep.instruction
+    return eps
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pi0data")
+    lerobot = _episodes(6)
+    libero = _episodes(8, "pick")  # LIBERO's state: ee (6) + gripper (2)
+    return {
+        "v2.1": (write_lerobot(root / "so_v21", lerobot, version="v2.1"), lerobot, 3),
+        "v3.0": (
+            write_lerobot(root / "so_v30", lerobot, version="v3.0", camera_dtype="image"),
+            lerobot,
+            0,
+        ),
+        "libero": (write_libero(root / "libero_spatial", {"pick": libero}), libero, 0),
+    }
+
+
+def _run(model: str, data: Path, out: Path, checkpoint=None):
+    run = resolve(TrainConfig.of(model=checkpoint or model, data=str(data), out=str(out)))
+    dataset = run.recipe.data.dataset(str(data), run)
+    return run, dataset, run.recipe.data.collator(run, dataset)
+
+
+def _expected(eps, kind: str):
+    """Each sample's (actions (H, D), state (S,), first frame) and the hand statistics."""
+    actions = [ep.actions.copy() for ep in eps]
+    if kind == "libero":  # the gripper to 1 = open, 0 = closed
+        for a in actions:
+            a[:, -1] = 1.0 - np.clip(a[:, -1], 0.0, 1.0)
+    samples = [
+        (a[t : t + H], ep.states[t], ep.images[t])
+        for a, ep in zip(actions, eps)
+        for t in range(len(a) - H + 1)
+    ]
+    return samples, np.concatenate(actions), np.concatenate([ep.states for ep in eps])
+
+
+def _normalised(x, all_x, quantiles: bool) -> torch.Tensor:
+    x, all_x = np.float64(x), np.float64(all_x)
+    if quantiles:
+        lo, hi = np.quantile(all_x, 0.01, axis=0), np.quantile(all_x, 0.99, axis=0)
+        return torch.tensor(2 * (x - lo) / (hi - lo) - 1)
+    return torch.tensor((x - all_x.mean(0)) / (all_x.std(0) + 1e-8))
+
+
+@pytest.mark.parametrize("kind", ["v2.1", "v3.0", "libero"])
+@pytest.mark.parametrize("model", ["pi0-tiny", "pi05-tiny"])
+def test_batches_against_a_hand_computation(datasets, kind, model, tmp_path):
+    path, eps, image_tol = datasets[kind]
+    run, dataset, collate = _run(model, path, tmp_path)
+    samples, all_actions, all_states = _expected(eps, kind)
+    assert len(dataset) == len(samples) == 3 + 4 + 5  # T - H + 1 per episode
+    order = [0, 5, 11, 0]
+    mb = collate([dataset[i] for i in order])
+    pi05 = model.startswith("pi05")
+    for row, i in enumerate(order):
+        actions, state, frame = samples[i]
+        want = _normalised(actions, all_actions, pi05)  # (H, 7)
+        torch.testing.assert_close(mb["actions"][row, :, :7].double(), want, **TOL)
+        assert (mb["actions"][row, :, 7:] == 0).all()  # padded to max_action_dim 8
+        want = _normalised(state, all_states, pi05)
+        d = len(want)
+        torch.testing.assert_close(mb["state"][row, :d].double(), want, **TOL)
+        assert (mb["state"][row, d:] == 0).all()
+        x = torch.from_numpy(frame).permute(2, 0, 1).float()[None] / 255  # (1, 3, 12, 16)
+        inner = F.interpolate(x, size=(24, 32), mode="bilinear", align_corners=False)[0]
+        assert (mb["images"][row, 0, :, :4] == -1).all() and (
+            mb["images"][row, 0, :, 28:] == -1
+        ).all()
+        err = (mb["images"][row, 0, :, 4:28] - (inner * 2 - 1)).abs().max().item()
+        assert err <= 2 * image_tol / 255 + 1e-6, err
+    assert mb["image_masks"].all() and mb["action_dim"] == 7
+    assert not torch.equal(mb["noise"][0], mb["noise"][3])  # sample 0's second visit
+    _, again, collate = _run(model, path, tmp_path)
+    torch.testing.assert_close(collate([again[0]])["noise"][0], mb["noise"][0])
+
+
+def test_processor_files_round_trip_and_feed_training(datasets, tmp_path):
+    path = datasets["v3.0"][0]
+    for variant, step in (("pi0", 5), ("pi05", 2)):
+        _, dataset, _ = _run(f"{variant}-tiny", path, tmp_path / "out")
+        entry = next(iter(dataset.statistics.values()))
+        first, second = tmp_path / f"{variant}-a", tmp_path / f"{variant}-b"
+        save_policy(tiny_model(variant), first, statistics=entry)
+        state = first / f"policy_preprocessor_step_{step}_normalizer_processor.safetensors"
+        assert state.is_file()
+        assert (first / "policy_postprocessor_step_0_unnormalizer_processor.safetensors").is_file()
+        read = read_statistics(first)
+        for what in ("action", "proprio"):
+            for stat in ("mean", "std", "q01", "q99", "min", "max"):
+                assert read[what][stat] == entry[what][stat], (what, stat)
+        policy = load_policy(first)
+        assert policy.statistics == read  # what predict_action_chunk unnormalises by
+        save_policy(policy, second)
+        names = sorted(p.name for p in first.iterdir())
+        assert names == sorted(p.name for p in second.iterdir())
+        for name in names:
+            assert (first / name).read_bytes() == (second / name).read_bytes(), name
+        # --model FOLDER: its processor statistics normalise the data
+        shifted = {**entry, "action": {**entry["action"], "mean": [1.0] * 7}}
+        save_policy(policy, tmp_path / f"{variant}-c", statistics=shifted)
+        _, data, _ = _run(None, path, tmp_path / "out2", checkpoint=str(tmp_path / f"{variant}-c"))
+        assert next(iter(data.statistics.values()))["action"]["mean"] == [1.0] * 7
+
+
+def test_trainer_run_on_a_lerobot_folder_exports_its_statistics(datasets, tmp_path, capsys):
+    path = datasets["v2.1"][0]
+    out = tmp_path / "run"
+    args = ["--model", "pi0-tiny", "--data", str(path), "--out", str(out), "--steps", "2"]
+    args += ["--global-batch-size", "4", "--micro-batch-size", "2", "--export-hf"]
+    status, _, err = single(capsys, *args)
+    assert status == 0, err
+    losses = [m["loss"] for m in metrics(out) if "loss" in m]
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    stats = read_statistics(out / "hf")
+    _, all_actions, _ = _expected(datasets["v2.1"][1], "v2.1")
+    np.testing.assert_allclose(stats["action"]["mean"], all_actions.mean(0), rtol=1e-5)
