@@ -4,6 +4,7 @@ padding, mean/std or quantile normalisation, images resized with centred padding
 flow-matching draws keyed by (seed, index, visit), LeRobot's processor files read and written
 back bit for bit, and a short trainer run that exports them."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,14 @@ import torch.nn.functional as F
 
 from benchmarks.data.lerobot_writer import write_lerobot
 from benchmarks.data.writers import make_episodes, write_libero
+from parallax.data.keys import KeyConfig
+from parallax.data.mixture import DataSpec, open_source
+from parallax.families.pi0.batches import Pi0Batches
 from parallax.families.pi0.checkpoint import save_policy
+from parallax.families.pi0.config import Pi0Config
 from parallax.families.pi0.predict import load_policy
 from parallax.families.pi0.processors import read_statistics
+from parallax.families.pi0.robot_data import RobotSamples, lerobot_cameras
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
 from tests.families.pi0.helpers import tiny_model
@@ -151,3 +157,31 @@ def test_trainer_run_on_a_lerobot_folder_exports_its_statistics(datasets, tmp_pa
     stats = read_statistics(out / "hf")
     _, all_actions, _ = _expected(datasets["v2.1"][1], "v2.1")
     np.testing.assert_allclose(stats["action"]["mean"], all_actions.mean(0), rtol=1e-5)
+
+
+def test_camera_slots_absent_and_extra_cameras(datasets):
+    """A LeRobot dataset's cameras fill the slots in order (an ``extra`` key too); slots the
+    data leaves empty are absent cameras."""
+    path, eps, _ = datasets["v3.0"]
+    config = replace(Pi0Config.preset("pi0-tiny"), num_cameras=3)
+    stats = None
+    for keys, want in (
+        (lerobot_cameras(path, 3), ["primary", "wrist"]),
+        (lerobot_cameras(path, 1), ["primary"]),
+        (
+            KeyConfig(
+                extra="observation.images.wrist", state="observation.state", instruction=None
+            ),
+            ["primary", "extra0"],
+        ),
+    ):
+        samples = RobotSamples(open_source(DataSpec(str(path), "lerobot", config=keys)), config)
+        assert samples.cameras == want
+        sample = samples[1]
+        assert np.array_equal(sample["image"], eps[0].images[1])
+        if len(want) > 1:  # the second camera, whichever key names it
+            assert np.array_equal(sample["wrist_image"], eps[0].wrist[1])
+        stats = stats or next(iter(samples.statistics.values()))
+        mb = Pi0Batches(config, stats, 0)([sample])
+        assert mb["image_masks"][0].tolist() == [True] * len(want) + [False] * (3 - len(want))
+        assert (mb["images"][0, len(want) :] == -1).all()
