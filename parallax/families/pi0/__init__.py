@@ -4,7 +4,9 @@ Files: ``config`` (presets, both variants), ``gemma`` (norms, MLP, one stream's 
 layer), ``joint`` (the joint layer, the mask, the prefix cache), ``suffix`` (the expert's
 tokens and the time), ``model``, ``objective`` (flow matching), ``predict`` (Euler sampling
 over a cached prefix, ``load_policy``), ``prompt`` (prompts, the state bins, a built-in
-tokenizer) and ``checkpoint`` (LeRobot's policy folder).
+tokenizer), ``checkpoint`` (LeRobot's policy folder), ``processors`` (its processor files:
+the normalisation statistics), ``data`` (the synthetic task) and ``robot_data`` (LeRobot,
+LIBERO and RLDS datasets).
 """
 
 from parallax.families import lazy_exports
