@@ -195,8 +195,15 @@ class BatchLoader(DPBatches):
         return indices
 
     def next_batch(self) -> list[list[Sample]]:
-        """This rank's ``num_microbatches`` microbatches of ``micro_batch_size`` samples."""
-        return self.my_microbatches(self.next_global_indices(), self.dataset.__getitem__)
+        """This rank's ``num_microbatches`` microbatches of ``micro_batch_size`` samples. A
+        dataset with ``read_in_epoch(index, epoch)`` is told the epoch each sample is served in
+        (pi0 draws a sample's flow-matching noise from it)."""
+        indices = self.next_global_indices()
+        read = getattr(self.dataset, "read_in_epoch", None)
+        if read is None:
+            return self.my_microbatches(indices, self.dataset.__getitem__)
+        epoch = self.epoch
+        return self.my_microbatches(indices, lambda i: read(i, epoch))
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position; identical on every rank."""

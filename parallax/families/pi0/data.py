@@ -5,13 +5,14 @@ The pi0 form of :mod:`parallax.data.synthetic`: a static third-person camera and
 camera (the model's first two camera slots; further slots are absent cameras), the gripper's
 position as the state, chunks of the model's horizon, episodes a few steps longer than a chunk,
 images rendered at the tower's resolution. :class:`IndexedSamples` adds each sample's index
-and how often this process has served it: the flow-matching noise and time of a sample are
-drawn from ``(seed, index, visit)`` (:mod:`.batches`), the same whatever the layout.
+and the epoch of the data order that serves it (its ``visit``): the flow-matching noise and
+time of a sample are drawn from ``(seed, index, visit)`` (:mod:`.batches`), so they are the
+same whatever the layout, and again the same after a resume (the loader's position says the
+epoch; a count kept by each process would restart at 0 and differ between dp ranks).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from parallax.data.synthetic import SyntheticTask
@@ -37,13 +38,13 @@ def synthetic_task(config: Pi0Config, seed: int, **overrides: Any) -> SyntheticT
 
 
 class IndexedSamples:
-    """A random-access dataset whose samples carry ``index`` and ``visit`` (how many times
-    this process served that index before): see the module doc. ``statistics``: what the
-    samples are normalised by, when not the dataset's own (a policy folder's processors)."""
+    """A random-access dataset whose samples carry ``index`` and ``visit`` (the epoch that
+    serves them: :meth:`read_in_epoch`, which the loader calls; plain indexing is visit 0):
+    see the module doc. ``statistics``: what the samples are normalised by, when not the
+    dataset's own (a policy folder's processors)."""
 
     def __init__(self, dataset: Any, statistics: dict | None = None) -> None:
         self.dataset = dataset
-        self.visits: Counter[int] = Counter()
         self._statistics = statistics
 
     @property
@@ -54,7 +55,10 @@ class IndexedSamples:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict:
+        return self.read_in_epoch(index, 0)
+
+    def read_in_epoch(self, index: int, epoch: int) -> dict:
+        """Sample ``index`` as epoch ``epoch`` of the data order serves it."""
         sample = dict(self.dataset[index])
-        sample["index"], sample["visit"] = int(index), self.visits[int(index)]
-        self.visits[int(index)] += 1
+        sample["index"], sample["visit"] = int(index), int(epoch)
         return sample

@@ -100,7 +100,7 @@ def open_source_for(spec: str, run: Run, config: Pi0Config) -> Source:
 
 
 def robot_dataset(spec: str, run: Run) -> IndexedSamples:
-    """``--data spec`` for pi0 (module doc): samples with their index and visit count, and the
+    """``--data spec`` for pi0 (module doc): samples with their index and epoch (``visit``), and the
     statistics they are normalised by."""
     config: Pi0Config = run.model_config
     source = open_source_for(spec, run, config)

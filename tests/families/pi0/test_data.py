@@ -93,7 +93,7 @@ def test_batches_against_a_hand_computation(datasets, kind, model, tmp_path):
     samples, all_actions, all_states = _expected(eps, kind)
     assert len(dataset) == len(samples) == 3 + 4 + 5  # T - H + 1 per episode
     order = [0, 5, 11, 0]
-    mb = collate([dataset[i] for i in order])
+    mb = collate([dataset.read_in_epoch(i, int(r == 3)) for r, i in enumerate(order)])
     pi05 = model.startswith("pi05")
     for row, i in enumerate(order):
         actions, state, frame = samples[i]
@@ -112,7 +112,7 @@ def test_batches_against_a_hand_computation(datasets, kind, model, tmp_path):
         err = (mb["images"][row, 0, :, 4:28] - (inner * 2 - 1)).abs().max().item()
         assert err <= 2 * image_tol / 255 + 1e-6, err
     assert mb["image_masks"].all() and mb["action_dim"] == 7
-    assert not torch.equal(mb["noise"][0], mb["noise"][3])  # sample 0's second visit
+    assert not torch.equal(mb["noise"][0], mb["noise"][3])  # sample 0 in the next epoch
     _, again, collate = _run(model, path, tmp_path)
     torch.testing.assert_close(collate([again[0]])["noise"][0], mb["noise"][0])
 
@@ -185,3 +185,29 @@ def test_camera_slots_absent_and_extra_cameras(datasets):
         mb = Pi0Batches(config, stats, 0)([sample])
         assert mb["image_masks"][0].tolist() == [True] * len(want) + [False] * (3 - len(want))
         assert (mb["images"][0, len(want) :] == -1).all()
+
+
+def test_a_samples_visit_is_its_epoch_whatever_the_dp_rank_or_a_resume():
+    """The flow-matching draws are keyed by (seed, index, visit): the visit is the epoch of the
+    data order, the same for every dp split and after a resume mid-epoch."""
+    from parallax.data.loader import BatchLoader
+    from parallax.families.pi0.config import PRESETS
+    from parallax.families.pi0.data import IndexedSamples, synthetic_task
+
+    data = IndexedSamples(synthetic_task(PRESETS["pi0-tiny"], seed=0, num_episodes=2))  # 10
+    kw = dict(global_batch_size=4, micro_batch_size=2, seed=3)
+
+    def keys(loader, steps):
+        return [(s["index"], s["visit"]) for _ in range(steps) for mb in loader.next_batch()
+                for s in mb]  # fmt: skip
+
+    whole = keys(BatchLoader(data, **kw), 6)  # 2 steps an epoch (the tail dropped): 3 epochs
+    assert {v for _, v in whole} == {0, 1, 2} and whole[4:8] != whole[:4]
+    split = [BatchLoader(data, dp_rank=r, dp_size=2, **kw) for r in range(2)]
+    by_rank = [keys(loader, 6) for loader in split]
+    assert [k for s in range(6) for r in range(2) for k in by_rank[r][2 * s : 2 * s + 2]] == whole
+    first = BatchLoader(data, **kw)
+    keys(first, 3)
+    resumed = BatchLoader(data, **kw)
+    resumed.load_state_dict(first.state_dict())
+    assert keys(resumed, 3) == whole[12:]
