@@ -21,9 +21,10 @@ def perturbed_init(name: str, shape, gen: torch.Generator, device) -> torch.Tens
     return x
 
 
-def tiny_model(variant: str, ctx=None, dtype=torch.float32) -> Pi0Model:
+def tiny_model(variant: str, ctx=None, dtype=torch.float32, blocks=None) -> Pi0Model:
+    """The tiny preset (the chunk of pipeline ``blocks``: a range of ``embed``, ``layers.i``)."""
     config = Pi0Config.preset(f"{variant}-tiny")
-    model = Pi0Model(config, ctx, dtype=dtype)
+    model = Pi0Model(config, ctx, dtype=dtype, blocks=blocks)
     init_parameters(model, SEED, perturbed_init)
     return model
 
