@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallax import comm
+
 META_LEN = 64  # int64 slots: [count, (dtype, requires_grad, ndim, *shape) per tensor]
 
 DTYPES = (
@@ -96,3 +98,20 @@ def as_tensors(value: object, what: str) -> tuple[torch.Tensor, ...]:
         f"{what} returned {type(value).__name__}; a stage that is not the last must return a "
         "tensor or a tuple of tensors (the next stage's positional arguments)"
     )
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], peer: int, group, what: str = "") -> None:
+    """Send ``tensors`` to global rank ``peer`` over ``group``: their metadata, then each one
+    (what :func:`recv_tensors` takes, outside any schedule: inference, exports)."""
+    meta = encode([TensorMeta.of(t) for t in tensors], tensors[0].device, what)
+    comm.batch_send_recv([(meta, peer)], [], group)
+    comm.batch_send_recv([(t.contiguous(), peer) for t in tensors], [], group)
+
+
+def recv_tensors(peer: int, group, device: torch.device) -> list[torch.Tensor]:
+    """The tensors :func:`send_tensors` sent from global rank ``peer``."""
+    meta = meta_buffer(device)
+    comm.batch_send_recv([], [(meta, peer)], group)
+    out = [m.empty(device) for m in decode(meta)]
+    comm.batch_send_recv([], [(t, peer) for t in out], group)
+    return out

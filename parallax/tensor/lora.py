@@ -6,7 +6,10 @@ tensor-parallel layers do (Megatron-Bridge shards both):
 - column-parallel base (W's output rows split): A ``(r, in)`` replicated, B ``(out/tp, r)`` split
   like W's rows (``tp_shard`` of the base weight: padding and fused blocks included);
 - row-parallel base (W's input columns split): A ``(r, in/tp)`` split like W's columns, B
-  ``(out, r)`` replicated.
+  ``(out, r)`` replicated;
+- replicated base (:class:`~parallax.tensor.replicated.ReplicatedLinear`: a multi-query key or
+  value projection): A and B whole on every rank; the layer's output sums its gradient over tp,
+  so theirs are whole already.
 
 Why this one: the adapter then needs no collective of its own. A column adapter reads the input
 the base layer reads (after its copy or sequence gather) and adds ``B_rank A x`` to this rank's
@@ -30,9 +33,10 @@ adapters (``groups=k``: the checkpoint stores k modules, Llama's q/k/v_proj), st
 
 Adapters train in their own dtype (fp32 by default: ZeRO keeps them as their own fp32 masters
 while the frozen base stays bf16); the forward casts them to the input's dtype, so compute runs
-in the model's dtype. Dropout needs the same mask on every tp rank for a column adapter; the
-ranks' random states are not kept in step, so dropout > 0 is refused there at tp > 1 (a row
-adapter's input is split over tp: independent masks are exactly a dropout of the whole input).
+in the model's dtype. Dropout needs the same mask on every tp rank for a column (or replicated)
+adapter; the ranks' random states are not kept in step, so dropout > 0 is refused there at
+tp > 1 (a row adapter's input is split over tp: independent masks are exactly a dropout of the
+whole input).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch import nn
 
 from parallax.seeds import param_seed
 from parallax.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from parallax.tensor.replicated import ReplicatedLinear
 from parallax.tensor.sharding import TPShard, shard_tensor
 
 LORA_PARAMS = ("lora_A", "lora_B")
@@ -140,7 +145,15 @@ class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
     Made from an existing layer by :func:`add_adapter`; its base parameters keep their names."""
 
 
-_KINDS = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}
+class LoRAReplicatedLinear(_LoRAMixin, ReplicatedLinear):
+    """A :class:`ReplicatedLinear` with an adapter (A and B whole on every rank)."""
+
+
+_KINDS = {
+    ColumnParallelLinear: LoRAColumnParallelLinear,
+    RowParallelLinear: LoRARowParallelLinear,
+    ReplicatedLinear: LoRAReplicatedLinear,
+}
 _BASES = {v: k for k, v in _KINDS.items()}
 
 
@@ -158,7 +171,7 @@ def _adapter_param(shape, info: TPShard | None, partial: bool, like: torch.Tenso
 
 
 def add_adapter(
-    layer: ColumnParallelLinear | RowParallelLinear,
+    layer: ColumnParallelLinear | RowParallelLinear | ReplicatedLinear,
     names: tuple[str, ...],
     rank: int,
     alpha: float,
@@ -173,26 +186,30 @@ def add_adapter(
     base = type(layer)
     if base not in _KINDS:
         raise TypeError(
-            f"LoRA wraps ColumnParallelLinear and RowParallelLinear exactly, got {base.__name__}"
+            "LoRA wraps ColumnParallelLinear, RowParallelLinear and ReplicatedLinear exactly, "
+            f"got {base.__name__}"
         )
     rank = check_rank(rank)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
-    if dropout > 0 and layer.tp_size > 1 and base is ColumnParallelLinear:
+    if dropout > 0 and layer.tp_size > 1 and base is not RowParallelLinear:
         raise ValueError(
-            f"LoRA dropout {dropout} at tp={layer.tp_size}: a column-parallel adapter needs "
-            "the same dropout mask on every tp rank, whose random states parallax does not "
-            "keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
+            f"LoRA dropout {dropout} at tp={layer.tp_size}: a column-parallel or replicated "
+            "adapter needs the same dropout mask on every tp rank, whose random states "
+            "parallax does not keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
         )
-    info: TPShard = layer.weight.tp_shard
-    g = len(names)
-    if g not in (1, info.partitions) or (base is RowParallelLinear and g != 1):
+    info: TPShard | None = getattr(layer.weight, "tp_shard", None)  # None: replicated
+    g, partitions = len(names), 1 if info is None else info.partitions
+    if g not in (1, partitions) or (base is not ColumnParallelLinear and g != 1):
         raise ValueError(
-            f"a layer with {info.partitions} fused blocks takes 1 or {info.partitions} adapters, "
+            f"a layer with {partitions} fused blocks takes 1 or {partitions} adapters, "
             f"got {g} ({list(names)})"
         )
     w = layer.weight
-    if base is ColumnParallelLinear:
+    if info is None:  # whole gradients: the layer's output sums them over tp
+        a = _adapter_param((rank, layer.in_features), None, False, w, dtype)
+        b = _adapter_param((layer.out_features, rank), None, False, w, dtype)
+    elif base is ColumnParallelLinear:
         a = _adapter_param((g * rank, layer.in_features), None, True, w, dtype)
         b = _adapter_param((info.local_size, rank), info, False, w, dtype)
     else:

@@ -22,6 +22,7 @@ from torch import nn
 from parallax.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from parallax.tensor.lora import LORA_PARAMS, add_adapter, is_lora_layer, remove_adapter
 from parallax.tensor.quant import is_quantized, quantized_weights
+from parallax.tensor.replicated import ReplicatedLinear
 from parallax.tensor.sharding import logical_shape
 
 ALL_LINEAR = "all-linear"
@@ -121,7 +122,7 @@ def _plan(model, patterns, exclude, names: NamesFn, dropout: float) -> tuple[lis
     plan: list[tuple[str, nn.Module, tuple[str, ...]]] = []
     hit: set[str] = set()
     for mname, module in model.named_modules():
-        if type(module) not in (ColumnParallelLinear, RowParallelLinear):
+        if type(module) not in (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear):
             continue
         own = tuple(names(mname, logical_shape(module.weight)))
         chosen = _selected(patterns, exclude, (mname, *own))
@@ -137,11 +138,11 @@ def _plan(model, patterns, exclude, names: NamesFn, dropout: float) -> tuple[lis
                 f"{mname} holds them as one fused weight; select all of them, or build the model "
                 "with separate projections"
             )
-        if dropout > 0 and module.tp_size > 1 and isinstance(module, ColumnParallelLinear):
+        if dropout > 0 and module.tp_size > 1 and not isinstance(module, RowParallelLinear):
             raise ValueError(
-                f"LoRA dropout {dropout} at tp={module.tp_size}: a column-parallel adapter needs "
-                "the same dropout mask on every tp rank, whose random states parallax does not "
-                "keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
+                f"LoRA dropout {dropout} at tp={module.tp_size}: a column-parallel or "
+                "replicated adapter needs the same dropout mask on every tp rank, whose random "
+                "states parallax does not keep in step; use dropout 0 (OpenVLA's recipe) or tp=1"
             )
         plan.append((mname, module, own))
     return plan, hit
@@ -160,7 +161,7 @@ def apply_lora(
     dtype: torch.dtype = torch.float32,
     freeze: bool = True,
 ) -> LoRAReport:
-    """Add adapters to the column- and row-parallel linears that ``targets`` selects.
+    """Add adapters to the column- and row-parallel (and replicated) linears ``targets`` selects.
 
     ``targets``: ``"all-linear"`` (every linear whose last name part is not in ``exclude``: the
     output head) or module-name globs (a list or a comma string) matched against the parallax

@@ -31,6 +31,7 @@ from parallax.families.pi0.model import Pi0Model
 from parallax.families.pi0.processors import read_statistics, write_processors
 from parallax.models.hf_io import CheckpointReader, read_param
 from parallax.models.safetensors_io import SafetensorsWriter
+from parallax.models.stage_export import stage_rows, to_first_stage
 from parallax.models.vit_config import ViTConfig
 from parallax.tensor import logical_shape, resolve_tp, unshard_tensor
 from parallax.tensor.lora_apply import base_parameters, merged_value
@@ -191,55 +192,65 @@ def lerobot_config(config: Pi0Config) -> dict:
 
 @torch.no_grad()
 def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None, statistics=None) -> None:
-    """Write ``model`` (a whole model; any tp: collective over the tp group, rank 0 writes) as
-    a LeRobot policy folder, LoRA adapters merged (``W + (alpha/r) B A`` in fp32, rounded once
-    to the parameter's dtype); each tensor in ``dtype`` or its parameter's. ``statistics`` (a
-    ``norm_stats`` entry; default the model's own, read with it) go into LeRobot's processor
-    files (:mod:`.processors`)."""
+    """Write ``model`` as a LeRobot policy folder: a whole model, or under a pipeline every
+    stage's chunk (collective over the tp and pp groups; rank 0 writes, the later stages'
+    tensors reaching it one at a time: :mod:`parallax.models.stage_export`), LoRA adapters
+    merged (``W + (alpha/r) B A`` in fp32, rounded once to the parameter's dtype); each tensor
+    in ``dtype`` or its parameter's. The file is the one a single process writes.
+    ``statistics`` (a ``norm_stats`` entry; default the model's own, read with it) go into
+    LeRobot's processor files (:mod:`.processors`)."""
     path = Path(path)
     stats = getattr(model, "statistics", None) if statistics is None else statistics
-    if not (model.has_embed and model.has_head):
-        raise ValueError("writing a policy folder from pipeline stages is not supported yet")
     group, tp_rank, _ = resolve_tp(ctx)
     writing = tp_rank == 0 and (ctx is None or getattr(ctx, "rank", 0) == 0)
     params = list(base_parameters(model))  # LoRA adapters are merged in, in fp32
-    entries = [(k, s) for n, p in params for k, s in lerobot_keys(n, logical_shape(p))]
-    embed = dict(params)["embed_tokens.weight"]
-    extras = [(PREFIX_HEAD, tuple(logical_shape(embed)))]
+    rows = [
+        (k, s, dtype or p.dtype) for n, p in params for k, s in lerobot_keys(n, logical_shape(p))
+    ]
+    stages = stage_rows(rows, ctx)  # every stage's, in stage order
     config = model.config
-    extras.append((EXPERT_HEAD, (config.prefix.vocab_size, config.expert.width)))
-    dtype_of = {k: dtype or p.dtype for n, p in params for k, _ in lerobot_keys(n, p.shape)}
-    dtype_of.update({k: dtype or embed.dtype for k, _ in extras})
+    writer, kept = None, {}
     if writing:
         path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path / "config.json", lerobot_config(config))
         if stats is not None:
             write_processors(path, config, stats)
-    meta = {"format": "pt", "vision_heads": str(config.vision.num_heads)}
-    order = entries + extras
-    writer = None
-    if writing:
-        rows = [(k, s, dtype_of[k]) for k, s in order]
-        writer = SafetensorsWriter(path / "model.safetensors", rows, meta)
+        embed = dict(params)["embed_tokens.weight"]
+        head = dtype or embed.dtype
+        extras = [(PREFIX_HEAD, tuple(logical_shape(embed)), head)]
+        extras.append((EXPERT_HEAD, (config.prefix.vocab_size, config.expert.width), head))
+        meta = {"format": "pt", "vision_heads": str(config.vision.num_heads)}
+        writer = SafetensorsWriter(path / "model.safetensors", sum(stages, []) + extras, meta)
+    device = next(model.parameters()).device
     try:
-        for name, p in params:
-            value, info = merged_value(model, name, p), getattr(p, "tp_shard", None)
-            full = value if info is None else unshard_tensor(value, info, group)  # over tp
-            parts = lerobot_keys(name, tuple(full.shape))
-            pieces = full.split([s[0] for _, s in parts]) if len(parts) > 1 else [full]
-            for (key, shape), t in zip(parts, pieces):
-                if writer is not None:
-                    writer.write(key, t.reshape(shape).to(dtype_of[key]))
-            if name == "embed_tokens.weight" and writer is not None:
-                head = full.to(dtype_of[PREFIX_HEAD])
+        tensors = _merged_tensors(model, params, group, rows, kept if writing else None)
+        for key, t in to_first_stage(tensors, ctx, stages, device):
+            if writer is not None:
+                writer.write(key, t)
         if writer is not None:
-            writer.write(PREFIX_HEAD, head)
-            writer.write(EXPERT_HEAD, _expert_head(config, extras[1][1], dtype_of[EXPERT_HEAD]))
+            writer.write(PREFIX_HEAD, kept["embed"].to(head))
+            writer.write(EXPERT_HEAD, _expert_head(config, extras[1][1], head))
             writer.close()
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
+
+
+def _merged_tensors(model, params, group, rows, kept: dict | None):
+    """This chunk's checkpoint tensors ``(key, tensor)`` in ``rows``' order and dtypes, each
+    parameter merged with its adapter and gathered over tp; ``kept["embed"]``: the whole
+    embedding (the prefix's ``lm_head``), where ``kept`` is given."""
+    dtype_of = {k: d for k, _, d in rows}
+    for name, p in params:
+        value, info = merged_value(model, name, p), getattr(p, "tp_shard", None)
+        full = value if info is None else unshard_tensor(value, info, group)  # over tp
+        if name == "embed_tokens.weight" and kept is not None:
+            kept["embed"] = full
+        parts = lerobot_keys(name, tuple(full.shape))
+        pieces = full.split([s[0] for _, s in parts]) if len(parts) > 1 else [full]
+        for (key, shape), t in zip(parts, pieces):
+            yield key, t.reshape(shape).to(dtype_of[key])
 
 
 def _expert_head(config: Pi0Config, shape, dtype) -> torch.Tensor:

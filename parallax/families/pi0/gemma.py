@@ -4,10 +4,12 @@ the rotary tables for per-sample positions and one stream's half of a joint laye
 Gemma is not Llama: RMSNorm scales by ``1 + w`` with the statistics in float32, the MLP is a
 gelu-tanh GeGLU, and attention is multi-query (one key/value head). Under tp the query heads,
 the output projection and the MLP are split (column- then row-parallel); the single key/value
-head is replicated on every rank. Its projections are plain linears whose outputs pass through
+head is replicated on every rank. Its projections are
+:class:`~parallax.tensor.replicated.ReplicatedLinear`, whose outputs pass through
 ``copy_to_tp`` (identity forward, sum over tp backward): each rank's queries see the whole
 key, so the gradient reaching it is that rank's share, and summing makes the weights'
-gradients (and the input's) whole and the same on every rank, as a replicated parameter's must.
+gradients (and the input's, and a LoRA adapter's) whole and the same on every rank, as a
+replicated parameter's must.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 
 from parallax.families.pi0.config import GemmaConfig
 from parallax.tensor import ColumnParallelLinear, RowParallelLinear, heads_per_rank, resolve_tp
-from parallax.tensor.functional import copy_to_tp
+from parallax.tensor.replicated import ReplicatedLinear
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,24 +87,22 @@ class GemmaAttentionProjections(nn.Module):
 
     def __init__(self, cfg: GemmaConfig, ctx, device=None, dtype=None) -> None:
         super().__init__()
-        self.group = resolve_tp(ctx)[0]
-        tp = resolve_tp(ctx)[2]
-        self.heads = heads_per_rank(cfg.heads, tp, "Gemma query heads")
+        self.heads = heads_per_rank(cfg.heads, resolve_tp(ctx)[2], "Gemma query heads")
         self.head_dim = cfg.head_dim
         q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        kw = dict(bias=False, device=device, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(cfg.width, q, ctx=ctx, **kw)
-        self.k_proj = nn.Linear(cfg.width, kv, **kw)
-        self.v_proj = nn.Linear(cfg.width, kv, **kw)
-        self.o_proj = RowParallelLinear(q, cfg.width, ctx=ctx, **kw)
+        kw = dict(bias=False, ctx=ctx, device=device, dtype=dtype)
+        self.q_proj = ColumnParallelLinear(cfg.width, q, **kw)
+        self.k_proj = ReplicatedLinear(cfg.width, kv, **kw)
+        self.v_proj = ReplicatedLinear(cfg.width, kv, **kw)
+        self.o_proj = RowParallelLinear(q, cfg.width, **kw)
 
     def qkv(self, x: torch.Tensor, queries: bool = True):
         """``(q (b, nh/tp, s, hd) | None, k, v (b, kv, s, hd))``, before rotary (``queries``:
         whether the queries are wanted)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) if queries else None
-        k = copy_to_tp(self.k_proj(x), self.group)  # (b, s, kv hd)
-        v = copy_to_tp(self.v_proj(x), self.group)
+        k = self.k_proj(x)  # (b, s, kv hd), whole on every rank
+        v = self.v_proj(x)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         return q, k, v

@@ -67,6 +67,7 @@ class Pi0Model(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.ctx = ctx  # the export gathers over its tp group; under a pipeline, its stages
         kw = dict(device=device, dtype=dtype)
         p, e = config.prefix, config.expert
         self.block_range = check_block_range(blocks, config.depth + 1)
@@ -195,7 +196,12 @@ class Pi0Model(nn.Module):
     # -- inference: the prefix once, the expert per step -------------------------------------------
     def fill_cache(self, images, image_masks, tokens, token_mask) -> PrefixCache:
         """Run the prefix alone (it never sees the suffix) and keep its keys and values."""
-        prefix, pad = self.embed_prefix(images, image_masks, tokens, token_mask)
+        return self.cache_prefix(*self.embed_prefix(images, image_masks, tokens, token_mask))[0]
+
+    def cache_prefix(self, prefix: torch.Tensor, pad: torch.Tensor):
+        """This chunk's layers over the prefix's hidden states ``prefix`` (b, P, w_p) with its
+        padding mask ``pad`` (b, P): ``(cache of their keys and values, the hidden states the
+        next chunk's layers take (b, P, w_p), None after the last layer)``."""
         allowed, positions = joint_layout(pad, suffix_flags(self.config, pad.device))
         n = pad.shape[1]
         cache = PrefixCache(pad)
@@ -204,17 +210,22 @@ class Pi0Model(nn.Module):
         cos, sin = self._rope(positions[:, :n], prefix.dtype)
         xs = (prefix, None)
         last = self.config.depth - 1
-        for i, layer in enumerate(self.layers.values()):
-            xs = layer(xs, cos, sin, bias, cache=cache, outputs=(i < last, False))
+        for i, layer in self.layers.items():
+            xs = layer(xs, cos, sin, bias, cache=cache, outputs=(int(i) < last, False))
         cache.filling = False
-        return cache
+        return cache, xs[0]
 
     def cached_velocity(self, cache: PrefixCache, state, x_t, t) -> torch.Tensor:
         """:meth:`velocity` with the prefix's keys and values read from ``cache``."""
         suffix, cond = embed_suffix(self, state, x_t, t)  # (b, S, w_e)
+        return self.actions_out(self.cached_layers(cache, suffix, cond), cond)
+
+    def cached_layers(self, cache: PrefixCache, suffix: torch.Tensor, cond) -> torch.Tensor:
+        """This chunk's layers over the expert's tokens ``suffix`` (b, S, w_e), attending to the
+        cached prefix; ``cond`` (b, w_e): pi0.5's time conditioning."""
         bias = attention_bias(cache.suffix_allowed, suffix.dtype)  # (b, 1, S, P + S)
         cos, sin = self._rope(cache.suffix_positions, suffix.dtype)
         xs = (None, suffix)
         for layer in self.layers.values():
             xs = layer(xs, cos, sin, bias, cond, cache=cache)
-        return self.actions_out(xs[1], cond)
+        return xs[1]  # (b, S, w_e)

@@ -5,12 +5,13 @@ Start from ``x = noise`` at ``t = 1`` and take ``N`` steps ``x <- x + dt * v(x, 
 does not depend on ``x`` or ``t``, and it never attends to the suffix, so its keys and values
 are computed once (:meth:`~.model.Pi0Model.fill_cache`) and every step runs the expert alone
 over them; ``use_cache=False`` recomputes the whole prefix each step (what the cache must equal).
-Under tp every rank runs the same call with the same inputs and gets the same chunk.
+Under tp every rank runs the same call with the same inputs and gets the same chunk; under a
+pipeline too, each stage running its own layers (:mod:`.staged`, always over the cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from parallax.families.pi0.batches import normalize, padded, unnormalize
 from parallax.families.pi0.checkpoint import load_model
 from parallax.families.pi0.prompt import find_tokenizer, padded_ids, prompt_text
+from parallax.families.pi0.staged import StagedVelocity
 
 
 @torch.no_grad()
@@ -39,19 +41,24 @@ def sample_chunk(
         raise ValueError(f"num_steps must be >= 1, got {steps}")
     dt = -1.0 / steps
     b = noise.shape[0]
-    prefix = (images, image_masks, tokens, token_mask)
-    cache = model.fill_cache(*prefix) if use_cache else None
+    velocity = _velocity(model, (images, image_masks, tokens, token_mask), state, use_cache)
     x = noise.float()  # (b, H, A)
     time = torch.tensor(1.0, dtype=torch.float32, device=noise.device)
     for _ in range(steps):
-        t = time.expand(b)  # (b,)
-        if cache is not None:
-            v = model.cached_velocity(cache, state, x, t)  # (b, H, A)
-        else:
-            v = model.velocity(*prefix, state, x, t)
-        x = x + dt * v
+        x = x + dt * velocity(x, time.expand(b))  # t: (b,)
         time = time + dt
     return x
+
+
+def _velocity(model, prefix, state, use_cache: bool) -> Callable:
+    """``v(x, t)`` over the prefix: the cached prefix's (a pipeline stage's chunk: its layers,
+    its neighbours over the pipeline group), or the whole model's recomputed each call."""
+    if not (model.has_embed and model.has_head):
+        return StagedVelocity(model, prefix, state)
+    if not use_cache:
+        return lambda x, t: model.velocity(*prefix, state, x, t)
+    cache = model.fill_cache(*prefix)
+    return lambda x, t: model.cached_velocity(cache, state, x, t)
 
 
 def _batched(images, state):

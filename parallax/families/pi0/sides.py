@@ -114,11 +114,6 @@ class Pi0Side(ModelSide):
         return SUFFIX_HEADS + ("*.dense",) if run.model_config.pi05 else SUFFIX_HEADS
 
     def check_layout(self, run: Run, dims) -> None:
-        if run.export_hf and dims.pp > 1:
-            raise ValueError(
-                f"--export-hf with --pp {dims.pp}: pi0's policy folder is written from whole "
-                "models for now; export from a --pp 1 run (or resume the checkpoint at --pp 1)"
-            )
         heads = run.model_config.prefix.heads
         if heads % dims.tp:
             raise ValueError(f"--tp {dims.tp} does not divide the Gemma streams' {heads} heads")
@@ -133,7 +128,6 @@ class Pi0Side(ModelSide):
             seed = init_seed(run, device)
             kw = dict(blocks=blocks, dtype=dtype, device=device, seed=seed)
             model = Pi0Model(run.model_config, ctx, **kw)
-        model.ctx = ctx  # the export gathers over its tp group
         for name in model.unused_names():
             model.get_parameter(name).requires_grad_(False)
         model.set_activation_checkpointing(run.checkpointing)
@@ -143,7 +137,7 @@ class Pi0Side(ModelSide):
         """LeRobot's policy folder (:func:`~.checkpoint.save_policy`), with the processor files
         of the statistics the run normalised by (:mod:`.processors`)."""
         entry = next(iter(statistics.values())) if statistics else None
-        save_policy(chunk, path, getattr(chunk, "ctx", None), statistics=entry)
+        save_policy(chunk, path, chunk.ctx, statistics=entry)
 
     def flops(self, run: Run, microbatches: Sequence[Microbatch], model=None) -> float:
         b = sum(mb["actions"].shape[0] for mb in microbatches)

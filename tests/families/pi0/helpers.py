@@ -8,6 +8,7 @@ import torch
 from parallax.families.pi0.config import Pi0Config
 from parallax.families.pi0.model import Pi0Model
 from parallax.init import init_parameters
+from parallax.tensor import apply_lora
 
 SEED = 1234
 
@@ -21,9 +22,10 @@ def perturbed_init(name: str, shape, gen: torch.Generator, device) -> torch.Tens
     return x
 
 
-def tiny_model(variant: str, ctx=None, dtype=torch.float32) -> Pi0Model:
+def tiny_model(variant: str, ctx=None, dtype=torch.float32, blocks=None) -> Pi0Model:
+    """The tiny preset (the chunk of pipeline ``blocks``: a range of ``embed``, ``layers.i``)."""
     config = Pi0Config.preset(f"{variant}-tiny")
-    model = Pi0Model(config, ctx, dtype=dtype)
+    model = Pi0Model(config, ctx, dtype=dtype, blocks=blocks)
     init_parameters(model, SEED, perturbed_init)
     return model
 
@@ -51,3 +53,11 @@ def inputs(config: Pi0Config, b: int = 2, seed: int = 3) -> dict[str, torch.Tens
         "noise": torch.randn(b, config.chunk, config.max_action_dim, generator=g),
         "time": torch.rand(b, generator=g) * 0.98 + 0.01,
     }
+
+
+def lora_model(variant: str, ctx=None):
+    """The tiny model with adapters on every linear, B drawn too (so A gets gradients)."""
+    model = tiny_model(variant, ctx)
+    apply_lora(model, rank=2, alpha=4.0, seed=SEED)
+    init_parameters(model, SEED, perturbed_init)  # layout-free: the same at every tp
+    return model

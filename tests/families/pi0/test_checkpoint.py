@@ -10,7 +10,7 @@ import torch
 from parallax.families.pi0.checkpoint import config_from_folder, load_model, save_policy
 from parallax.families.pi0.predict import load_policy
 from parallax.testing import context, run_ranks
-from tests.families.pi0.helpers import inputs, tiny_model
+from tests.families.pi0.helpers import inputs, lora_model, tiny_model
 
 KEYS = ("images", "image_masks", "tokens", "token_mask", "state", "noise", "time")
 
@@ -61,3 +61,18 @@ def _tp2(root: str) -> None:
 def test_tp2_reads_its_slices_and_writes_the_same_folder():
     with tempfile.TemporaryDirectory() as root:
         run_ranks(_tp2, 2, root)
+
+
+def test_the_export_merges_every_adapter():
+    """LoRA on every linear, the key/value projections' included: the folder holds the merged
+    weights (the adapted model's velocity)."""
+    model = lora_model("pi0")
+    x = inputs(model.config)
+    with tempfile.TemporaryDirectory() as root:
+        save_policy(model, Path(root))
+        loaded = load_model(root)
+    k = "layers.1.expert.self_attn.k_proj.weight"
+    layer = model.get_submodule(k.removesuffix(".weight"))
+    want = layer.weight.detach() + layer.lora_delta()
+    torch.testing.assert_close(loaded.get_parameter(k).detach(), want, rtol=0, atol=0)
+    torch.testing.assert_close(_velocity(loaded, x), _velocity(model, x), rtol=1e-5, atol=1e-5)

@@ -1,15 +1,17 @@
 """tp=2 against tp=1 on gloo, float32: the same logical weights give the same flow-matching
 loss, the same gradients (sharded ones gathered; the replicated key/value head's and the
 heads' whole on every rank) and the same sampled chunk for the same noise, both variants in
-one spawn of ranks."""
+one spawn of ranks; with LoRA on every linear (the replicated key/value projections' adapters
+included, whole on every rank) the same loss and adapter gradients."""
 
 from torch.testing import assert_close
 
+from parallax import comm
 from parallax.families.pi0.objective import flow_matching_loss
 from parallax.families.pi0.predict import sample_chunk
 from parallax.tensor import unshard_tensor
 from parallax.testing import context, run_ranks
-from tests.families.pi0.helpers import inputs, tiny_model
+from tests.families.pi0.helpers import inputs, lora_model, tiny_model
 
 PREFIX_KEYS = ("images", "image_masks", "tokens", "token_mask", "state", "noise")
 
@@ -23,6 +25,7 @@ def _loss_grads_chunk(model, x):
 
 def _tp2_case() -> None:
     ctx = context(tp=2)
+    _lora_case(ctx)
     for variant in ("pi0", "pi05"):
         one, two = tiny_model(variant), tiny_model(variant, ctx)
         x = inputs(one.config)
@@ -42,6 +45,32 @@ def _tp2_case() -> None:
             scale = want.abs().max().item()
             err = (got - want).abs().max().item()
             assert err <= 1e-5 * scale + 1e-5 * got.abs().max().item(), (variant, name, err, scale)
+
+
+def _lora_case(ctx) -> None:
+    for variant in ("pi0", "pi05"):
+        one, two = lora_model(variant), lora_model(variant, ctx)
+        x = inputs(one.config)
+        losses = [flow_matching_loss(m, x, noise=x["noise"], time=x["time"]) for m in (one, two)]
+        for loss in losses:
+            loss.backward()
+        assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+        grads = {n: p.grad for n, p in one.named_parameters() if p.grad is not None}
+        seen = set()
+        for name, p in two.named_parameters():
+            if name not in grads:
+                continue
+            got = p.grad.clone()
+            if getattr(p, "sequence_parallel", False):  # a column adapter's A: partial
+                comm.all_reduce(got, ctx.tp_group)
+            info = getattr(p, "tp_shard", None)
+            got = got if info is None else unshard_tensor(got, info, ctx.tp_group)
+            assert_close(got, grads[name], rtol=1e-5, atol=1e-5 * grads[name].abs().max().item())
+            seen.add(name)
+        assert seen == grads.keys()
+        kv = [n for n in seen if ".k_proj.lora_" in n or ".v_proj.lora_" in n]
+        assert len(kv) == 4 * 2 * one.config.depth, kv  # A and B of k and v, both streams
+        assert all(grads[n].abs().max() > 0 for n in kv)
 
 
 def test_activation_checkpointing_and_compiling_change_no_gradient():

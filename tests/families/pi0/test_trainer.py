@@ -104,11 +104,13 @@ LORA = dict(finetune="lora", lora_rank=4, lora_alpha=8.0)
 
 
 def test_lora_at_tp2_matches_one_process():
-    """Adapters on both streams' parallel linears (column-parallel A's gradient summed over
-    tp), the suffix heads and pi0.5's adaptive norms trained whole."""
+    """Adapters on both streams' linears (column-parallel A's gradient summed over tp, the
+    replicated key/value projections' whole on every rank), the suffix heads and pi0.5's
+    adaptive norms trained whole."""
     with one_thread():
         one = {m: _run(ParallelContext.local(), _cfg(m, **LORA)) for m in VARIANTS}
     assert any(".lora_" in n for n in one["pi0-tiny"][1])
+    assert "layers.0.expert.self_attn.v_proj.lora_A" in one["pi0-tiny"][1]
     assert "action_in_proj.weight" in one["pi0-tiny"][1]
     assert any(n.endswith("input_layernorm.dense.weight") for n in one["pi05-tiny"][1])
     _match(run_ranks(_parallel, 2, 2, 1, 1, **LORA), one)
