@@ -163,9 +163,10 @@ def load_model(path, ctx=None, *, blocks=None, dtype=torch.float32, device=None)
     return model
 
 
-def lerobot_config(config: Pi0Config) -> dict:
+def lerobot_config(config: Pi0Config, statistics: dict | None = None) -> dict:
     """``config.json`` of a policy folder: the one it was read from with the sizes updated, or
-    a minimal one LeRobot's config reader takes."""
+    a minimal one LeRobot's config reader takes; with the ``statistics`` the run normalised by
+    (a ``norm_stats`` entry), the state and action features take the data's widths."""
     raw = dict(config.lerobot or {})
     raw.update(
         type=config.variant,
@@ -187,7 +188,25 @@ def lerobot_config(config: Pi0Config) -> dict:
             for i in range(config.num_cameras)
         },
     )
+    if statistics is not None:
+        return _data_features(raw, statistics)
     return raw
+
+
+FEATURES = {"proprio": ("observation.state", "STATE"), "action": ("action", "ACTION")}
+
+
+def _data_features(raw: dict, statistics: dict) -> dict:
+    """``raw`` with ``observation.state`` and ``action`` shaped as the data the statistics
+    describe (a fine-tune on other data changes them)."""
+    inputs = dict(raw.get("input_features") or {})
+    outputs = dict(raw.get("output_features") or {})
+    widths = {k: len(next(iter(v.values()))) for k, v in statistics.items() if k in FEATURES}
+    for what, width in widths.items():
+        key, kind = FEATURES[what]
+        where = inputs if kind == "STATE" else outputs
+        where[key] = {"type": kind, "shape": [width]}
+    return {**raw, "input_features": inputs, "output_features": outputs}
 
 
 @torch.no_grad()
@@ -212,7 +231,7 @@ def save_policy(model: Pi0Model, path: str | Path, ctx=None, dtype=None, statist
     writer, kept = None, {}
     if writing:
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path / "config.json", lerobot_config(config))
+        atomic_write_json(path / "config.json", lerobot_config(config, stats))
         if stats is not None:
             write_processors(path, config, stats)
         embed = dict(params)["embed_tokens.weight"]

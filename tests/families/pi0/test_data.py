@@ -4,6 +4,7 @@ padding, mean/std or quantile normalisation, images resized with centred padding
 flow-matching draws keyed by (seed, index, visit), LeRobot's processor files read and written
 back bit for bit, and a short trainer run that exports them."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,6 +158,10 @@ def test_trainer_run_on_a_lerobot_folder_exports_its_statistics(datasets, tmp_pa
     stats = read_statistics(out / "hf")
     _, all_actions, _ = _expected(datasets["v2.1"][1], "v2.1")
     np.testing.assert_allclose(stats["action"]["mean"], all_actions.mean(0), rtol=1e-5)
+    raw = json.loads((out / "hf" / "config.json").read_text())  # the data's widths
+    assert raw["output_features"]["action"] == {"type": "ACTION", "shape": [7]}
+    state = len(stats["proprio"]["mean"])
+    assert raw["input_features"]["observation.state"] == {"type": "STATE", "shape": [state]}
 
 
 def test_camera_slots_absent_and_extra_cameras(datasets):
