@@ -51,6 +51,15 @@ class Objective:
         """How many supervised units (tokens, pairs) this microbatch's loss sums over (host)."""
         raise NotImplementedError
 
+    def sampled_sums(
+        self, chunks: Sequence[nn.Module], microbatches: Sequence[Microbatch], ctx, run: Run
+    ) -> torch.Tensor | None:
+        """An evaluation's sums of what the model generates from this rank's microbatches (a
+        flow-matching policy samples its chunks), past the loss's in ``eval_metric_sums``: a
+        float64 vector, the same on every tp and pp rank (the trainer sums it over dp), or
+        ``None`` where the objective generates nothing. Collective over tp and pp."""
+        return None
+
     def backward_passes(self, num_microbatches: int) -> int:
         """Backward passes one step runs per parameter (ZeRO reduces a bucket after the last
         one): one per microbatch."""

@@ -273,7 +273,13 @@ class Trainer:
             last,
             self._recv_metas(microbatches),
         )
-        return self._reduce_metrics()
+        sums = self._reduce_metrics()
+        sampled = objective.sampled_sums(self.chunks, microbatches, self.ctx, self.run)
+        if sampled is None:
+            return sums
+        sampled = sampled.to(sums.device, torch.float64)
+        comm.all_reduce(sampled, self.ctx.dp_group)
+        return torch.cat([sums.double(), sampled])
 
     def model_flops(self, microbatches: list[Microbatch]) -> float:
         """Model FLOPs of one step over these microbatches (the recipe's formula)."""

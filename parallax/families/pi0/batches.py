@@ -67,15 +67,15 @@ def resize_with_pad(x: torch.Tensor, size: int) -> torch.Tensor:
 def image_tensor(image, size: int) -> torch.Tensor:
     """``(H, W, 3)`` uint8 (tensor or array) -> ``(3, size, size)`` in [-1, 1]
     (:func:`resize_with_pad`)."""
-    x = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).float()[None] / 255
-    # x: (1, 3, H, W) in [0, 1]
+    pixels = image if isinstance(image, torch.Tensor) else torch.as_tensor(np.array(image))
+    x = pixels.to(torch.uint8).permute(2, 0, 1).float()[None] / 255  # (1, 3, H, W) in [0, 1]
     return resize_with_pad(x, size)[0] * 2 - 1  # (3, size, size)
 
 
 class Pi0Batches:
     """Lists of raw samples -> ``{"images", "image_masks", "tokens", "token_mask", "state",
-    "actions", "action_dim", "noise", "time"}`` (module doc). ``stats``: the dataset's
-    ``norm_stats`` entry (``action``, ``proprio``)."""
+    "actions", "action_dim", "noise", "time", "mean_action"}`` (module doc). ``stats``: the
+    dataset's ``norm_stats`` entry (``action``, ``proprio``)."""
 
     def __init__(self, config: Pi0Config, stats: Mapping, seed: int, tokenizer=None) -> None:
         self.config, self.stats, self.seed = config, stats, seed
@@ -128,7 +128,15 @@ class Pi0Batches:
             "action_dim": dims.pop(),
             "noise": torch.stack(rows["noise"]),  # (b, H, A)
             "time": torch.stack(rows["time"]),  # (b,)
+            "mean_action": self.mean_action().expand(len(samples), -1),  # (b, A)
         }
+
+    def mean_action(self) -> torch.Tensor:
+        """The data's mean action, normalised and padded ``(A,)``: what the evaluation's
+        baseline predicts (:class:`~.objective.FlowMatchingObjective`)."""
+        stats = self.stats["action"]
+        mean = normalize(stats["mean"], stats, self.config.pi05)
+        return padded(np.asarray(mean), self.config.max_action_dim, "the mean action")
 
 
 def stage_inputs(mb: Mapping) -> tuple[torch.Tensor, ...]:

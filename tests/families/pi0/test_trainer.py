@@ -2,8 +2,9 @@
 process.
 
 Full fine-tuning of the tiny presets on the synthetic task's pi0 form (16 px, 2 cameras), two
-steps; per step the loss and the gradient norm on every rank (1e-5), and every updated weight
-after the steps (see WEIGHT_ATOL), against the same run in one process (float32 on gloo).
+steps; per step the loss and the gradient norm on every rank (1e-5), then an evaluation (its
+loss and the error of the chunks it samples, 1e-5), and every updated weight after the steps
+(see WEIGHT_ATOL), against the same run in one process (float32 on gloo).
 Noise and times come with each sample (drawn from the seed and the sample's index), so every
 layout draws the same.
 """
@@ -66,6 +67,9 @@ def _run(ctx, cfg):
     for _ in range(STEPS):
         out = trainer.train_step([build(m) for m in loader.next_batch()])
         history.append([out.loss.item(), out.grad_norm.item()])
+    # the evaluation: the loss, and the chunks sampled from every sample's own noise
+    evaluation = trainer.eval_step([build(m) for m in loader.next_batch()]).tolist()
+    history.append([evaluation[0], evaluation[1] / evaluation[3]])
     trainable = {name for name, p in trainer.named_parameters() if p.requires_grad}
     weights = {}
     for name, full in trainer.full_weights():  # at zero 3 a collective over dp and tp
