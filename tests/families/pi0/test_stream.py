@@ -1,7 +1,7 @@
 """pi0's robot data streamed (:mod:`parallax.families.pi0.stream_data`): a two-dataset mixture
-(LeRobot v2.1 and LIBERO) through the trainer; the dp ranks' shares and a resume mid-epoch
-give the one-process batches, flow-matching noise and times included (keyed by the global
-stream position)."""
+(LeRobot v2.1 and LIBERO) through the trainer; dp2's first step has the one process's loss;
+the dp ranks' shares and a resume mid-epoch give the one-process batches, flow-matching noise
+and times included (keyed by the global stream position)."""
 
 import json
 from types import SimpleNamespace
@@ -12,9 +12,11 @@ import torch
 
 from benchmarks.data.lerobot_writer import write_lerobot
 from benchmarks.data.writers import write_libero
+from parallax import ParallelContext
 from parallax.families.pi0.stream_data import robot_stream, stream_loader
 from parallax.recipe import resolve
 from parallax.run import TrainConfig
+from parallax.testing import context, one_thread, run_ranks
 from tests.families.pi0.test_data import _episodes
 from tests.train.test_cli import metrics, single
 
@@ -75,3 +77,26 @@ def test_dp_shares_and_a_resume_give_the_one_process_batches(mixture, tmp_path):
     got = _batch(resumed, collate)
     for k in KEYS:
         assert torch.equal(got[k], whole[3][k][2:]), k
+
+
+def _first_loss(ctx, spec: str, out: str, dp: int) -> float:
+    from parallax.train.trainer import Trainer  # the trainer imports every layer below it
+
+    cfg = TrainConfig.of(model="pi0-tiny", data=spec, out=out, workers=0, seed=3, dp=dp,
+                         global_batch_size=4, micro_batch_size=1, lr=1e-3)  # fmt: skip
+    trainer = Trainer(resolve(cfg), ctx)
+    data = robot_stream(spec, trainer.run)
+    collate = trainer.recipe.data.collator(trainer.run, data)
+    loader = stream_loader(data, trainer.run, ctx)
+    return trainer.train_step([collate(m) for m in loader.next_batch()]).loss.item()
+
+
+def _dp2(spec: str, out: str) -> float:
+    return _first_loss(context(dp=2), spec, out, 2)
+
+
+def test_dp2_first_step_matches_one_process(mixture, tmp_path):
+    with one_thread():
+        one = _first_loss(ParallelContext.local(), mixture, str(tmp_path / "one"), 1)
+    got = run_ranks(_dp2, 2, mixture, str(tmp_path / "dp2"))
+    assert got == pytest.approx([one, one], rel=1e-5)
