@@ -7,6 +7,10 @@ OpenVLA-OFT's rule (its RLDS ``chunk_act_obs`` with ``window_size=1`` and
 samples, so every chunk lies inside the episode; an episode shorter than ``K`` gives none. (Its
 gather also clamps the future indices to the last step, repeating the final action, which that
 truncation never reaches: :func:`action_chunk` does the same.)
+
+LeRobot's rule (pi0, pi0.5): every step is a sample; the chunk's indices past the episode's
+end are clamped to its last step and flagged (``action_is_pad``, :func:`chunk_pad`), for the
+loss to leave them out.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ def action_chunk(actions: np.ndarray, step: int, chunk: int) -> np.ndarray:
     past the end clamped to the last step (OFT's padding: the final action repeated)."""
     index = np.minimum(np.arange(step, step + chunk), len(actions) - 1)
     return np.asarray(actions, dtype=np.float32)[index]
+
+
+def chunk_pad(length: int, step: int, chunk: int) -> np.ndarray:
+    """``(chunk,)`` bool: which of the actions ``step .. step + chunk - 1`` of a ``length``-step
+    episode lie past its end (:func:`action_chunk` repeats the last action there)."""
+    return np.arange(step, step + chunk) >= length
 
 
 class SampleIndex:

@@ -11,7 +11,14 @@ share of the episodes the current chunk mixes (``cache_episodes``, by default en
 episode is read twice while its chunk lasts; ``episodes_per_chunk`` trades mixing for
 memory). The position saved by :meth:`StreamLoader.state_dict` is the number of positions
 consumed (plus the mixture's running counts): ``load_state_dict`` continues with the very
-next sample under any dp, micro-batch size or worker count.
+next sample under any dp, micro-batch size or worker count. Every sample carries its global
+``position`` (what keys its augmentation, and a family's own per-sample draws).
+
+A family may give its own sample layout (``sampler``, a module-level function run in the
+workers in place of :meth:`Source.sample`; its images are its own business: no resize, no
+size check) and LeRobot's chunk rule (``pad_chunks``: every step of an episode is a sample,
+the sampler flags the chunk's steps past the end) in place of OFT's (only the steps whose
+chunk fits).
 
 Workers run ``prefetch`` steps ahead; :attr:`StreamLoader.last_wait_s` is how long the last
 :meth:`next_batch` waited for them (what a training loop logs as its data wait).
@@ -22,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,12 +74,14 @@ class StreamLoader(DPBatches):
         block_size: int = 1024,
         cache_episodes: int | None = None,
         start_method: str = "forkserver",
+        sampler: Callable[..., dict[str, Any]] | None = None,
+        pad_chunks: bool = False,
     ) -> None:
         super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        sources, weights = sources_and_weights(data, weights, chunk)
-        self.sources, self.chunk = sources, int(chunk)
+        sources, weights = sources_and_weights(data, weights, 1 if pad_chunks else chunk)
+        self.sources, self.chunk, self.pad_chunks = sources, int(chunk), pad_chunks
         self.statistics = merge_statistics(*(s.statistics for s in sources))
-        size = common_image_size(image_size, sources)
+        size = None if sampler is not None else common_image_size(image_size, sources)
         self.seed, self.shuffle = seed, shuffle
         self.recipe = Recipe(
             seed=seed,
@@ -84,6 +93,7 @@ class StreamLoader(DPBatches):
             chunk=int(chunk),
             cache_episodes=cache_episodes
             or self.default_cache(len(sources), episodes_per_chunk, workers),
+            sampler=sampler,
         )
         self._order_args = dict(episodes_per_chunk=episodes_per_chunk, shuffle=shuffle)
         self.mixture = MixtureOrder(weights, seed=seed, block_size=block_size)
@@ -106,10 +116,11 @@ class StreamLoader(DPBatches):
         return -(-datasets * episodes_per_chunk * 5 // (4 * max(workers, 1))) + 2
 
     def _source_order(self, source: Source) -> SourceOrder:
-        """The order of the source's samples: every step, or with chunks only the steps whose
-        chunk fits in the episode (:func:`~parallax.data.chunks.chunk_lengths`)."""
+        """The order of the source's samples: every step, or with chunks (and no
+        ``pad_chunks``) only the steps whose chunk fits in the episode
+        (:func:`~parallax.data.chunks.chunk_lengths`)."""
         key = f"data.{source.name}"
-        lengths = chunk_lengths(source.lengths, self.chunk)
+        lengths = chunk_lengths(source.lengths, 1 if self.pad_chunks else self.chunk)
         return SourceOrder(lengths, seed=self.seed, key=key, **self._order_args)
 
     # --- planning -----------------------------------------------------------------------------
@@ -179,15 +190,16 @@ class StreamLoader(DPBatches):
         self._collect(plan)
         self.last_wait_s = time.perf_counter() - began
         del self._planned[start]
-        samples = [self._tensors(plan["samples"][q]) for q in plan["positions"]]
-        self._check_shapes(samples)
+        samples = [self._tensors(plan["samples"][q], q) for q in plan["positions"]]
+        if self.recipe.sampler is None:
+            self._check_shapes(samples)
         self.position += g
         m = self.micro_batch_size
         return [samples[k : k + m] for k in range(0, len(samples), m)]
 
     @staticmethod
-    def _tensors(raw: dict[str, Any]) -> dict[str, Any]:
-        out = dict(raw)
+    def _tensors(raw: dict[str, Any], position: int) -> dict[str, Any]:
+        out = dict(raw, position=position)
         for key in ("image", "wrist_image", "action", "state", "actions"):
             if key in out:
                 out[key] = torch.from_numpy(np.ascontiguousarray(out[key]))

@@ -17,7 +17,7 @@ import os
 import queue
 import signal
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,9 @@ class Recipe:
     state: bool = False
     cache_episodes: int = 16
     chunk: int = 1  # > 1: each sample also carries its next `chunk` actions ("actions")
+    # a family's own sample layout: a module-level function (it pickles by name)
+    # (source, opened episode, step, chunk) -> raw sample, in place of Source.sample
+    sampler: Callable[..., dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "eval", "none"):
@@ -81,9 +84,12 @@ class Decoder:
 
     def sample(self, source: int, opened: OpenEpisode, step: int, position: int) -> dict:
         r = self.recipe
-        out = self.sources[source].sample(
-            opened, step, cameras=r.cameras, state=r.state, chunk=r.chunk
-        )
+        if r.sampler is not None:
+            out = r.sampler(self.sources[source], opened, step, r.chunk)
+        else:
+            out = self.sources[source].sample(
+                opened, step, cameras=r.cameras, state=r.state, chunk=r.chunk
+            )
         for camera, key in IMAGE_KEYS.items():
             if key not in out:
                 continue
@@ -95,7 +101,8 @@ class Decoder:
             elif r.mode == "eval":
                 image = center_crop(image, r.augment.crop_scale[0])
             out[key] = image if image.flags.writeable else image.copy()
-        out["action"] = np.asarray(out["action"], dtype=np.float32)
+        if "action" in out:
+            out["action"] = np.asarray(out["action"], dtype=np.float32)
         return out
 
     def close(self) -> None:

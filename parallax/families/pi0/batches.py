@@ -5,9 +5,13 @@ all -1 and masked out), the instruction, the state and the chunk of the next ``H
 As LeRobot's processors: state and actions normalised (pi0 mean/std, ``(x - mean) / (std +
 1e-8)``; pi0.5 quantiles, ``2 (x - q01) / (q99 - q01) - 1``, 0 where q99 = q01) and
 zero-padded to the model's widths; images to [-1, 1]; the prompt (:mod:`.prompt`; pi0.5's with
-the discretised state) right-padded to ``text_length``. The flow-matching noise and time of
-each sample are drawn here from ``(seed, index, visit)`` (:mod:`.data`), so every layout draws
-the same ones; ``x_t`` is made from them in the stage inputs.
+the discretised state) right-padded to ``text_length``; the chunk's padded steps
+(``action_pad``, past the episode's end: :mod:`.robot_data`) as a ``(b, H)`` mask, all False for
+a sample without one. Each sample is normalised by its own dataset's statistics (a mixture's
+datasets each by theirs). The flow-matching noise and time of each sample are drawn here from
+the seed and the sample's key: its global stream position for streamed data
+(:mod:`.stream_data`), else ``(index, visit)`` (:mod:`.data`); so every layout, worker count
+and resume draws the same ones. ``x_t`` is made from them in the stage inputs.
 """
 
 from __future__ import annotations
@@ -74,16 +78,32 @@ def image_tensor(image, size: int) -> torch.Tensor:
 
 class Pi0Batches:
     """Lists of raw samples -> ``{"images", "image_masks", "tokens", "token_mask", "state",
-    "actions", "action_dim", "noise", "time", "mean_action"}`` (module doc). ``stats``: the
-    dataset's ``norm_stats`` entry (``action``, ``proprio``)."""
+    "actions", "action_pad", "action_dim", "noise", "time", "mean_action"}`` (module doc).
+    ``stats``: a ``norm_stats`` entry (``action``, ``proprio``), for the samples of a dataset
+    ``by_dataset`` (name -> entry) does not name."""
 
-    def __init__(self, config: Pi0Config, stats: Mapping, seed: int, tokenizer=None) -> None:
+    def __init__(
+        self,
+        config: Pi0Config,
+        stats: Mapping,
+        seed: int,
+        tokenizer=None,
+        by_dataset: Mapping | None = None,
+    ) -> None:
         self.config, self.stats, self.seed = config, stats, seed
+        self.by_dataset = dict(by_dataset or {})
         self.tokenizer = tokenizer or ByteTokenizer()
+
+    def stats_of(self, sample: Mapping) -> Mapping:
+        """The statistics ``sample`` is normalised by: its dataset's."""
+        return self.by_dataset.get(sample.get("dataset"), self.stats)
 
     def noise_and_time(self, sample: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        key = f"pi0-flow:{sample.get('index', 0)}:{sample.get('visit', 0)}"
+        if "position" in sample:  # streamed: the global stream position
+            key = f"pi0-flow:stream:{sample['position']}"
+        else:
+            key = f"pi0-flow:{sample.get('index', 0)}:{sample.get('visit', 0)}"
         g = torch.Generator().manual_seed(param_seed(self.seed, key))
         noise = torch.randn(c.chunk, c.max_action_dim, generator=g)  # (H, A)
         return noise, sample_time(1, g)[0]
@@ -99,11 +119,12 @@ class Pi0Batches:
     def __call__(self, samples: Sequence[Mapping]) -> dict:
         c, pi05 = self.config, self.config.pi05
         rows: dict[str, list] = {k: [] for k in ("images", "masks", "state", "actions", "ids")}
-        rows.update(noise=[], time=[])
+        rows.update(noise=[], time=[], pad=[], mean=[])
         dims = set()
         for s in samples:
-            state = normalize(s["state"], self.stats["proprio"], pi05)
-            actions = normalize(s["actions"], self.stats["action"], pi05)  # (H, D)
+            stats = self.stats_of(s)
+            state = normalize(s["state"], stats["proprio"], pi05)
+            actions = normalize(s["actions"], stats["action"], pi05)  # (H, D)
             dims.add(actions.shape[-1])
             images, mask = self.images(s)
             text = prompt_text(s["instruction"], state if pi05 else None, pi05)
@@ -115,6 +136,9 @@ class Pi0Batches:
             rows["ids"].append(self.tokenizer.encode(text))
             rows["noise"].append(noise)
             rows["time"].append(time)
+            pad = s.get("action_pad")
+            rows["pad"].append(torch.zeros(c.chunk, dtype=torch.bool) if pad is None else pad)
+            rows["mean"].append(self.mean_action(stats))
         if len(dims) != 1:
             raise ValueError(f"a microbatch mixes action widths {sorted(dims)}")
         tokens, token_mask = padded_ids(rows["ids"], c.text_length, self.tokenizer.pad_id)
@@ -125,16 +149,18 @@ class Pi0Batches:
             "token_mask": token_mask,  # (b, L)
             "state": torch.stack(rows["state"]),  # (b, Ds)
             "actions": torch.stack(rows["actions"]),  # (b, H, A)
+            "action_pad": torch.stack([torch.as_tensor(p) for p in rows["pad"]]).bool(),  # (b, H)
             "action_dim": dims.pop(),
             "noise": torch.stack(rows["noise"]),  # (b, H, A)
             "time": torch.stack(rows["time"]),  # (b,)
-            "mean_action": self.mean_action().expand(len(samples), -1),  # (b, A)
+            "mean_action": torch.stack(rows["mean"]),  # (b, A)
         }
 
-    def mean_action(self) -> torch.Tensor:
-        """The data's mean action, normalised and padded ``(A,)``: what the evaluation's
-        baseline predicts (:class:`~.objective.FlowMatchingObjective`)."""
-        stats = self.stats["action"]
+    def mean_action(self, stats: Mapping | None = None) -> torch.Tensor:
+        """The data's mean action (``stats``', default the run's), normalised and padded
+        ``(A,)``: what the evaluation's baseline predicts
+        (:class:`~.objective.FlowMatchingObjective`)."""
+        stats = (stats or self.stats)["action"]
         mean = normalize(stats["mean"], stats, self.config.pi05)
         return padded(np.asarray(mean), self.config.max_action_dim, "the mean action")
 

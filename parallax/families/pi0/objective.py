@@ -3,11 +3,25 @@
 ``t = 0.001 + 0.999 * Beta(1.5, 1)``, ``noise ~ N(0, I)``, ``x_t = t * noise + (1 - t) *
 actions``, target velocity ``u = noise - actions``; the loss is the mean squared error between
 the model's velocity and ``u`` over the real action dimensions (the padded ones are computed,
-then cut). Beta(1.5, 1) has CDF ``x^1.5``, so it is drawn by inversion, ``U^(2/3)``, from a
-generator the caller may give. Noise and times may be given (a test fixes them).
+then cut) and the chunk's real steps. Beta(1.5, 1) has CDF ``x^1.5``, so it is drawn by
+inversion, ``U^(2/3)``, from a generator the caller may give. Noise and times may be given (a
+test fixes them).
 
-In the trainer the loss of a microbatch is the *sum* of squared errors over ``b x H x D``
-elements, the units the trainer divides the global batch's sum by
+**Padded chunk steps** (``action_pad``, LeRobot's ``action_is_pad``): a robot sample near an
+episode's end repeats the last action past the end (:mod:`.robot_data`); those slots are left
+out of the loss and of its unit count, so the mean is over the real ``(step, dim)`` elements
+of the global batch whatever the layout. LeRobot itself, as its source reads
+(``src/lerobot/policies/pi0/modeling_pi0.py`` and ``pi05/modeling_pi05.py`` on its main
+branch): the policies apply no pad mask at all (``losses[:, :, :D].mean()`` over every
+element, the repeated last action included). Its first port (``lerobot/common/policies/pi0``,
+as forks keep it) multiplied the per-element losses by ``~actions_is_pad`` and then took
+``.mean()`` over all ``b x H x D`` elements, the masked zeros in the denominator, but read the
+mask under the key ``"actions_id_pad"``, which no dataset gives, so it never applied. Here the
+mask applies and the denominator counts only the real elements (a sample without
+``action_pad``, the synthetic task's, has none padded).
+
+In the trainer the loss of a microbatch is the *sum* of squared errors over its real elements
+(at most ``b x H x D``), the units the trainer divides the global batch's sum by
 (:class:`FlowMatchingObjective`). Its evaluation also samples every held-out chunk
 (:func:`~.predict.sample_chunk`, the sample's own noise, the config's Euler steps) and reports
 the mean squared error of the chunk (``eval_chunk_mse``) beside that of always predicting the
@@ -59,10 +73,21 @@ def flow_terms(actions: torch.Tensor, noise: torch.Tensor, time: torch.Tensor) -
     return FlowMatching(t * noise + (1 - t) * actions, noise - actions, time.float())
 
 
-def squared_error_sum(velocity, target, action_dim: int) -> torch.Tensor:
-    """Sum of squared errors over the first ``action_dim`` (real) dimensions."""
-    err = (velocity.float() - target) ** 2  # (b, H, A)
-    return err[..., :action_dim].sum()
+def squared_error_sum(velocity, target, action_dim: int, pad=None) -> torch.Tensor:
+    """Sum of squared errors over the first ``action_dim`` (real) dimensions and the steps
+    ``pad`` (b, H) does not flag."""
+    err = (velocity.float() - target)[..., :action_dim] ** 2  # (b, H, D)
+    if pad is not None:
+        err = err.masked_fill(pad.to(err.device)[..., None], 0.0)  # (b, H, D)
+    return err.sum()
+
+
+def real_steps(mb: Mapping) -> torch.Tensor:
+    """``(b, H)`` bool: the chunk steps inside their episode (all of them without a mask)."""
+    pad = mb.get("action_pad")
+    if pad is None:
+        return torch.ones(mb["actions"].shape[:2], dtype=torch.bool)
+    return ~pad.bool()
 
 
 def flow_matching_loss(
@@ -75,25 +100,26 @@ def flow_matching_loss(
     time = sample_time(actions.shape[0], generator, actions.device) if time is None else time
     terms = flow_terms(actions, noise, time)
     v = model.velocity(*(mb.get(k) for k in MODEL_INPUTS), terms.x_t, terms.time)
-    d = int(mb["action_dim"])
-    return squared_error_sum(v, terms.target, d) / (actions.shape[0] * actions.shape[1] * d)
+    d, pad = int(mb["action_dim"]), mb.get("action_pad")
+    total = squared_error_sum(v, terms.target, d, pad)
+    return total / (int(real_steps(mb).sum()) * d)
 
 
 class FlowMatchingObjective(TokenObjective):
-    """The trainer's side: units ``b x H x D``; noise and times come with the microbatch
-    (drawn on the host by the collator from the run's seed, so every layout draws the same)."""
+    """The trainer's side: units the real elements (``b x H x D`` less the padded steps');
+    noise and times come with the microbatch (drawn on the host by the collator from the run's
+    seed and each sample's key, so every layout draws the same)."""
 
     def loss_units(self, mb: Mapping) -> int:
-        b, h = mb["actions"].shape[:2]
-        return int(b * h * int(mb["action_dim"]))
+        return int(real_steps(mb).sum()) * int(mb["action_dim"])
 
     def loss_target(self, run, mb: Mapping):
         terms = flow_terms(mb["actions"], mb["noise"], mb["time"])
-        return terms.target, int(mb["action_dim"])
+        return terms.target, int(mb["action_dim"]), ~real_steps(mb)
 
     def loss(self, chunk, output, target, ctx, run):
-        goal, d = target
-        total = squared_error_sum(output, goal.to(output.device), d)
+        goal, d, pad = target
+        total = squared_error_sum(output, goal.to(output.device), d, pad)
         return total, torch.zeros(0, device=output.device)
 
     eval_metric_sums = ("chunk_se", "mean_action_se", "elements")
@@ -104,8 +130,8 @@ class FlowMatchingObjective(TokenObjective):
 
     def sampled_sums(self, chunks, microbatches, ctx, run) -> torch.Tensor:
         """Squared errors of the sampled chunks and of the mean action, and their element
-        count (module doc); NaN where a rank holds several pipeline chunks (an interleaved
-        schedule, which the staged sampler does not walk)."""
+        count, over the real elements (module doc); NaN where a rank holds several pipeline
+        chunks (an interleaved schedule, which the staged sampler does not walk)."""
         sums = torch.zeros(3, dtype=torch.float64)
         if len(chunks) != 1:
             sums[:2] = float("nan")
@@ -120,7 +146,8 @@ class FlowMatchingObjective(TokenObjective):
             d = int(mb["action_dim"])
             actions = mb["actions"][..., :d].double()  # (b, H, D)
             mean = mb["mean_action"][:, None, :d].double()  # (b, 1, D)
-            sums[0] += ((chunk[..., :d].double() - actions) ** 2).sum()
-            sums[1] += ((mean - actions) ** 2).sum()
-            sums[2] += actions.numel()
+            keep = real_steps(mb)[..., None].double()  # (b, H, 1)
+            sums[0] += (((chunk[..., :d].double() - actions) ** 2) * keep).sum()
+            sums[1] += (((mean - actions) ** 2) * keep).sum()
+            sums[2] += keep.sum() * d
         return sums

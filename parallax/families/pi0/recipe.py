@@ -2,8 +2,8 @@
 LeRobot policy folder (found by its ``config.json``'s ``type``).
 
 The objective is flow matching (:mod:`.objective`): per microbatch the sum of squared velocity
-errors over the real action dimensions, divided by the global batch's ``b x H x D``; the noise
-and the times come with the microbatch (:mod:`.batches`). pp = 1 for now (:mod:`.sides`).
+errors over the real action dimensions and chunk steps, divided by the global batch's count of
+them; the noise and the times come with the microbatch (:mod:`.batches`).
 """
 
 from parallax.families.pi0.objective import FlowMatchingObjective
@@ -15,8 +15,9 @@ from parallax.recipe import Recipe
 class Pi0Recipe(Recipe):
     name = "pi0"
     options = Pi0Options
-    # options of OpenVLA's robot data streaming and of a language model's head
-    unread = ("augment", "workers", "logits", "fused_projections")
+    # OpenVLA's image augmentation and options of a language model's head (pi0's robot data
+    # streams with --workers, unaugmented)
+    unread = ("augment", "logits", "fused_projections")
 
     def __init__(self) -> None:
         super().__init__(Pi0Side(), Pi0Data(), FlowMatchingObjective())

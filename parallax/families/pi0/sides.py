@@ -27,6 +27,7 @@ from parallax.families.pi0.flops import flops_per_sample
 from parallax.families.pi0.model import Pi0Model
 from parallax.families.pi0.prompt import find_tokenizer
 from parallax.families.pi0.robot_data import robot_dataset
+from parallax.families.pi0.stream_data import Pi0Stream, robot_stream, stream_loader
 from parallax.models.estimate import BlockEstimate
 from parallax.models.stages import StageBlock
 from parallax.pipeline import TensorMeta
@@ -48,25 +49,36 @@ SUFFIX_HEADS = (
 
 
 class Pi0Data(DataSide):
-    """The synthetic task's pi0 form (:mod:`.data`), LeRobot datasets, LIBERO and RLDS
-    (:mod:`.robot_data`); microbatches of :class:`Pi0Batches`."""
+    """The synthetic task's pi0 form (:mod:`.data`, random access); LeRobot datasets, LIBERO
+    and RLDS, one or a mixture, streamed (:mod:`.stream_data`; ``--eval-data`` one dataset by
+    random access, :mod:`.robot_data`); microbatches of :class:`Pi0Batches`."""
 
     input_keys = ("images", "image_masks", "tokens", "token_mask", "actions", "noise", "time")
 
     def dataset(self, spec: Any, run: Run) -> Any:
         if spec == "synthetic":
             return IndexedSamples(synthetic_task(run.model_config, run.seed))
-        return robot_dataset(spec, run)
+        return robot_stream(spec, run)
 
     def eval_dataset(self, spec: str | None, run: Run) -> Any:
         if spec is None and run.data == "synthetic":
             return IndexedSamples(synthetic_task(run.model_config, run.seed + 1))
-        return super().eval_dataset(spec, run)
+        if spec is None:
+            return super().eval_dataset(spec, run)
+        if spec == "synthetic":
+            return IndexedSamples(synthetic_task(run.model_config, run.seed))
+        return robot_dataset(spec, run)
+
+    def loader(self, dataset: Any, run: Run, ctx) -> Any:
+        if isinstance(dataset, Pi0Stream):
+            return stream_loader(dataset, run, ctx)
+        return super().loader(dataset, run, ctx)
 
     def collator(self, run: Run, dataset: Any):
-        stats = next(iter(dataset.statistics.values()))
+        stats = dataset.statistics
         tokenizer = find_tokenizer(run.family_options.tokenizer, run.checkpoint)
-        return Pi0Batches(run.model_config, stats, run.seed, tokenizer)
+        first = next(iter(stats.values()))
+        return Pi0Batches(run.model_config, first, run.seed, tokenizer, by_dataset=stats)
 
     def stage_inputs(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
         return stage_inputs(mb)

@@ -1,8 +1,9 @@
 """pi0's ``--data`` on LeRobot (v2.1 video, v3.0 images in the rows) and LIBERO datasets
 written by benchmarks/data: microbatches of both variants against a hand computation (chunks,
-padding, mean/std or quantile normalisation, images resized with centred padding), the
-flow-matching draws keyed by (seed, index, visit), LeRobot's processor files read and written
-back bit for bit, and a short trainer run that exports them."""
+padding, LeRobot's ``action_is_pad`` past an episode's end, mean/std or quantile normalisation,
+images resized with centred padding), the flow-matching draws keyed by (seed, index, visit),
+LeRobot's processor files read and written back bit for bit, and a short trainer run (streamed)
+that exports them."""
 
 import json
 from dataclasses import replace
@@ -59,22 +60,25 @@ def datasets(tmp_path_factory):
 
 
 def _run(model: str, data: Path, out: Path, checkpoint=None):
+    """The run, ``data`` by random access (what --eval-data reads) and the collator."""
     run = resolve(TrainConfig.of(model=checkpoint or model, data=str(data), out=str(out)))
-    dataset = run.recipe.data.dataset(str(data), run)
+    dataset = run.recipe.data.eval_dataset(str(data), run)
     return run, dataset, run.recipe.data.collator(run, dataset)
 
 
 def _expected(eps, kind: str):
-    """Each sample's (actions (H, D), state (S,), first frame) and the hand statistics."""
+    """Each sample's (actions (H, D), pad (H,), state (S,), first frame): every step, the
+    chunk's steps past the end the last action, flagged; and the hand statistics."""
     actions = [ep.actions.copy() for ep in eps]
     if kind == "libero":  # the gripper to 1 = open, 0 = closed
         for a in actions:
             a[:, -1] = 1.0 - np.clip(a[:, -1], 0.0, 1.0)
-    samples = [
-        (a[t : t + H], ep.states[t], ep.images[t])
-        for a, ep in zip(actions, eps)
-        for t in range(len(a) - H + 1)
-    ]
+    samples = []
+    for a, ep in zip(actions, eps):
+        for t in range(len(a)):
+            steps = np.arange(t, t + H)
+            last = np.minimum(steps, len(a) - 1)
+            samples.append((a[last], steps >= len(a), ep.states[t], ep.images[t]))
     return samples, np.concatenate(actions), np.concatenate([ep.states for ep in eps])
 
 
@@ -92,12 +96,14 @@ def test_batches_against_a_hand_computation(datasets, kind, model, tmp_path):
     path, eps, image_tol = datasets[kind]
     run, dataset, collate = _run(model, path, tmp_path)
     samples, all_actions, all_states = _expected(eps, kind)
-    assert len(dataset) == len(samples) == 3 + 4 + 5  # T - H + 1 per episode
-    order = [0, 5, 11, 0]
-    mb = collate([dataset.read_in_epoch(i, int(r == 3)) for r, i in enumerate(order)])
+    assert len(dataset) == len(samples) == 6 + 7 + 8  # every step of the 3 episodes
+    order = [0, 5, 12, 20, 0]  # episodes' last steps: 1, 1 and 1 real actions of 4
+    mb = collate([dataset.read_in_epoch(i, int(r == 4)) for r, i in enumerate(order)])
     pi05 = model.startswith("pi05")
+    assert mb["action_pad"].sum(1).tolist() == [0, 3, 3, 3, 0]
     for row, i in enumerate(order):
-        actions, state, frame = samples[i]
+        actions, pad, state, frame = samples[i]
+        assert mb["action_pad"][row].tolist() == pad.tolist()
         want = _normalised(actions, all_actions, pi05)  # (H, 7)
         torch.testing.assert_close(mb["actions"][row, :, :7].double(), want, **TOL)
         assert (mb["actions"][row, :, 7:] == 0).all()  # padded to max_action_dim 8
@@ -113,7 +119,7 @@ def test_batches_against_a_hand_computation(datasets, kind, model, tmp_path):
         err = (mb["images"][row, 0, :, 4:28] - (inner * 2 - 1)).abs().max().item()
         assert err <= 2 * image_tol / 255 + 1e-6, err
     assert mb["image_masks"].all() and mb["action_dim"] == 7
-    assert not torch.equal(mb["noise"][0], mb["noise"][3])  # sample 0 in the next epoch
+    assert not torch.equal(mb["noise"][0], mb["noise"][4])  # sample 0 in the next epoch
     _, again, collate = _run(model, path, tmp_path)
     torch.testing.assert_close(collate([again[0]])["noise"][0], mb["noise"][0])
 
@@ -151,6 +157,7 @@ def test_trainer_run_on_a_lerobot_folder_exports_its_statistics(datasets, tmp_pa
     out = tmp_path / "run"
     args = ["--model", "pi0-tiny", "--data", str(path), "--out", str(out), "--steps", "2"]
     args += ["--global-batch-size", "4", "--micro-batch-size", "2", "--export-hf"]
+    args += ["--workers", "0"]
     status, _, err = single(capsys, *args)
     assert status == 0, err
     losses = [m["loss"] for m in metrics(out) if "loss" in m]

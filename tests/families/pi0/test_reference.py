@@ -170,3 +170,36 @@ def test_forward_and_objective_match_the_plain_reference(variant):
         by_hand = ((reference_velocity(model, x, x_t, x["time"]) - u)[..., :6] ** 2).mean()
         loss = flow_matching_loss(model, x, noise=x["noise"], time=x["time"])
         torch.testing.assert_close(loss, by_hand, rtol=1e-5, atol=0)
+
+
+def test_objective_leaves_the_padded_chunk_steps_out():
+    """``action_pad`` (LeRobot's ``action_is_pad``): the loss, its unit count and the sampled
+    chunks' error count only the real steps' elements (6 real dims), against a hand sum."""
+    from types import SimpleNamespace
+
+    from parallax.families.pi0.objective import FlowMatchingObjective
+    from parallax.families.pi0.predict import sample_chunk
+
+    model = tiny_model("pi0")
+    x = inputs(model.config)  # b = 2, H = 4
+    pad = torch.tensor([[False, False, True, True], [False, False, False, True]])
+    mb = {**x, "action_pad": pad, "mean_action": torch.zeros(2, model.config.max_action_dim)}
+    obj = FlowMatchingObjective()
+    assert obj.loss_units(mb) == (2 + 3) * 6
+    velocity = torch.randn(
+        2, 4, model.config.max_action_dim, generator=torch.Generator().manual_seed(0)
+    )
+    u = x["noise"] - x["actions"]
+    keep = (~pad)[..., None].float()  # (b, H, 1)
+    by_hand = (((velocity - u)[..., :6] ** 2) * keep).sum()
+    total, _ = obj.loss(None, velocity, obj.loss_target(None, mb), None, None)
+    torch.testing.assert_close(total, by_hand, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        sums = obj.sampled_sums([model], [mb], SimpleNamespace(device=torch.device("cpu")), None)
+        chunk = sample_chunk(model, *(x[k] for k in ("images", "image_masks", "tokens")),
+                             x["token_mask"], x["state"], x["noise"])  # fmt: skip
+    err = ((chunk - x["actions"])[..., :6].double() ** 2) * keep.double()
+    mean_err = (x["actions"][..., :6].double() ** 2) * keep.double()
+    torch.testing.assert_close(
+        sums, torch.stack([err.sum(), mean_err.sum(), torch.tensor(30.0).double()])
+    )
