@@ -35,18 +35,19 @@ accumulator per parameter (``accumulated_grads_in_cpu``: 2 bytes more). The H200
 125 GiB and ``memory_fit`` ends a row past ``--host-limit`` (112 GiB): the rows may end there,
 and then that is their result (the record keeps the RSS at which they ended).
 
-What was verified where (2026-12-05):
-- here, on a CPU machine (torch 2.13 CPU, Python 3.11, g++ and ninja): deepspeed 0.19.8 from
-  the folder imports, and ``CPUAdamBuilder().load()`` JIT-builds ``cpu_adam.so`` (about 2 min on
-  two cores). DeepSpeed's CUDA accelerator maps ``CPUAdamBuilder`` to this same CPU builder
-  (``op_builder/cpu``: plain C++ through ``torch.utils.cpp_extension``, no nvcc), so the GPU
-  host builds the same sources with the same flags. The whole row ran on the CPU at the tiny
-  preset (``memory_fit --smoke --rows tiny-deepspeed-z2,tiny-deepspeed-z3``: gloo, DeepSpeed's
-  CPU accelerator): engine, ZeRO-2/3 offload, accumulation, clipping and CPU Adam steps;
-- under Python 3.12 (pyenv, no torch): the folder's cp312 wheels (pydantic-core) import;
-- only on the GPU host: torch 2.11's headers and Python 3.12's with its g++ (the JIT build
-  there), the CUDA accelerator, NCCL at world size 1, 7B memory under the cap, the host's pinned
-  memory and the times.
+What was verified where (2026-12-05), on a CPU machine with g++ 12 and ninja, no GPU:
+- with the GPU host's versions, Python 3.12 and its torch wheel (2.11.0+cu130, here seeing no
+  GPU), the folder on ``PYTHONPATH`` as the session puts it (its cp312 pydantic-core included):
+  ``python -m benchmarks.zero.deepspeed_offload`` imported deepspeed 0.19.8 and JIT-built
+  ``cpu_adam.so`` (71 s on two cores), and ``memory_fit --smoke --rows
+  tiny-deepspeed-z2,tiny-deepspeed-z3 --peer-micro-batch 4`` ran both rows end to end (gloo,
+  DeepSpeed's CPU accelerator: engine, ZeRO-2/3 offload, two accumulation passes, clipping, CPU
+  Adam steps, a falling loss); the same with Python 3.11 and torch 2.13 CPU. DeepSpeed's CUDA
+  accelerator maps ``CPUAdamBuilder`` to this same CPU builder (``op_builder/cpu``: plain C++
+  through ``torch.utils.cpp_extension``, no nvcc), so the GPU host builds the same sources with
+  the same flags;
+- only on the GPU host: its compiler and Python headers (the image's), the CUDA accelerator,
+  NCCL at world size 1, 7B memory under the cap, the host's pinned memory and the times.
 """
 
 from __future__ import annotations
