@@ -7,13 +7,16 @@ ratio to parallax's uncapped best on the same GPU and workload, beside the plann
     python -m benchmarks.zero.memory_fit --smoke     # tiny presets on the CPU, writes nothing
 
 Rows (issue 26): OpenVLA-7B full fine-tuning at global batch 256 under 32 GiB (an RTX 5090) and
-24 GiB (an RTX 4090), with the peer (torch FSDP2 + ``CPUOffloadPolicy``, activation
-checkpointing, fused AdamW; :mod:`benchmarks.zero.fsdp2_offload`) under 32 GiB; LLaVA-NeXT-7B
-full fine-tuning under 24 GiB; OpenVLA-7B LoRA at batch 16 under 16 GiB. Every row runs in a
-process of its own, watched: its host RSS over ``--host-limit`` GiB (the H200 host has 125) ends
-it, reported as not fitting the host. The ratio's reference is the same invocation's uncapped
-row of the workload (``openvla``, ``llava``, ``lora``: the same data) where it ran, else
-parallax's uncapped best in RESULTS.md (``UNCAPPED``, whose data may differ).
+24 GiB (an RTX 4090), with the peers: torch FSDP2 + ``CPUOffloadPolicy`` (activation
+checkpointing, fused AdamW; :mod:`benchmarks.zero.fsdp2_offload`) under 32 GiB, and DeepSpeed
+ZeRO-2 and ZeRO-3 with ``offload_optimizer: cpu`` (its CPU Adam; issue 42,
+:mod:`benchmarks.zero.deepspeed_offload`) under 32 and 24 GiB, each at micro-batch
+``--peer-micro-batch`` (a DeepSpeed row that cannot import or build records the error as its
+status); LLaVA-NeXT-7B full fine-tuning under 24 GiB; OpenVLA-7B LoRA at batch 16 under 16 GiB.
+Every row runs in a process of its own, watched: its host RSS over ``--host-limit`` GiB (the H200
+host has 125) ends it, reported as not fitting the host. The ratio's reference is the same
+invocation's uncapped row of the workload (``openvla``, ``llava``, ``lora``: the same data) where
+it ran, else parallax's uncapped best in RESULTS.md (``UNCAPPED``, whose data may differ).
 MFU: the family's model FLOPs (``Recipe.flops``: 6 x parameters x tokens for what trains, plus
 attention) per step over the step time and 989 TFLOP/s.
 """
@@ -28,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +45,11 @@ from parallax.train.monitor import host_memory_gib
 ROWS = (
     Row("openvla-32", "openvla-7b", 256, limit=32.0),
     Row("openvla-24", "openvla-7b", 256, limit=24.0),
-    Row("fsdp2-offload-32", "openvla-7b", 256, limit=32.0),  # the peer
+    Row("fsdp2-offload-32", "openvla-7b", 256, limit=32.0),  # the peers
+    Row("deepspeed-z2-offload-32", "openvla-7b", 256, limit=32.0),
+    Row("deepspeed-z3-offload-32", "openvla-7b", 256, limit=32.0),
+    Row("deepspeed-z2-offload-24", "openvla-7b", 256, limit=24.0),
+    Row("deepspeed-z3-offload-24", "openvla-7b", 256, limit=24.0),
     Row("llava-24", "llava-v1.6-vicuna-7b", 32, limit=24.0),
     Row("lora-16", "openvla-7b", 16, finetune="lora", limit=16.0),
     # uncapped, planned: the same invocation's reference for its workload's ratio
@@ -49,8 +57,14 @@ ROWS = (
     Row("llava", "llava-v1.6-vicuna-7b", 32),
     Row("lora", "openvla-7b", 16, finetune="lora"),
 )
-SMOKE = (Row("tiny-capped", "tiny", 8, limit=0.012), Row("tiny-lora", "tiny", 8, finetune="lora"))
+SMOKE = (
+    Row("tiny-capped", "tiny", 8, limit=0.012),
+    Row("tiny-lora", "tiny", 8, finetune="lora"),
+    Row("tiny-deepspeed-z2", "tiny", 8),  # on the CPU (gloo) where deepspeed imports
+    Row("tiny-deepspeed-z3", "tiny", 8),
+)
 PEER_MICRO_BATCH = 16
+PEERS = ("fsdp2", "deepspeed")  # row-name prefixes of the peers: OpenVLA-7B's workload
 # parallax's uncapped best on one H200 (RESULTS.md): samples/s, which row
 UNCAPPED = {
     "openvla": (36.4, "openvla_step 1gpu micro 8 opt+compile/cudagraphs (run 9ae9773d9a40)"),
@@ -93,7 +107,11 @@ def child(row: Row, args) -> dict:
     rec: dict = {}
     if device.type == "cuda":
         cap_gpu_memory(row.limit, device)
-    if row.name.startswith("fsdp2"):
+    if "deepspeed-z" in row.name:
+        got = deepspeed_row(row, args, device, rec)
+        if "status" in got:  # it did not run: why, in place of a number
+            return {**rec, **got, "host_gib": host_memory_gib()}
+    elif row.name.startswith("fsdp2"):
         from benchmarks.zero.fsdp2_offload import measure as peer_measure
         from parallax.families.openvla import OpenVLAConfig
 
@@ -136,6 +154,33 @@ def child(row: Row, args) -> dict:
     return {**rec, "status": "ok"}
 
 
+def deepspeed_row(row: Row, args, device: torch.device, rec: dict) -> dict:
+    """A DeepSpeed peer row (``...deepspeed-z2...``, ``...-z3...``): what it measured, its set-up
+    kept in ``rec``; or, where it could not run, its ``status`` and the exact ``error`` text (the
+    import's, the CPU Adam build's with the compiler's output, or DeepSpeed's own failure)."""
+    from benchmarks.zero.deepspeed_offload import ERROR_CHARS, PeerUnavailable
+    from benchmarks.zero.deepspeed_offload import measure as ds_measure
+    from parallax.families.openvla import OpenVLAConfig
+
+    stage = int(row.name.split("deepspeed-z")[1][0])
+    micro = min(args.peer_micro_batch, row.batch)
+    rec["layout"] = f"deepspeed zero {stage} offload_optimizer cpu, ckpt all, mb {micro}"
+    config = OpenVLAConfig.preset(row.model)
+    try:
+        got = ds_measure(config, stage, row.batch, micro, args.steps, args.warmup, device)
+    except torch.cuda.OutOfMemoryError:
+        raise  # reported as every row's
+    except PeerUnavailable as err:
+        return {"status": f"deepspeed unavailable: {str(err)[:160]}", "error": str(err)}
+    except Exception as err:  # DeepSpeed's assertions and the like: the row, not the table, ends
+        first = (str(err).strip().splitlines() or [""])[0]
+        status = f"deepspeed failed: {type(err).__name__}: {first[:140]}"
+        return {"status": status, "error": traceback.format_exc()[-ERROR_CHARS:]}
+    for key in ("deepspeed", "cpu_adam_build_s", "params", "ds_host_estimate_gib", "loss"):
+        rec[key] = got[key]
+    return got
+
+
 def spawn(row: Row, args) -> dict:
     """Run ``row`` in a child process; end it when its host RSS passes ``--host-limit``."""
     cmd = [sys.executable, "-m", "benchmarks.zero.memory_fit", "--child", row.name]
@@ -143,6 +188,7 @@ def spawn(row: Row, args) -> dict:
     cmd += ["--smoke"] * args.smoke + ["--compile"] * args.compile
     cmd += ["--machine", args.machine] if args.machine else []
     cmd += ["--pad-to-multiple-of", str(args.pad_to_multiple_of)]
+    cmd += ["--peer-micro-batch", str(args.peer_micro_batch)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     start, most, status = time.monotonic(), 0.0, None
     while proc.poll() is None:
@@ -164,7 +210,7 @@ def spawn(row: Row, args) -> dict:
 
 def workload(rec: dict) -> str:
     """The uncapped workload a row is measured against (the peer's: OpenVLA's)."""
-    return "openvla" if rec["name"].startswith("fsdp2") else rec["name"].split("-")[0]
+    return "openvla" if rec["name"].startswith(PEERS) else rec["name"].split("-")[0]
 
 
 def references(records: list[dict]) -> dict[str, tuple[float, str]]:
@@ -212,6 +258,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pad-to-multiple-of", type=int, default=1, metavar="N", help="OpenVLA rows' text width"
     )
     p.add_argument("--compile", action="store_true", help="--compile in every parallax row")
+    p.add_argument(
+        "--peer-micro-batch",
+        type=int,
+        default=PEER_MICRO_BATCH,
+        help="the DeepSpeed rows' micro-batch",
+    )
     p.add_argument("--out", default="runs/memory_fit", help="the runs' --out")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU; no writes")
     p.add_argument("--no-write", action="store_true")
