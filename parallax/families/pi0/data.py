@@ -33,6 +33,7 @@ def synthetic_task(config: Pi0Config, seed: int, **overrides: Any) -> SyntheticT
         chunk=config.chunk,
         episode_length=config.chunk + SYNTHETIC_EXTRA_STEPS,
         image_size=config.vision.image_size,
+        action_levels=0,  # continuous, as pi0 regresses them (the levels are OpenVLA's bins)
     )
     return SyntheticTask(**{**kw, **overrides})
 
