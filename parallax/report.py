@@ -48,10 +48,14 @@ class Run:
     @property
     def metric(self) -> str | None:
         """The family's main metric: the first key of the rows that every family does not have
-        (the monitor writes the recipe's metrics right after the loss)."""
+        (the monitor writes the recipe's metrics right after the loss), else the first of the
+        evaluation's own (pi0's sampled-chunk error, which training steps do not measure)."""
         for key in self.rows[0] if self.rows else ():
             if key not in COMMON:
                 return key
+        for key in self.evals[0] if self.evals else ():
+            if key.startswith("eval_") and key != "eval_loss":
+                return key.removeprefix("eval_")
         return None
 
     def series(self, key: str, evaluation: bool = False) -> tuple[list[int], list[float]]:

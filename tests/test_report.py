@@ -62,3 +62,21 @@ def test_the_command_writes_the_png_and_refuses_a_folder_without_metrics(tmp_pat
     assert main([str(tmp_path / "nothing"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("parallax.report: error: ") and "no metrics.jsonl" in err
+
+
+def test_a_metric_only_the_evaluation_measures_is_the_main_one(tmp_path):
+    """pi0's training rows carry no family metric; its evaluation's sampled-chunk error is
+    drawn as the main metric."""
+    folder = _run(tmp_path / "pi0-run", 6, "unused", mfu=False)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        del r["unused"]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"step": s, "eval_loss": 1.0, "eval_chunk_mse": 0.6 / s, "eval_mean_action_mse": 0.5}
+             for s in (3, 6)]  # fmt: skip
+    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    run = read_run(folder)
+    assert run.metric == "chunk_mse"
+    assert run.series("metric") == ([], [])
+    steps, values = run.series("eval_metric", evaluation=True)
+    assert steps == [3, 6] and values == pytest.approx([0.2, 0.1])

@@ -71,3 +71,8 @@ def test_held_out_error_and_its_baseline():
     base = ((mb["actions"][..., :7] - mean) ** 2).mean().item()
     assert result.samples == 4 and abs(result.mean_action - base) < 1e-6
     assert 0 < result.model < float("inf")
+    per_dim = ((mb["actions"][..., :7] - mean) ** 2).mean((0, 1))  # (7,)
+    torch.testing.assert_close(torch.tensor(result.mean_per_dim).float(), per_dim)
+    assert abs(sum(result.model_per_dim) / 7 - result.model) < 1e-9
+    rolled = held_out_error(model, data, stats, samples=4, batch=4, num_steps=2, roll="images")
+    assert rolled.mean_action == result.mean_action and rolled.model != result.model
