@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from parallax.families.pi0.batches import Pi0Batches, normalize
-from parallax.families.pi0.predict import sample_chunk
+from parallax.families.pi0.data import IndexedSamples, synthetic_task
+from parallax.families.pi0.predict import load_policy, sample_chunk
 
 PREFIX = ("images", "image_masks", "tokens", "token_mask")
 ROLLED = {"images": ("images", "image_masks"), "prompts": ("tokens", "token_mask")}
@@ -94,9 +95,6 @@ def held_out_error(
 def report(run: Path, samples: int, seed: int = 0) -> str:
     """The table :func:`main` prints for a run folder exported with ``--export-hf`` (``seed``:
     the run's; its evaluation split is the synthetic task of ``seed + 1``)."""
-    from parallax.families.pi0.data import IndexedSamples, synthetic_task
-    from parallax.families.pi0.predict import load_policy
-
     policy = load_policy(run / "hf")
     stats = next(iter(json.loads((run / "dataset_statistics.json").read_text()).values()))
     held = IndexedSamples(synthetic_task(policy.config, seed + 1))

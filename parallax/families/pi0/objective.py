@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parallax.families.pi0.sampling import sample_chunk
 from parallax.recipe import TokenObjective
 from parallax.recipe.objective import MetricSpec
 
@@ -136,8 +137,6 @@ class FlowMatchingObjective(TokenObjective):
         if len(chunks) != 1:
             sums[:2] = float("nan")
             return sums
-        from parallax.families.pi0.predict import sample_chunk  # predict imports the model
-
         model, device = chunks[0], ctx.device
         for mb in microbatches:
             prefix = [mb[k].to(device) for k in PREFIX_INPUTS]
