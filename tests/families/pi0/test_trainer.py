@@ -120,8 +120,26 @@ def test_lora_at_tp2_matches_one_process():
     _match(run_ranks(_parallel, 2, 2, 1, 1, **LORA), one)
 
 
-def _match(results, reference) -> None:
-    for model in VARIANTS:
+def _one_variant(model: str, tp, pp, dp, **kw):
+    ctx = context(tp=tp, pp=pp, dp=dp)
+    return {model: _run(ctx, _cfg(model, tp=tp, pp=pp, dp=dp, **kw))}
+
+
+@pytest.mark.parametrize(
+    "model,memory",
+    [("pi0-tiny", dict(zero=3)), ("pi05-tiny", dict(zero=2, offload="optimizer", **LORA))],
+    ids=["pi0-full-zero3", "pi05-lora-zero2-offload"],
+)
+def test_tp2_pp2_dp2_matches_one_process(model, memory):
+    """All three at once, one variant each (8 ranks on two cores): pi0 fully fine-tuned at
+    ZeRO-3, pi0.5 with LoRA at ZeRO-2 and the optimizer offloaded."""
+    with one_thread():
+        one = {model: _run(ParallelContext.local(), _cfg(model, **memory))}
+    _match(run_ranks(_one_variant, 8, model, 2, 2, 2, **memory), one, (model,))
+
+
+def _match(results, reference, variants=VARIANTS) -> None:
+    for model in variants:
         ref_history, ref_weights = reference[model]
         assert ref_history[-1][0] != ref_history[0][0]
         seen = {}
