@@ -39,20 +39,8 @@ if [[ -z ${CUDA_HOME:-} ]]; then  # CPU Adam needs no nvcc; DeepSpeed's other pr
   nvcc=$(command -v nvcc || true)
   [[ -z ${CUDA_HOME:-} && -n $nvcc ]] && export CUDA_HOME=$(dirname "$(dirname "$nvcc")")
 fi
-start=$SECONDS
-step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the budget
-  local limit=$1 name=$2; shift 2
-  [[ " ${SKIP:-} " == *" $name "* ]] && { echo "=== $name: skipped (SKIP)"; return; }
-  local left=$((budget - (SECONDS - start)))
-  ((left < limit)) && limit=$left
-  ((limit < 20)) && { echo "=== $name: skipped (no time left)"; return; }
-  echo "=== $name ($limit s): $*"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
-  echo "=== $name: exit $? after $((SECONDS - start)) s in all"
-  grep -v '^│ *│' "$logs/$name.log" | grep -v 'FutureWarning\|return func' | tail -n 30 | cut -c1-400
-  cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
-  tar czf "$out/logs.tgz" -C "$logs" .
-}
+STEP_QUIET='FutureWarning|return func' STEP_WIDTH=400
+source benchmarks/tools/session_steps.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 free -g | head -2
 echo "CUDA_HOME=${CUDA_HOME:-}"

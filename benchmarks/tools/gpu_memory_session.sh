@@ -27,20 +27,8 @@ logs=$(mktemp -d)  # every log and profile, packed into $out/logs.tgz after each
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 : "${PARALLAX_COMMIT:?set PARALLAX_COMMIT to the commit that runs: a device copy of the tree may hold another git state}"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # a capped card fragments less
-start=$SECONDS
-step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the budget
-  local limit=$1 name=$2; shift 2
-  [[ " ${SKIP:-} " == *" $name "* ]] && { echo "=== $name: skipped (SKIP)"; return; }
-  local left=$((budget - (SECONDS - start)))
-  ((left < limit)) && limit=$left
-  ((limit < 20)) && { echo "=== $name: skipped (no time left)"; return; }
-  echo "=== $name ($limit s): $*"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
-  echo "=== $name: exit $? after $((SECONDS - start)) s in all"
-  grep -v '^│ *│' "$logs/$name.log" | tail -n 30 | cut -c1-220
-  cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
-  tar czf "$out/logs.tgz" -C "$logs" .
-}
+STEP_WIDTH=220
+source benchmarks/tools/session_steps.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 free -g | head -2
 step 60 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/optim/test_zero_stages_cuda.py

@@ -14,7 +14,7 @@
 #         replace by torch.compile's default for their 10 minutes, and pi0 (not 0.5) rows.
 # .peers/lerobot: `bash benchmarks/tools/make_lerobot_peer.sh OPENPI_DIR` on a machine with the
 # registry (lerobot 0.4.4, transformers 4.53.2 + openpi's transformers_replace, ~46 MiB),
-# named in the call's carry. Logs and the results files land in OUT.
+# named in the call's carry. The results files and logs.tgz (every log) land in OUT.
 set -u
 out=${1:?usage: pi0_session.sh OUT_DIR a|b|c|d}
 part=${2:?usage: pi0_session.sh OUT_DIR a|b|c|d}
@@ -22,18 +22,8 @@ budget=${BUDGET:-570}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 : "${PARALLAX_COMMIT:?set PARALLAX_COMMIT to the commit that runs}"
-start=$SECONDS
-step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the budget
-  local limit=$1 name=$2; shift 2
-  local left=$((budget - (SECONDS - start)))
-  ((left < limit)) && limit=$left
-  ((limit < 20)) && { echo "=== $name: skipped (no time left)"; return; }
-  echo "=== $name ($limit s): $*"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "=== $name: exit $? after $((SECONDS - start)) s in all"
-  grep -v '^│ *│' "$out/$name.log" | grep -v -i warning | tail -n 30 | cut -c1-240
-  cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
-}
+STEP_QUIET='[Ww][Aa][Rr][Nn][Ii][Nn][Gg]'
+source benchmarks/tools/session_steps.sh
 bench="python3 -m benchmarks.step.pi0 --model pi05 --batch 8 --compile"
 case $part in
 a)

@@ -17,19 +17,8 @@ mkdir -p "$out"
 logs=$(mktemp -d)
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 : "${PARALLAX_COMMIT:?set PARALLAX_COMMIT to the commit that runs}"
-start=$SECONDS
-step() {  # step SECONDS NAME COMMAND...: at most SECONDS, and never past the budget
-  local limit=$1 name=$2; shift 2
-  local left=$((budget - (SECONDS - start)))
-  ((left < limit)) && limit=$left
-  ((limit < 20)) && { echo "=== $name: skipped (no time left)"; return; }
-  echo "=== $name ($limit s): $*"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
-  echo "=== $name: exit $? after $((SECONDS - start)) s in all"
-  grep -v '^│ *│' "$logs/$name.log" | tail -n 12 | cut -c1-240
-  cp benchmarks/RESULTS.md benchmarks/results.jsonl "$out/"
-  tar czf "$out/logs.tgz" -C "$logs" .
-}
+STEP_TAIL=12
+source benchmarks/tools/session_steps.sh
 lora="python3 -m benchmarks.step.lora --compile --batch 16 --micro-batch 16 --session qlora1"
 train="python3 -m parallax.train --model openvla-7b --finetune lora --compile --precision bf16"
 train="$train --global-batch-size 16 --micro-batch-size 16 --save-interval 0"

@@ -14,12 +14,12 @@ from pathlib import Path
 IGNORE_INDEX = -100  # the label of positions that carry no loss
 
 
-class HFTokenizer:
-    """The checkpoint's Llama tokenizer through ``tokenizers`` (tokenizer.json) or
-    ``sentencepiece`` (tokenizer.model). BOS is added here, not by the file's post-processor,
-    so both back ends give ``[1] + pieces``."""
+class FileTokenizer:
+    """A folder's tokenizer through ``tokenizers`` (tokenizer.json) or ``sentencepiece``
+    (tokenizer.model), whichever is there and installed; ``encode`` adds BOS itself (not the
+    file's post-processor), so both back ends give ``[bos] + pieces``. Subclasses set the ids."""
 
-    bos_id, eos_id = 1, 2
+    bos_id: int
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -45,15 +45,6 @@ class HFTokenizer:
             self._sp = sentencepiece.SentencePieceProcessor(
                 model_file=str(path / "tokenizer.model")
             )
-        if self._tok is not None:
-            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
-            self.action_space_id = self._tok.token_to_id("▁")
-            pad = self._tok.token_to_id("<PAD>")
-        else:
-            self.vocab_size = self._sp.get_piece_size()
-            self.action_space_id = self._sp.piece_to_id("▁")
-            pad = None
-        self.pad_id = self.vocab_size if pad is None else pad
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         if self._tok is not None:
@@ -65,3 +56,22 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
         return self._tok.decode(ids) if self._tok is not None else self._sp.decode(ids)
+
+
+class HFTokenizer(FileTokenizer):
+    """The checkpoint's Llama tokenizer (:class:`FileTokenizer`): BOS 1, EOS 2, the pad and
+    "▁" ids from the file."""
+
+    bos_id, eos_id = 1, 2
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        if self._tok is not None:
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
+            self.action_space_id = self._tok.token_to_id("▁")
+            pad = self._tok.token_to_id("<PAD>")
+        else:
+            self.vocab_size = self._sp.get_piece_size()
+            self.action_space_id = self._sp.piece_to_id("▁")
+            pad = None
+        self.pad_id = self.vocab_size if pad is None else pad

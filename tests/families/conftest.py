@@ -3,12 +3,11 @@ and on a busy 2-core CI machine OpenMP workers waiting for a core make them many
 (the multi-rank workers already use one thread each)."""
 
 import pytest
-import torch
+
+from parallax.testing import one_thread
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield

@@ -9,6 +9,7 @@ import torch
 from parallax import ParallelContext
 from parallax.run import TrainConfig
 from parallax.run.rules import FP8_EMULATE_ENV, config_problems
+from parallax.testing import one_thread
 from parallax.train import resolve
 from tests.families.openvla.test_trainer import _batches
 
@@ -22,10 +23,8 @@ needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """One torch thread: the tiny model gains nothing from more on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 @needs_cpu

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from parallax.models.tokenizer import FileTokenizer
+
 STATE_BINS = 256
 
 
@@ -29,35 +31,12 @@ class ByteTokenizer:
         return [self.bos_id, *ids] if add_bos else ids
 
 
-class PaliGemmaTokenizer:
-    """The PaliGemma (Gemma) tokenizer of a folder: ``tokenizer.json`` through ``tokenizers`` or
-    ``tokenizer.model`` through ``sentencepiece``; BOS 2, EOS 1, pad 0 (Gemma's ids), BOS added
-    here as LeRobot's processor adds it."""
+class PaliGemmaTokenizer(FileTokenizer):
+    """The PaliGemma (Gemma) tokenizer of a folder (:class:`~parallax.models.tokenizer.
+    FileTokenizer`: ``tokenizer.json`` or ``tokenizer.model``); BOS 2, EOS 1, pad 0 (Gemma's
+    ids), BOS added here as LeRobot's processor adds it."""
 
     pad_id, eos_id, bos_id = 0, 1, 2
-
-    def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        self._tok = self._sp = None
-        if (path / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer  # optional dependency (the tokenizers extra)
-
-            self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        elif (path / "tokenizer.model").is_file():
-            import sentencepiece  # optional dependency, the other back end
-
-            self._sp = sentencepiece.SentencePieceProcessor(
-                model_file=str(path / "tokenizer.model")
-            )
-        else:
-            raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {path}")
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        if self._tok is not None:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
-        else:
-            ids = self._sp.encode(text)
-        return [self.bos_id, *ids] if add_bos else list(ids)
 
 
 def find_tokenizer(path: str | Path | None, model_folder: str | Path | None = None):
