@@ -5,7 +5,8 @@ Builds the row as its benchmark does (``lora``: :class:`benchmarks.step.lora.Row
 warms it up, times three steps unprofiled, profiles two and writes: the step time, the peak
 memory, GPU time per kernel kind (gemm, attention, compiled element-wise, norm, copy, adam), the
 top kernels, and the compute stream's idle time
-(:func:`benchmarks.step.openvla_profile.timeline_report`)::
+(:func:`benchmarks.step.openvla_profile.timeline_report`); a planner row also gets its lanes,
+what each stream and host thread did when (:mod:`benchmarks.tools.lanes`)::
 
     python -m benchmarks.tools.profile_rows --out lora.txt lora --compile --cuda-graphs --batch 16
     python -m benchmarks.tools.profile_rows --out siglip.txt siglip parallax 512
@@ -35,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.step.openvla_profile import kind, timeline_report
 from benchmarks.tools.common import sync
+from benchmarks.tools.lanes import lanes
 
 PROFILED = 2  # steps under the profiler
 
@@ -157,7 +159,7 @@ def planned(argv: list[str]) -> str:
         f"plan {args.name} ({described(best, run)}): step {wall:.4f} s unprofiled, predicted "
         f"{best.time.seconds:.4f} s, peak {_peak(device):.2f} GiB"
     )
-    return head + "\n" + kernel_summary(prof, PROFILED)
+    return head + "\n" + kernel_summary(prof, PROFILED) + "\n" + lanes(prof, bins=120)
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from parallax import comm
 from parallax.context import ParallelContext
@@ -108,7 +109,10 @@ class _Runner:
 
     def compute(self, a: Action) -> None:
         s, m, stage = a.stage, a.microbatch, self.stages[a.stage]
-        with self._span(str(a), COMPUTE, stage=s, microbatch=m):
+        with (
+            self._span(str(a), COMPUTE, stage=s, microbatch=m),
+            record_function(f"parallax.{a.kind}"),
+        ):
             if a.kind == "F":
                 self._forward(stage, s, m)
             elif a.kind == "B":

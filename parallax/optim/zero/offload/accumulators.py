@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.profiler import record_function
 
 IN_FLIGHT = 4  # adds whose copies may be queued at once: enough to keep both directions busy
 
@@ -59,8 +60,10 @@ class Accumulators:
         """Add ``grad`` (bucket ``b``'s reduced fp32 chunk, its reduction done on the current
         stream) into its accumulator; ``first``: this step's first pass overwrites it."""
         acc = self.acc[b]  # (bucket/dp,) host, its dtype
-        while len(self.queued) >= IN_FLIGHT:  # (GPUs) bound what waits for the link
-            self.queued.popleft().synchronize()
+        if len(self.queued) >= IN_FLIGHT:  # (GPUs) bound what waits for the link
+            with record_function("parallax.offload.link_wait"):
+                while len(self.queued) >= IN_FLIGHT:
+                    self.queued.popleft().synchronize()
         up = None if first else self._fetch(b)  # (bucket/dp,) the accumulator on the device
         with self._on_copies(grad, up):
             total = grad if up is None else grad + up  # (bucket/dp,) fp32

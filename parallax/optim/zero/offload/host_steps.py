@@ -48,6 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
 import torch
+from torch.profiler import record_function
 
 from parallax import comm
 from parallax.context import ParallelContext
@@ -153,11 +154,12 @@ class HostSteps:
         self.jobs.append(self.worker.submit(self._timed, fn, *args))
 
     def _timed(self, fn, *args) -> None:
-        start = time.perf_counter()
+        start, name = time.perf_counter(), fn.__name__.strip("_")
         try:
-            fn(*args)
+            with record_function(f"parallax.offload.{name}"):  # a profiler's host lane
+                fn(*args)
         finally:
-            self.seconds[fn.__name__.strip("_")] += time.perf_counter() - start
+            self.seconds[name] += time.perf_counter() - start
 
     # -- the worker thread ------------------------------------------------------------------------
     def _pieces(self, b: int) -> list[slice]:
@@ -233,8 +235,9 @@ class HostSteps:
     def wait(self) -> None:
         jobs, self.jobs = self.jobs, []
         start = time.perf_counter()
-        for job in jobs:
-            job.result()  # a worker's error is raised here
+        with record_function("parallax.offload.wait"):
+            for job in jobs:
+                job.result()  # a worker's error is raised here
         self.seconds["wait"] += time.perf_counter() - start
 
     def local_part(self, norm_type: float) -> float:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for issue 42: the offloaded step's lanes (what each stream and host thread does
+# when; benchmarks/tools/lanes.py) under 24 and 32 GiB, then the capped and uncapped rows of
+# memory_fit in one invocation; every step bounded by `timeout`, logs packed into OUT/logs.tgz.
+#
+#   PARALLAX_COMMIT=<sha> bash benchmarks/tools/offload_session.sh OUT_DIR [SECONDS]
+#
+# STEPS (default "profile24 profile32") picks what runs: profile24, profile32, fit (FIT_ROWS,
+# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up).
+set -u
+out=${1:?usage: offload_session.sh OUT_DIR [SECONDS]}
+budget=${2:-580}
+mkdir -p "$out"
+logs=$(mktemp -d)
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+: "${PARALLAX_COMMIT:?set PARALLAX_COMMIT to the commit that runs: a device copy of the tree may hold another git state}"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # as memory_fit's rows run
+STEP_WIDTH=200 STEP_TAIL=${STEP_TAIL:-40}
+source benchmarks/tools/session_steps.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for s in ${STEPS:-profile24 profile32}; do
+  case $s in
+    profile24|profile32)
+      step 260 "$s" python3 -m benchmarks.tools.profile_rows --out "$logs/$s.txt" plan "fit:openvla-${s#profile}" --compile ;;
+    fit)
+      step 560 fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla,openvla-24,openvla-32}" \
+        --compile --steps "${FIT_STEPS:-2}" --warmup 1 --row-timeout "${ROW_TIMEOUT:-200}" ;;
+  esac
+done
