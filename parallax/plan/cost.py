@@ -252,15 +252,18 @@ def _offload(model: Workload, layout, machine, memory, m, compute, last_backward
     the link (a few adds queue at most, :mod:`parallax.optim.zero.offload.accumulators`).
     OpenVLA-7B under a 32 GiB cap at micro-batch 8, whose copies take about 1.5 times its
     backwards, ran 23.4 s a step against 12.5 s at micro-batch 32 (benchmarks/RESULTS.md, run
-    6a8fd6ee2dca; the queue was not bounded then).
+    6a8fd6ee2dca; the queue was not bounded then). Gradients summed on the GPU
+    (``--gpu-accumulation``) cross once, in the step, each bucket's trip under the step of the
+    one before: they leave the passes' copies and cost the step nothing more.
     """
     if not layout.offload:
         return 0.0
     rank = max(memory, key=lambda r: r.trainable)
     share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
+    passed = share - rank.kept  # ... whose sums cross the link every pass
     node = min(machine.gpus_per_node, layout.world)  # ranks sharing one host
     host = node * share / (machine.host_gbs * 1e9)  # seconds per byte moved per element
-    copies = m * node * model.e * share / (machine.h2d_gbs * 1e9)  # each way, per step
+    copies = m * node * model.e * passed / (machine.h2d_gbs * 1e9)  # each way, per step
     gradient = (model.e + 4) * host  # the accumulator read, the fp32 gradient written
     window = m * last_backward  # the backwards, beside which the copies run
     under = max(copies - window, gradient - compute)

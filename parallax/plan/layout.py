@@ -22,6 +22,7 @@ LAYOUT_OPTIONS = (
     "zero",
     "offload",
     "offload_fraction",
+    "gpu_accumulation",
     "reshard_after_forward",
     "activation_checkpointing",
     "checkpoint_scope",
@@ -33,7 +34,8 @@ class Layout:
     """See the module docstring. ``checkpointing``: ``False``, ``True`` (every block) or a
     scope (``"vision"``, ``"text"``); ``offload``: the share of the optimizer's fp32 state
     (masters, moments, the reduced gradients) on the host: 0 none, 1 ``--offload optimizer``,
-    between ``--offload-fraction``."""
+    between ``--offload-fraction``; ``accumulate``: the share of the offloaded gradients summed on
+    the GPU (``--gpu-accumulation``)."""
 
     tp: int = 1
     pp: int = 1
@@ -45,6 +47,7 @@ class Layout:
     offload: float = 0.0
     reshard_after_forward: bool = True
     checkpointing: bool | str = False
+    accumulate: float = 0.0
 
     @property
     def world(self) -> int:
@@ -62,6 +65,7 @@ class Layout:
             chunks=cfg.chunks,
             zero=getattr(cfg, "zero", 1),
             offload=_offloaded(cfg),
+            accumulate=float(getattr(cfg, "gpu_accumulation", 0.0)) if _offloaded(cfg) else 0.0,
             reshard_after_forward=getattr(cfg, "reshard_after_forward", True),
             checkpointing=cfg.checkpointing,
         )
@@ -79,6 +83,7 @@ class Layout:
             zero=self.zero,
             offload="optimizer" if self.offload else "none",
             offload_fraction=float(self.offload) if self.offload else 1.0,
+            gpu_accumulation=round(self.accumulate, 3) if self.offload else 0.0,
             reshard_after_forward=self.reshard_after_forward,
             activation_checkpointing=bool(self.checkpointing),
             checkpoint_scope=scope,
@@ -107,6 +112,8 @@ class Layout:
             parts[-1] += " (kept)"
         if self.offload:
             parts.append("offload" + (f" {self.offload:g}" if self.offload < 1 else ""))
+            if self.accumulate:
+                parts[-1] += f" (sums {self.accumulate:.2g} on GPU)"
         if self.checkpointing:
             scope = self.checkpointing if isinstance(self.checkpointing, str) else "all"
             parts.append(f"ckpt {scope}")

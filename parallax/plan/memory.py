@@ -40,9 +40,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
-from parallax.optim.zero.offload.share import offloaded_share
+from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets, offloaded_share
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
-from parallax.optim.zero.stage import HOST_FLOOR_BYTES, ElementBytes, ZeroStage, stage_of
+from parallax.optim.zero.stage import (
+    ACCUMULATION,
+    HOST_FLOOR_BYTES,
+    ElementBytes,
+    ZeroStage,
+    stage_of,
+)
 from parallax.plan.activations import activation_bytes
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
@@ -78,6 +84,7 @@ class RankMemory:
     quantized: float = 0.0  # of the weights, the base's linears held quantized (--quantize-base)
     host_parts: tuple[tuple[str, float], ...] = ()  # the host bytes by what they hold
     offloaded: float = 0.0  # trainable elements whose optimizer this rank steps on the host
+    kept: float = 0.0  # of those, the elements whose gradients are summed on the GPU
 
     @property
     def host_floor(self) -> float:
@@ -148,6 +155,11 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     held = _held(model, layout, pp_rank)
     c = held.counts
     weights, gradients, optimizer, gathered, buffers, hosted, share = _states(c, layout, overlap)
+    kept, kept_bytes, landing = _kept(c, layout)
+    if kept:  # sums on the device instead of the host, and their landing buffers
+        gradients += kept_bytes
+        hosted[ACCUMULATION] = max(0.0, hosted.get(ACCUMULATION, 0.0) - kept_bytes)
+        hosted[PINNED] = hosted.get(PINNED, 0.0) + landing
     activations, workspace = activation_bytes(model, layout, pp_rank)
     return RankMemory(
         pp_rank=pp_rank,
@@ -170,7 +182,26 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
         quantized=float(c.quantized),
         host_parts=tuple(hosted.items()),
         offloaded=share * c.trainable / layout.dp,
+        kept=kept,
     )
+
+
+def _kept(c: _Counts, layout: Layout) -> tuple[float, float, float]:
+    """(elements, device bytes, pinned landing bytes) of the offloaded gradients this rank sums
+    on the GPU (``--gpu-accumulation``): whole buckets, the optimizer's own choice
+    (:func:`~parallax.optim.zero.offload.share.kept_buckets`)."""
+    if not (layout.offload and layout.accumulate):
+        return 0.0, 0.0, 0.0
+    numels = [n for _, n in c.order]
+    hosted = offloaded_buckets(numels, float(layout.offload))
+    chosen = kept_buckets(numels, hosted, layout.accumulate)
+    if not chosen:
+        return 0.0, 0.0, 0.0
+    dp = layout.dp
+    elements = sum(numels[b] for b in chosen) / dp
+    device = sum(c.order[b][0][0] * numels[b] for b in chosen) / dp
+    landing = 2.0 * max(c.order[b][0][0] * numels[b] for b in chosen) / dp  # two, one each way
+    return elements, device, landing
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ candidates whose time could still be among the best.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ from parallax.run.rules import RULES
 
 MARGIN = 0.03  # of the GPU's and the host's memory, kept free
 TIE = 1.005  # step times this close are a tie: the simpler layout goes first
+# GPU bytes that summing gradients on the GPU leaves free beside the margin: the allocator's
+# rounding and a capped card's fragmentation
+FILL_RESERVE = 0.5 * GIB
 
 
 @dataclass(frozen=True)
@@ -146,16 +150,20 @@ def layouts(model: Workload, world: int, per_node: int, fixed: dict[str, Any]):
                 for schedule, chunks in _schedules(model, pp, m, fixed):
                     for zero, offload, reshard in _memory_options(dp, fixed):
                         for ckpt in _checkpointing(model, fixed):
+                            kept = fixed.get("gpu_accumulation", 0.0) if offload else 0.0
                             yield Layout(
-                                tp, pp, dp, mb, schedule, chunks, zero, offload, reshard, ckpt
-                            )
+                                tp, pp, dp, mb, schedule, chunks, zero, offload, reshard, ckpt,
+                                kept,
+                            )  # fmt: skip
 
 
 class Searcher:
     """One search's caches: the family's and the options' verdicts per layout shape."""
 
-    def __init__(self, model: Workload, machine: Machine, margin: float = MARGIN) -> None:
-        self.model, self.machine, self.margin = model, machine, margin
+    def __init__(
+        self, model: Workload, machine: Machine, margin: float = MARGIN, fill: bool = False
+    ) -> None:
+        self.model, self.machine, self.margin, self.fill = model, machine, margin, fill
         self.usable_gpu = machine.gpu_memory_gib * GIB * (1 - margin)
         self.usable_host = machine.host_memory_gib * GIB * (1 - margin)
         self._verdicts: dict[tuple, str | None] = {}
@@ -182,7 +190,32 @@ class Searcher:
         return found[0] if found else None
 
     def evaluate(self, layout: Layout) -> Candidate:
-        """Its memory (not its time)."""
+        """Its memory (not its time); with ``fill``, an offloaded layout of several passes a
+        step sums on the GPU as much of its gradient as the GPU has room for
+        (:meth:`_filled`)."""
+        c = self._evaluate(layout)
+        passes = self.model.global_batch // (layout.dp * layout.micro_batch_size)
+        if self.fill and layout.offload and not layout.accumulate and passes > 1:
+            return self._filled(c)
+        return c
+
+    def _filled(self, c: Candidate) -> Candidate:
+        """``c`` with the largest share of its offloaded gradients summed on the GPU that
+        leaves :data:`FILL_RESERVE` of the usable memory free (whole buckets: the need grows
+        by each one's bytes, so a share scaled to the room fits, less a bucket's rounding)."""
+        room = self.usable_gpu - FILL_RESERVE - c.gpu
+        if room <= 0 or not self.fits(c):
+            return c
+        whole = self._evaluate(dataclasses.replace(c.layout, accumulate=1.0))
+        if whole.gpu - c.gpu <= room:
+            return whole if whole.host <= self.usable_host else c
+        share = room / (whole.gpu - c.gpu)
+        if share < 0.01:
+            return c
+        part = self._evaluate(dataclasses.replace(c.layout, accumulate=round(share, 3) - 0.001))
+        return part if part.layout.accumulate > 0 and self.fits(part) else c
+
+    def _evaluate(self, layout: Layout) -> Candidate:
         memory = tuple(plan_memory(self.model, layout, self.model.run.overlap_grad_reduce))
         gpu = max(r.needed(self.machine) for r in memory)
         host = node_host_bytes(list(memory), layout, self.machine.gpus_per_node)
@@ -210,7 +243,7 @@ def search(
     for name, value in (("zero", 1), ("offload", "none"), ("reshard_after_forward", True)):
         if name not in OPTION_NAMES:  # a parallax.train without the option runs this value
             fixed.setdefault(name, value)
-    s = Searcher(model, machine, margin)
+    s = Searcher(model, machine, margin, fill="gpu_accumulation" not in fixed)
     fitting: list[Candidate] = []
     closest: list[Candidate] = []
     problems: dict[str, int] = {}

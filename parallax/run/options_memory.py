@@ -57,6 +57,17 @@ class MemoryOptions:
         needs=("offload", "optimizer"),
         metavar="F",
     )
+    gpu_accumulation: float = opt(
+        0.0,
+        "with --offload optimizer: the share of the offloaded gradients summed over the "
+        "micro-batches in GPU memory (the first layers' buckets first) rather than in host "
+        "memory: less host memory and one trip over the link instead of one a micro-batch "
+        "(--layout auto fills what the GPU has free)",
+        MEMORY,
+        check=within(0, 1),
+        needs=("offload", "optimizer"),
+        metavar="F",
+    )
     gpu_memory_limit: float | None = opt(
         None,
         "cap this process's GPU memory at GIB (torch's per-process memory fraction): emulates "

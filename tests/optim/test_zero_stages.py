@@ -17,8 +17,9 @@ STEPS = 3
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 # (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, share of the
-# optimizer offloaded). At stage 3 every dp rank must run the same modules: the tower (used by
-# one dp rank's rows only on odd steps) then runs on all rows.
+# optimizer offloaded[, share of that summed on the device]). At stage 3 every dp rank must run
+# the same modules: the tower (used by one dp rank's rows only on odd steps) then runs on all
+# rows.
 CASES = {
     2: [
         ("adamw", 2, 2, 0.5, False, False, 0.0),
@@ -27,6 +28,9 @@ CASES = {
         ("sgd", 3, 1, None, False, True, 0.0),
         ("adamw", 2, 2, 0.5, False, False, 0.5),  # half on the host, stepped after the clip
         ("adamw", 3, 2, None, False, True, 0.5),  # ... stepped during the backward
+        ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6),  # some sums kept on the device, clipped
+        ("adamw", 3, 3, None, False, True, 1.0, 0.6),  # ... stepped during the backward
+        ("adamw", 3, 3, None, False, True, 1.0),  # (the last one's twin, every sum on the host)
     ],
     "2x2": [
         ("adamw", 2, 2, 0.5, True, False, 0.0),
@@ -57,8 +61,9 @@ def _reference(name, accum, clip, always):
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0) -> dict:
-    """``offload``: the share of the optimizer offloaded (0: none)."""
+def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0) -> dict:
+    """``offload``: the share of the optimizer offloaded (0: none); ``on_gpu``: the share of
+    that whose gradients are summed on the device."""
     cls, kwargs = OPTIMIZERS[name]
     model = build(ctx, sp).to(ctx.device)
     opt = ZeroOptimizer(
@@ -72,6 +77,7 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0) -> dict:
         backward_passes_per_step=accum,
         offload=offload > 0,
         offload_fraction=offload or 1.0,
+        gpu_accumulation=on_gpu,
         step_in_backward=offload > 0 and clip is None,
         **kwargs,
     )
@@ -105,6 +111,7 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0) -> dict:
         gathered_now=report.gathered_bytes,
         late=opt.reducer.late,
         host_bytes=report.host_bytes,
+        kept_bytes=report.kept_bytes,
         host_phases=sorted(k for k, v in opt.host.seconds.items() if v > 0) if opt.host else [],
     )
 
@@ -122,9 +129,9 @@ def test_stages_2_and_3_match_torch(layout):
     tp, world = (2, 4) if layout == "2x2" else (1, layout)
     results = run_ranks(_cases, world, tp, CASES[layout])
     dp = world // tp
-    for k, (name, stage, accum, clip, sp, always, offload) in enumerate(CASES[layout]):
+    for k, (name, stage, accum, clip, sp, always, offload, *on_gpu) in enumerate(CASES[layout]):
         ref_weights, ref_norms = _reference(name, accum, clip, always)
-        case = f"{name} stage={stage} accum={accum} clip={clip} sp={sp} offload={offload}"
+        case = f"{name} stage={stage} accum={accum} clip={clip} sp={sp} offload={offload} {on_gpu}"
         for rank in results:
             got = rank[k]
             assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **TOL, msg=case)
@@ -139,6 +146,7 @@ def test_stages_2_and_3_match_torch(layout):
             bound = (IN_FLIGHT + 1) * per_bucket + 4 * got["held"] * (1 + 1 / dp)
             assert got["pass_peak"] <= bound, case
             assert (got["host_bytes"] > 0) == (offload > 0), case
+            assert (got["kept_bytes"] > 0) == bool(on_gpu), case
             if offload:  # where the host's time went, by phase
                 later = ["step_later", "wait"] if clip is not None else []
                 assert set(got["host_phases"]) >= {"finish", "upload", *later}, case
@@ -146,3 +154,15 @@ def test_stages_2_and_3_match_torch(layout):
                 assert got["gathered_now"] == 0, case
                 # this rank's shard of every weight (frozen ones too), padding aside
                 assert got["weight_bytes"] <= got["model_bytes"] / dp + 64 * 4 * 16, case
+
+
+def test_sums_kept_on_the_device_step_as_the_host_sums():
+    """Stepped during the backward (no norm involved), the sums kept on the device give the
+    same weights, bit for bit, as the same sums made in host memory: the same fp32 additions,
+    rounded to the model's dtype the same way. (On the CPU "the device" is host memory too: the
+    test runs the kept buckets' code path, its GPU streams aside.) And the host holds less."""
+    results = run_ranks(_cases, 2, 1, CASES[2][-2:])
+    for kept, hosted in results:
+        for n, w in hosted["weights"].items():
+            assert torch.equal(kept["weights"][n], w), n
+        assert kept["host_bytes"] < hosted["host_bytes"]

@@ -56,6 +56,7 @@ class MemoryReport:
     pass_peak_bytes: int = 0  # ZeRO-2/3: the most pass buffers (one bucket each) alive so far
     host_bytes: int = 0  # --offload optimizer: masters and state in host memory (not in total)
     host_numel: int = 0  # --offload optimizer: the elements this rank steps on the host
+    kept_bytes: int = 0  # --gpu-accumulation: offloaded gradients' sums held on the device
 
     @property
     def host_floor_bytes(self) -> int:
@@ -84,6 +85,7 @@ class MemoryReport:
             + self.staging_bytes
             + self.frozen_bytes
             + self.gathered_bytes
+            + self.kept_bytes
         )
 
     def bytes_per_param(self) -> dict[str, float]:
@@ -109,6 +111,7 @@ class MemoryReport:
             ("fp32 staging buffers", self.staging_bytes),
             ("frozen weight shard", self.frozen_bytes),
             ("gathered blocks (now)", self.gathered_bytes),
+            ("gradient sums kept on device", self.kept_bytes),
             ("total on the device", self.total_bytes),
             ("gathered blocks (peak)", self.peak_gathered_bytes),
             ("gradient pass buffers (peak)", self.pass_peak_bytes),
@@ -171,4 +174,5 @@ def measure(
         pass_peak_bytes=getattr(reducer, "peak_bytes", 0),
         host_bytes=tensor_bytes(on_host) + tensor_bytes(states[True]),
         host_numel=0 if flat.host_master_flat is None else flat.host_master_flat.numel(),
+        kept_bytes=tensor_bytes(host.kept.values()) if host is not None else 0,
     )

@@ -28,7 +28,7 @@ from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL
 from parallax.optim.zero.memory_report import MemoryReport, measure
 from parallax.optim.zero.norms import clip_coefficient, global_grad_norm
 from parallax.optim.zero.offload.host_kernels import host_options
-from parallax.optim.zero.offload.share import offloaded_buckets
+from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets
 from parallax.optim.zero.stage import stage_of
 from parallax.optim.zero.state_io import StateIO
 from parallax.optim.zero.torch_contract import OptimizerFacade
@@ -52,7 +52,9 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     reduced; ``step_in_backward``: right then, during the backward (nothing may clip the
     gradients after it), else in ``step()``. ``offload_fraction``: the share of the elements
     offloaded, the first buckets reduced (the last layers: their host steps have the most
-    backward left to hide under); the others stay on the device. See
+    backward left to hide under); the others stay on the device. ``gpu_accumulation``: the
+    share of the offloaded elements whose gradients are summed over the passes on the device,
+    not the host (less host memory, one trip down instead of one a pass). See
     :mod:`parallax.optim.zero.offload.host_steps`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
@@ -84,6 +86,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         reshard_after_forward: bool = True,
         offload: bool = False,
         offload_fraction: float = 1.0,
+        gpu_accumulation: float = 0.0,
         step_in_backward: bool = False,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
@@ -94,7 +97,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     ) -> None:
         self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
         modules = self.stage.check_modules(modules)
-        self.stage.check_offload(offload, offload_fraction)
+        self.stage.check_offload(offload, offload_fraction, gpu_accumulation)
         if offload:
             optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
@@ -106,6 +109,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         self.units, self.layout = lay_out(self.stage, modules, got, ctx.dp_size, bucket_numel)
         numels = [b.numel for b in self.layout.buckets]
         hosted = offloaded_buckets(numels, offload_fraction) if offload else []
+        kept = kept_buckets(numels, hosted, gpu_accumulation)
         homes = self._grad_homes()
         self.flat = FlatBuffers(
             self.params, self.layout, ctx.dp_rank, self.device, homes, self.stage, hosted
@@ -119,19 +123,22 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         )
         self._side_copies = side_stream_grad_copies
         groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
-        self._build_step(groups, offload, step_in_backward, backward_passes_per_step)
+        self._build_step(groups, offload, step_in_backward, backward_passes_per_step, kept)
         self._build_weights(bucket_numel, reshard_after_forward)
         self.state_io = StateIO(
             self.names, self.params, self._group_names, self.flat, self.inner, ctx, self.device
         )
         log.debug("%r: %s", self, self.memory_report())
 
-    def _build_step(self, groups: list[int], offload: bool, early: bool, passes: int) -> None:
+    def _build_step(
+        self, groups: list[int], offload: bool, early: bool, passes: int, kept: list[int]
+    ) -> None:
         """The parts a step goes through (:func:`~parallax.optim.zero.assembly.step_parts`)."""
         copies = self._stream if self._side_copies and self.overlap else None
         parts = step_parts(
             self.stage, self.flat, self.inner, self.names, self.ctx, self.device,
             groups=groups, offload=offload, early=early, passes=passes, overlap=self.overlap,
+            kept=kept,
             stream=self._stream, copies=copies,
         )  # fmt: skip
         self.scale, self.staged, self._counted = parts.scale, parts.staged, parts.counted

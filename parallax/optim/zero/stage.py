@@ -19,6 +19,7 @@ ADAMW_STATE_BYTES = 8  # AdamW's two fp32 moments per element
 # the least an offloaded element costs the host: its fp32 master and AdamW's moments (the floor
 # that offload's host memory is reported against: --dry-run, metrics.jsonl)
 HOST_FLOOR_BYTES = 4 + ADAMW_STATE_BYTES
+ACCUMULATION = "accumulation"  # the host part above that floor: the passes' gradient sums
 
 # Where a bucket's fp32 reduced gradient (this rank's chunk) lives between the reduction and the
 # optimizer step (:meth:`ZeroStage.grad_home`)
@@ -126,11 +127,15 @@ class ZeroStage(IntEnum):
             raise TypeError("modules must be nn.Modules")
         return modules
 
-    def check_offload(self, offload: bool, fraction: float) -> None:
+    def check_offload(self, offload: bool, fraction: float, on_gpu: float = 0.0) -> None:
         if offload and not self.can_offload:
             raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {self}")
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"offload_fraction must be in (0, 1], got {fraction}")
+        if not 0.0 <= on_gpu <= 1.0:
+            raise ValueError(f"gpu_accumulation must be in [0, 1], got {on_gpu}")
+        if on_gpu and not offload:
+            raise ValueError("gpu_accumulation sums offloaded gradients: it needs offload")
 
     def trainable_bytes(
         self,
@@ -171,7 +176,7 @@ class ZeroStage(IntEnum):
         """What one offloaded element of ``element_size`` bytes costs the host of a rank of
         ``dp``, by what it is: the fp32 master and the optimizer's state (the floor), and the
         gradient's accumulator in the model's dtype (its passes summed there)."""
-        return {"masters and moments": (4 + state_bytes) / dp, "accumulation": element_size / dp}
+        return {"masters and moments": (4 + state_bytes) / dp, ACCUMULATION: element_size / dp}
 
     def frozen_bytes(self, dp: int, element_size: int) -> ElementBytes:
         """What one frozen element costs a rank: its weight, 1/dp of it at stage 3."""

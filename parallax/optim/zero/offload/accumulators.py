@@ -9,6 +9,10 @@ previous bucket's copy down, so the link carries both ways at once; on one strea
 the two copies in turn (OpenVLA-7B under 24 GiB, 16 passes: 19.0 s a step against 16.4 s). On
 the CPU the same code adds in place.
 
+Buckets ``kept`` on the device (``--gpu-accumulation``, the planner's choice of what fits beside
+the run) sum their passes in device memory, in the model's dtype as the host would, and cross
+the link once, when the host steps them: less host memory and less traffic a pass.
+
 At most ``IN_FLIGHT`` adds are queued on the copies stream: the host waits for older ones before
 it queues another. Without that bound a backward that makes chunks faster than the link carries
 them left them all waiting, freed but not reusable, until the allocator ran into a cap and
@@ -40,13 +44,17 @@ class Accumulators:
         chunks: Sequence[int],
         dtypes: dict[int, torch.dtype],
         device: torch.device,
+        kept: Sequence[int] = (),
     ) -> None:
         self.device = device
         self.on_device = device.type == "cuda"
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         self.acc: dict[int, torch.Tensor] = {}
-        for dt in set(dtypes.values()):
-            mine = [b for b in buckets if dtypes[b] == dt]
+        # ``kept`` buckets sum their passes in device memory (the link carries them once)
+        self.kept = {b: torch.zeros(chunks[b], dtype=dtypes[b], device=device) for b in kept}
+        self.summed: dict[int, torch.cuda.Event] = {}  # GPUs: kept bucket -> its last add
+        for dt in set(dtypes[b] for b in buckets if b not in self.kept):
+            mine = [b for b in buckets if dtypes[b] == dt and b not in self.kept]
             flat = torch.zeros(sum(chunks[b] for b in mine), dtype=dt, pin_memory=self.on_device)
             self.flats[dt] = flat
             for b, start in zip(mine, itertools.accumulate((chunks[b] for b in mine), initial=0)):
@@ -59,6 +67,16 @@ class Accumulators:
     def add(self, b: int, grad: torch.Tensor, first: bool) -> None:
         """Add ``grad`` (bucket ``b``'s reduced fp32 chunk, its reduction done on the current
         stream) into its accumulator; ``first``: this step's first pass overwrites it."""
+        if b in self.kept:  # on the current stream: the same fp32 sum, rounded the same way
+            kept = self.kept[b]  # (bucket/dp,) device, its dtype
+            if first:
+                kept.copy_(grad)
+            else:
+                kept.add_(grad)  # (computed in fp32, as grad + up below)
+            if self.on_device:
+                self.summed[b] = torch.cuda.Event()
+                self.summed[b].record()
+            return
         acc = self.acc[b]  # (bucket/dp,) host, its dtype
         if len(self.queued) >= IN_FLIGHT:  # (GPUs) bound what waits for the link
             with record_function("parallax.offload.link_wait"):
@@ -72,6 +90,10 @@ class Accumulators:
                 self.down[b] = torch.cuda.Event()
                 self.down[b].record()
                 self.queued.append(self.down[b])
+
+    def view(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s sum where it is held: host memory, or the device for a kept one."""
+        return self.kept[b] if b in self.kept else self.acc[b]
 
     def landed(self) -> torch.cuda.Event | None:
         """GPUs: an event after every add queued so far (the host may read those sums once it

@@ -55,6 +55,7 @@ from parallax.context import ParallelContext
 from parallax.optim.zero.bucketwise import step_bucket
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
+from parallax.optim.zero.offload.downloads import Downloads
 from parallax.optim.zero.offload.host_kernels import host_threads, squares
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
 from parallax.optim.zero.torch_contract import grad_scale, takes_grad_scale
@@ -79,6 +80,7 @@ class HostSteps:
         counted: Sequence[bool],
         has: Sequence[bool],
         early: bool,
+        kept: Sequence[int] = (),
     ) -> None:
         self.flat, self.layout, self.inner, self.device = flat, flat.layout, inner, device
         self.early, self.has, self.dp, self.dp_group = early, has, ctx.dp_size, ctx.dp_group
@@ -93,11 +95,13 @@ class HostSteps:
         dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
         self.on_device = device.type == "cuda"
         chunks = [bk.chunk for bk in buckets]
-        self.sums = Accumulators(self.buckets, chunks, dtypes, device)
+        self.sums = Accumulators(self.buckets, chunks, dtypes, device, kept)
         self.acc, self.flats = self.sums.acc, self.sums.flats  # (bucket/dp,) host views; buffers
+        self.kept = self.sums.kept  # bucket -> its sum on the device (--gpu-accumulation)
         most = max(buckets[b].chunk for b in self.buckets)
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
         self.uploads = torch.cuda.Stream(device) if self.on_device else None
+        self.down = Downloads(self.kept, device)
         self.rings = {  # GPUs: pinned staging of the new weights on their way up
             dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
             for dt, flat in (self.flats.items() if self.on_device else ())
@@ -120,11 +124,13 @@ class HostSteps:
         self.jobs: list[Future] = []
         self.final = dict.fromkeys(self.buckets, False)
         self.stepped = dict.fromkeys(self.buckets, False)
-        self.partials: dict[int, float] = {}  # bucket -> its share of the squared 2-norm
+        # bucket -> its share of the squared 2-norm (a device scalar for a kept bucket)
+        self.partials: dict[int, float | torch.Tensor] = {}
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
-        return [*self.flats.values(), self.scratch, *(r.buffer for r in self.rings.values())]
+        rings = [r.buffer for r in self.rings.values()]
+        return [*self.flats.values(), self.scratch, *rings, *self.down.buffers()]
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
@@ -141,6 +147,12 @@ class HostSteps:
         if self.final[b]:
             return
         self.final[b] = True
+        if b in self.kept:  # its norm where it is, and the point its trip down waits for
+            if not summed:
+                self.kept[b].zero_()
+            sums = [self.kept[b][p].float().square().sum() for p in self._pieces(b)]
+            self.partials[b] = sum(sums, torch.zeros((), device=self.device)) / self.dp**2
+            self.down.ready(b)
         landed = self.sums.landed()  # the worker reads the accumulator once its copies landed
         flags = None
         if self.early and summed:  # which of its parameters got a gradient on any dp rank
@@ -171,15 +183,24 @@ class HostSteps:
             if self.counted[k] and pieces[k].numel
         ]
 
-    def _gradient(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s summed fp32 gradient, in the scratch buffer."""
-        acc = self.acc[b]
-        grad = self.scratch[: acc.numel()]  # (bucket/dp,) fp32
-        grad.copy_(acc)
+    def _gradient(self, b: int, then: int | None = None) -> torch.Tensor:
+        """Bucket ``b``'s summed fp32 gradient, in the scratch buffer (a kept bucket's brought
+        down first; ``then``: the kept bucket to bring down next, under this one's step)."""
+        if b not in self.kept:
+            acc = self.acc[b]
+            grad = self.scratch[: acc.numel()]  # (bucket/dp,) fp32
+            grad.copy_(acc)
+            return grad
+        grad = self.scratch[: self.kept[b].numel()]  # (bucket/dp,) fp32
+        self.down.into(b, grad, then)
         return grad
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags, landed) -> None:
+        if b in self.kept:  # its norm was taken on the device; stepped now only when early
+            if flags is not None:
+                self._step_flagged(b, self._gradient(b), flags)
+            return
         if landed is not None:
             landed.synchronize()
         if not summed:
@@ -187,11 +208,15 @@ class HostSteps:
         grad = self._gradient(b)  # the dp sum: its squares over dp**2 are the average's
         self.partials[b] = sum(squares(grad[p]) for p in self._pieces(b)) / self.dp**2
         if flags is not None:
-            tensor, work = flags
-            comm.wait(work)
-            got = tensor.cpu().tolist()
-            params = self.layout.buckets[b].params
-            self._step(b, grad, {i: bool(f) for i, f in zip(params, got)}, 1.0 / self.dp)
+            self._step_flagged(b, grad, flags)
+
+    def _step_flagged(self, b: int, grad: torch.Tensor, flags) -> None:
+        """Step bucket ``b`` during the backward, once its dp-global flags are in."""
+        tensor, work = flags
+        comm.wait(work)
+        got = tensor.cpu().tolist()
+        params = self.layout.buckets[b].params
+        self._step(b, grad, {i: bool(f) for i, f in zip(params, got)}, 1.0 / self.dp)
 
     def _step(self, b: int, grad: torch.Tensor, flags, scale: float) -> None:
         """Step the bucket's pieces whose parameter has a gradient on some dp rank, on
@@ -211,7 +236,12 @@ class HostSteps:
     def _step_later(self, b: int, coef: float | None, flags) -> None:
         if not self.stepped[b]:  # (a bucket no pass reduced has a zeroed accumulator)
             scale = (1.0 if coef is None else coef) / self.dp
-            self._step(b, self._gradient(b), flags, scale)
+            self._step(b, self._gradient(b, self._next_kept(b)), flags, scale)
+
+    def _next_kept(self, b: int) -> int | None:
+        """The kept bucket ``step()`` steps after ``b``, if any."""
+        later = (c for c in self.buckets if c > b and c in self.kept and not self.stepped[c])
+        return next(later, None)
 
     @torch.no_grad()
     def _upload(self, b: int) -> None:
@@ -250,10 +280,13 @@ class HostSteps:
             )
         self.wait()
         if norm_type == 2.0:
-            return sum(self.partials.values())
+            parts = list(self.partials.values())
+            on_device = [v for v in parts if isinstance(v, torch.Tensor)]
+            total = sum(v for v in parts if not isinstance(v, torch.Tensor))
+            return total + (float(torch.stack(on_device).sum()) if on_device else 0.0)
         return max(
             (
-                float(self.acc[b][p].abs().max()) / self.dp
+                float(self.sums.view(b)[p].abs().max()) / self.dp
                 for b in self.partials
                 for p in self._pieces(b)
             ),

@@ -1,5 +1,6 @@
-"""Which buckets ``--offload-fraction`` puts on the host, from the buckets' sizes alone: the
-optimizer offloads them and the planner (:mod:`parallax.plan.memory`) counts their share."""
+"""Which buckets ``--offload-fraction`` puts on the host, and which of those ``--gpu-accumulation``
+sums on the device, from the buckets' sizes alone: the optimizer offloads them and the planner
+(:mod:`parallax.plan.memory`) counts their shares."""
 
 from __future__ import annotations
 
@@ -26,3 +27,26 @@ def offloaded_share(numels: Sequence[int], fraction: float) -> float:
     """The share of the elements that :func:`offloaded_buckets` puts on the host."""
     chosen = offloaded_buckets(numels, fraction)
     return sum(numels[b] for b in chosen) / sum(numels) if chosen else 0.0
+
+
+def kept_buckets(numels: Sequence[int], hosted: Sequence[int], fraction: float) -> list[int]:
+    """Of the offloaded buckets ``hosted``, those whose gradients are summed on the device
+    (``--gpu-accumulation``): the last ones in layout order, the first layers, whose host steps
+    come last (their single trip down then runs under the earlier buckets' steps), up to
+    ``fraction`` of the offloaded elements."""
+    if fraction <= 0 or not hosted:
+        return []
+    total, out, held = sum(numels[b] for b in hosted), [], 0
+    for b in reversed(sorted(hosted)):
+        if held + numels[b] > fraction * total + 0.5:
+            break
+        out.append(b)
+        held += numels[b]
+    return sorted(out)
+
+
+def kept_share(numels: Sequence[int], offload: float, fraction: float) -> float:
+    """The share of all elements whose offloaded gradients :func:`kept_buckets` keeps on the
+    device."""
+    kept = kept_buckets(numels, offloaded_buckets(numels, offload), fraction)
+    return sum(numels[b] for b in kept) / sum(numels) if kept else 0.0
