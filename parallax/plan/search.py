@@ -204,16 +204,16 @@ class Searcher:
         leaves :data:`FILL_RESERVE` of the usable memory free (whole buckets: the need grows
         by each one's bytes, so a share scaled to the room fits, less a bucket's rounding)."""
         room = self.usable_gpu - FILL_RESERVE - c.gpu
-        if room <= 0 or not self.fits(c):
+        if room <= 0:  # (a host over its memory may come within it: the sums leave it)
             return c
         whole = self._evaluate(dataclasses.replace(c.layout, accumulate=1.0))
         if whole.gpu - c.gpu <= room:
-            return whole if whole.host <= self.usable_host else c
+            return whole
         share = room / (whole.gpu - c.gpu)
         if share < 0.01:
             return c
         part = self._evaluate(dataclasses.replace(c.layout, accumulate=round(share, 3) - 0.001))
-        return part if part.layout.accumulate > 0 and self.fits(part) else c
+        return part if part.gpu <= self.usable_gpu else c
 
     def _evaluate(self, layout: Layout) -> Candidate:
         memory = tuple(plan_memory(self.model, layout, self.model.run.overlap_grad_reduce))

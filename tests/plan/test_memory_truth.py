@@ -19,7 +19,7 @@ from torch import nn
 
 from parallax.optim import ZeroOptimizer
 from parallax.optim.zero.buffers.packing import bucket_numels
-from parallax.optim.zero.offload.share import offloaded_buckets
+from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets
 from parallax.plan import blocks
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
@@ -30,7 +30,7 @@ from tests.plan.toy import toy
 W, DEPTH = 32, 3  # a layer's weight and bias: 1056 elements, a multiple of 2 x 16
 SMALL_BUCKET = 1100  # elements: a layer a bucket
 
-# (stage, dtype, overlap, share offloaded, a frozen layer)
+# (stage, dtype, overlap, share offloaded, a frozen layer[, share of that summed on the device])
 CASES = [
     (1, torch.bfloat16, True, 0.0, False),  # the fp32 reduced slice beside the bf16 buffer
     (1, torch.bfloat16, False, 0.0, True),  # dp=2: reduced over the bf16 bytes; dp=1: staged
@@ -39,6 +39,7 @@ CASES = [
     (2, torch.bfloat16, True, 0.5, False),  # one bucket at the default size: all of it
     (3, torch.bfloat16, True, 0.0, True),  # the frozen layer sharded too
     (3, torch.float32, True, 1.0, False),
+    (3, torch.bfloat16, True, 1.0, False, 1.0),  # every sum on the device, none on the host
 ]
 
 
@@ -76,7 +77,7 @@ def _counted(dtype: torch.dtype, frozen: bool) -> blocks.BlockParams:
     return blocks._block("net", _build(dtype, frozen), run, adapters=0)
 
 
-def _measured(ctx, stage, dtype, overlap, share, frozen) -> dict[str, float]:
+def _measured(ctx, stage, dtype, overlap, share, frozen, kept=0.0) -> dict[str, float]:
     """This rank's bytes by the optimizer's own report, after one step (AdamW's state exists)."""
     net = _build(dtype, frozen)
     opt = ZeroOptimizer(
@@ -88,6 +89,7 @@ def _measured(ctx, stage, dtype, overlap, share, frozen) -> dict[str, float]:
         overlap=overlap,
         offload=share > 0,
         offload_fraction=share or 1.0,
+        gpu_accumulation=kept,
         lr=1e-3,
     )
     opt.zero_grad()
@@ -97,7 +99,7 @@ def _measured(ctx, stage, dtype, overlap, share, frozen) -> dict[str, float]:
     outside = 0 if stage == 3 else sum(p.nbytes for p in net.parameters() if not p.requires_grad)
     return dict(
         weights=r.param_bytes + r.frozen_bytes + outside,  # frozen: outside ZeRO-1/2
-        gradients=r.grad_bytes + r.grad_shard_bytes,
+        gradients=r.grad_bytes + r.grad_shard_bytes + r.kept_bytes,
         optimizer=r.master_bytes + r.state_bytes,
         host=r.host_bytes,
         floor=r.host_floor_bytes,  # 12 B an offloaded element: what host_ratio is against
@@ -105,12 +107,13 @@ def _measured(ctx, stage, dtype, overlap, share, frozen) -> dict[str, float]:
     )
 
 
-def _planned(tp: int, dp: int, stage, dtype, overlap, share, frozen) -> dict[str, float]:
+def _planned(tp: int, dp: int, stage, dtype, overlap, share, frozen, kept=0.0) -> dict:
     """The planner's bytes of pipeline rank 0 at this layout."""
     counted = _counted(dtype, frozen)
     hand = toy([0.0], [None])  # a one-block model's run, schedule and activations
     model = Workload(hand.run, hand.blocks, hand.estimates, lambda tp: [counted])
-    mem = rank_memory(model, Layout(tp=tp, dp=dp, zero=stage, offload=share), 0, overlap)
+    layout = Layout(tp=tp, dp=dp, zero=stage, offload=share, accumulate=kept)
+    mem = rank_memory(model, layout, 0, overlap)
     return dict(
         weights=mem.weights,
         gradients=mem.gradients,
@@ -123,7 +126,8 @@ def _planned(tp: int, dp: int, stage, dtype, overlap, share, frozen) -> dict[str
 
 def _buckets(ctx) -> tuple[list[tuple[tuple[int, bool], int]], list[int]]:
     """The optimizer's buckets at the small size (``((element size, partial), elements)`` in
-    launch order) and those it offloads at half."""
+    launch order), those it offloads at 0.8 and, of those, the ones whose sums it keeps on the
+    device at 0.7."""
     net = _build(torch.bfloat16, False)
     opt = ZeroOptimizer(
         list(net.named_parameters()),
@@ -133,11 +137,12 @@ def _buckets(ctx) -> tuple[list[tuple[tuple[int, bool], int]], list[int]]:
         modules=[net],
         bucket_numel=SMALL_BUCKET,
         offload=True,
-        offload_fraction=0.5,
+        offload_fraction=0.8,
+        gpu_accumulation=0.7,
     )
     dtypes, buckets = opt.layout.dtypes, opt.layout.buckets
     packed = [((dtypes[b.buffer].itemsize, b.sequence_parallel), b.numel) for b in buckets]
-    return packed, sorted(opt.flat.offload)
+    return packed, sorted(opt.flat.offload), sorted(opt.host.kept)
 
 
 def _on_ranks(tp: int) -> tuple[list[dict[str, float]], tuple]:
@@ -150,8 +155,10 @@ def test_the_planner_counts_what_the_optimizer_holds():
         dp = 2 // tp
         sizes = _counted(torch.bfloat16, False).sizes
         packed = bucket_numels(sizes, dp, SMALL_BUCKET)
-        for rank, (measured, (buckets, offloaded)) in enumerate(run_ranks(_on_ranks, 2, tp)):
+        for rank, (measured, (buckets, offloaded, kept)) in enumerate(run_ranks(_on_ranks, 2, tp)):
             for case, got in zip(CASES, measured):
                 assert got == _planned(tp, dp, *case), (f"tp={tp} dp={dp} rank={rank}", case)
             assert packed == buckets and len(buckets) > 2, (tp, rank)
-            assert offloaded_buckets([n for _, n in packed], 0.5) == offloaded, (tp, rank)
+            numels = [n for _, n in packed]
+            assert offloaded_buckets(numels, 0.8) == offloaded, (tp, rank)
+            assert kept_buckets(numels, offloaded, 0.7) == kept and kept, (tp, rank)

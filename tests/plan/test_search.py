@@ -1,12 +1,18 @@
 """The search finds the best layout of small cases worked out by hand, on a hand-made profile
 (tests/plan/toy.py: blocks of 1 GFLOP a sample, matmuls at 1 TFLOP/s x rows / (rows + 100))."""
 
+import dataclasses
+
 import pytest
 
+from parallax.plan.cost import step_time
 from parallax.plan.layout import Layout
-from parallax.plan.machine import Link
+from parallax.plan.machine import H200, Link
 from parallax.plan.memory import GIB, plan_memory
-from parallax.plan.search import MARGIN, search
+from parallax.plan.search import FILL_RESERVE, MARGIN, search
+from parallax.plan.workload import Workload
+from parallax.recipe import resolve
+from parallax.recipe.flags import parse_args
 from tests.plan.toy import FLOPS, machine, toy
 
 MS = 1e-3
@@ -84,3 +90,42 @@ def test_nothing_fits_says_the_nearest_and_what_would_help():
     assert not result.ranked and result.closest
     text = nothing_fits(result, 2)
     assert "nothing fits" in text and "GiB a GPU" in text and "more GPUs" in text
+
+
+def test_offloaded_layouts_sum_on_the_gpu_what_fits():
+    """OpenVLA-7B on one H200 capped at 24, 27 and 30 GiB, offloaded (fixed) at micro-batch 32:
+    the search sums on the GPU as much of the gradient as the cap leaves room for beside its
+    reserve (whole buckets), more with more memory, and the host holds that much less; a share
+    given on the command line is kept."""
+    argv = [
+        "--model",
+        "openvla-7b",
+        "--global-batch-size",
+        "256",
+        "--precision",
+        "bf16",
+        "--compile",
+    ]
+    model = Workload(resolve(parse_args(argv)))
+    fixed = {"micro_batch_size": 32, "offload": "optimizer", "zero": 3}
+    fixed["activation_checkpointing"] = True
+    got = []
+    for cap in (24.0, 27.0, 30.0):
+        mach = H200.with_(gpus_per_node=1, cuda_context_gib=0.0, gpu_memory_gib=cap)
+        best = search(model, mach, 1, fixed=fixed, top=1).ranked[0]
+        assert cap * GIB * (1 - MARGIN) - FILL_RESERVE - 0.2 * GIB < best.gpu, cap  # (a bucket)
+        got.append(best)
+    shares = [c.layout.accumulate for c in got]
+    assert 0 < shares[0] < shares[1] < shares[2] < 1, shares
+    assert got[0].host > got[1].host > got[2].host
+    mach = H200.with_(gpus_per_node=1, gpu_memory_gib=30.0)
+    given = search(model, mach, 1, fixed={**fixed, "gpu_accumulation": 0.25}, top=1)
+    assert given.ranked[0].layout.accumulate == 0.25
+    # at micro-batch 8 (32 passes) the passes' copies outlast the backwards: sums kept on the
+    # GPU cross once, and the exposed offload time falls by the share's copies
+    shown = []
+    for share in (0.0, 0.5):
+        lay = Layout(micro_batch_size=8, zero=3, offload=1.0, checkpointing="vision")
+        lay = dataclasses.replace(lay, accumulate=share)
+        shown.append(step_time(model, lay, mach, plan_memory(model, lay)).offload)
+    assert shown[1] < shown[0] - 1.0, shown
