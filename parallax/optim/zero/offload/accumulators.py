@@ -31,6 +31,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import record_function
 
+from parallax.optim.zero.offload.host_kernels import squares
+
 IN_FLIGHT = 4  # adds whose copies may be queued at once: enough to keep both directions busy
 
 
@@ -52,7 +54,6 @@ class Accumulators:
         self.acc: dict[int, torch.Tensor] = {}
         # ``kept`` buckets sum their passes in device memory (the link carries them once)
         self.kept = {b: torch.zeros(chunks[b], dtype=dtypes[b], device=device) for b in kept}
-        self.summed: dict[int, torch.cuda.Event] = {}  # GPUs: kept bucket -> its last add
         for dt in set(dtypes[b] for b in buckets if b not in self.kept):
             mine = [b for b in buckets if dtypes[b] == dt and b not in self.kept]
             flat = torch.zeros(sum(chunks[b] for b in mine), dtype=dt, pin_memory=self.on_device)
@@ -64,19 +65,20 @@ class Accumulators:
         self.down: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its last sum came down
         self.queued: deque[torch.cuda.Event] = deque()  # GPUs: the adds not known to be done
 
-    def add(self, b: int, grad: torch.Tensor, first: bool) -> None:
+    def add(
+        self, b: int, grad: torch.Tensor, first: bool, norm: Sequence[slice] | None = None
+    ) -> torch.Tensor | None:
         """Add ``grad`` (bucket ``b``'s reduced fp32 chunk, its reduction done on the current
-        stream) into its accumulator; ``first``: this step's first pass overwrites it."""
+        stream) into its accumulator; ``first``: this step's first pass overwrites it. With
+        ``norm`` (the last pass): the sum of squares of those slices of the new sum, as the
+        host will read it, a device scalar made beside the add (read it after :meth:`settle`)."""
         if b in self.kept:  # on the current stream: the same fp32 sum, rounded the same way
             kept = self.kept[b]  # (bucket/dp,) device, its dtype
             if first:
                 kept.copy_(grad)
             else:
                 kept.add_(grad)  # (computed in fp32, as grad + up below)
-            if self.on_device:
-                self.summed[b] = torch.cuda.Event()
-                self.summed[b].record()
-            return
+            return _squares(kept, norm)
         acc = self.acc[b]  # (bucket/dp,) host, its dtype
         if len(self.queued) >= IN_FLIGHT:  # (GPUs) bound what waits for the link
             with record_function("parallax.offload.link_wait"):
@@ -85,11 +87,19 @@ class Accumulators:
         up = None if first else self._fetch(b)  # (bucket/dp,) the accumulator on the device
         with self._on_copies(grad, up):
             total = grad if up is None else grad + up  # (bucket/dp,) fp32
-            acc.copy_(total.to(acc.dtype), non_blocking=True)
+            rounded = total.to(acc.dtype)  # (bucket/dp,) what the host holds
+            acc.copy_(rounded, non_blocking=True)
+            squares = _squares(rounded, norm)
             if self.copies is not None:  # the next pass's fetch waits for this sum
                 self.down[b] = torch.cuda.Event()
                 self.down[b].record()
                 self.queued.append(self.down[b])
+        return squares
+
+    def settle(self) -> None:
+        """The current stream waits for every add queued so far (and the squares they made)."""
+        if self.copies is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copies)
 
     def view(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s sum where it is held: host memory, or the device for a kept one."""
@@ -129,3 +139,15 @@ class Accumulators:
             up.record_stream(self.copies)
         with torch.cuda.stream(self.copies):
             yield
+
+
+def _squares(x: torch.Tensor, pieces: Sequence[slice] | None) -> torch.Tensor | None:
+    """The sum of squares of ``x``'s ``pieces`` in fp32, on ``x``'s device (None: not asked)."""
+    if pieces is None:
+        return None
+    if x.device.type == "cpu":  # (a flat fp32 norm drifts on the CPU: host_kernels.squares)
+        return torch.tensor(sum(squares(x[p].float()) for p in pieces), dtype=torch.float64)
+    total = torch.zeros((), device=x.device)
+    for p in pieces:  # GPUs reduce in a tree: fp32 holds
+        total += torch.linalg.vector_norm(x[p], dtype=torch.float32).square()
+    return total

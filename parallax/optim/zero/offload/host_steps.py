@@ -4,11 +4,14 @@ there bucket by bucket while the backward goes on.
 At ZeRO-2 and 3 each backward pass reduce-scatters every bucket into an fp32 chunk
 (:mod:`parallax.optim.zero.reduction.pass_reducer`). Offloaded, that chunk is added into the
 bucket's accumulator in host memory (the model's dtype, pinned on GPUs) on the device, beside the
-compute, without the host's cores (:mod:`parallax.optim.zero.offload.accumulators`). When the
-bucket's last pass has landed, a worker thread makes its fp32 gradient (the accumulator over dp, one
-bucket at a time), takes its share of the gradient norm and steps the wrapped optimizer on the
-bucket's host masters: torch's fused CPU AdamW where this torch has it (checked by running it once;
-the dp average and clip coefficient folded into its ``grad_scale``), otherwise its foreach kernels.
+compute, without the host's cores (:mod:`parallax.optim.zero.offload.accumulators`); the last
+pass also takes the sum's share of the gradient norm there, on the device, from the values the
+host will hold (``--gpu-accumulation`` keeps some buckets' sums on the device instead:
+:mod:`~parallax.optim.zero.offload.downloads`). When the bucket's last pass has landed, a worker
+thread makes its fp32 gradient (the accumulator over dp, one bucket at a time) and steps the
+wrapped optimizer on the bucket's host masters: torch's fused CPU AdamW where this torch has it
+(checked by running it once; the dp average and clip coefficient folded into its ``grad_scale``),
+otherwise its foreach kernels.
 In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into pinned
 staging (:mod:`parallax.optim.zero.offload.upload_ring`) and copies them to the device on an uploads
 stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's upload runs
@@ -17,11 +20,11 @@ while the next one is stepped.
 **Why the device adds, and the host's habits.** On one H200 host (16 cores,
 ``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long as a
 pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through the device
-a pass costs the host's memory two concurrent copies and its cores nothing. The worker keeps one
+a pass costs the host's memory two concurrent copies and its cores nothing; the norm taken on the
+device spares the host a read of every accumulator in the clipped case (the worker's "finish" was
+1.5 s a step for OpenVLA-7B under 24 GiB, part of it after the backward). The worker keeps one
 fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page faults that cost more
-than the arithmetic), takes the norm in fp32 rows
-(:func:`~parallax.optim.zero.offload.host_kernels.squares`; torch's float64 norm took 13 s) and runs
-on this process's share of the cores
+than the arithmetic) and runs on this process's share of the cores
 (:func:`~parallax.optim.zero.offload.host_kernels.host_threads`; torchrun sets
 ``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B parameters).
 
@@ -56,7 +59,7 @@ from parallax.optim.zero.bucketwise import step_bucket
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
 from parallax.optim.zero.offload.downloads import Downloads
-from parallax.optim.zero.offload.host_kernels import host_threads, squares
+from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
 from parallax.optim.zero.torch_contract import grad_scale, takes_grad_scale
 
@@ -137,9 +140,11 @@ class HostSteps:
         """Bucket ``b``'s reduced chunk of one pass (fp32, on the device, its reduction done on
         the current stream): added into its host accumulator on the device
         (:class:`~parallax.optim.zero.offload.accumulators.Accumulators`), the host's cores left
-        free for the steps."""
-        self.sums.add(b, grad, first)
+        free for the steps. The last pass also takes the sum's share of the gradient norm
+        there, on the device, as the host will read it."""
+        squares = self.sums.add(b, grad, first, self._pieces(b) if last else None)
         if last:
+            self.partials[b] = squares / self.dp**2  # the dp sum's squares: the average's
             self.complete(b, summed=True)
 
     def complete(self, b: int, summed: bool) -> None:
@@ -147,11 +152,11 @@ class HostSteps:
         if self.final[b]:
             return
         self.final[b] = True
-        if b in self.kept:  # its norm where it is, and the point its trip down waits for
-            if not summed:
+        if not summed:  # no pass reduced it: a zero gradient (the host's zeroed by the worker)
+            self.partials[b] = 0.0
+            if b in self.kept:
                 self.kept[b].zero_()
-            sums = [self.kept[b][p].float().square().sum() for p in self._pieces(b)]
-            self.partials[b] = sum(sums, torch.zeros((), device=self.device)) / self.dp**2
+        if b in self.kept:  # the point its trip down waits for
             self.down.ready(b)
         landed = self.sums.landed()  # the worker reads the accumulator once its copies landed
         flags = None
@@ -197,18 +202,14 @@ class HostSteps:
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags, landed) -> None:
-        if b in self.kept:  # its norm was taken on the device; stepped now only when early
-            if flags is not None:
-                self._step_flagged(b, self._gradient(b), flags)
-            return
-        if landed is not None:
+        """Bucket ``b`` is complete: zeroed if no pass reduced it, stepped now when early (its
+        norm was taken on the device)."""
+        if landed is not None and b not in self.kept:
             landed.synchronize()
-        if not summed:
+        if not summed and b not in self.kept:
             self.acc[b].zero_()
-        grad = self._gradient(b)  # the dp sum: its squares over dp**2 are the average's
-        self.partials[b] = sum(squares(grad[p]) for p in self._pieces(b)) / self.dp**2
         if flags is not None:
-            self._step_flagged(b, grad, flags)
+            self._step_flagged(b, self._gradient(b), flags)
 
     def _step_flagged(self, b: int, grad: torch.Tensor, flags) -> None:
         """Step bucket ``b`` during the backward, once its dp-global flags are in."""
@@ -280,10 +281,11 @@ class HostSteps:
             )
         self.wait()
         if norm_type == 2.0:
+            self.sums.settle()  # (the squares were made beside the adds)
             parts = list(self.partials.values())
-            on_device = [v for v in parts if isinstance(v, torch.Tensor)]
+            made = [v.to(self.device, torch.float64) for v in parts if isinstance(v, torch.Tensor)]
             total = sum(v for v in parts if not isinstance(v, torch.Tensor))
-            return total + (float(torch.stack(on_device).sum()) if on_device else 0.0)
+            return total + (float(torch.stack(made).sum()) if made else 0.0)
         return max(
             (
                 float(self.sums.view(b)[p].abs().max()) / self.dp
