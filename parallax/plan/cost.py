@@ -181,7 +181,8 @@ def step_time(
     last_backward = max(sum(s.backward for s in st) for st in per_rank)
     first_forward = max(sum(s.forward for s in st) for st in per_rank)
     dp, zero3 = _data_parallel(layout, machine, memory, m, first_forward, last_backward)
-    offload = _offload(model, layout, machine, memory, m, compute, last_backward)
+    passes = (m, first_forward, last_backward)
+    offload = _offload(model, layout, machine, memory, passes, compute)
     busy = max(memory, key=lambda r: r.trainable)
     optimizer = (
         (1 - layout.offload) * ADAMW_BYTES * _elements(busy, layout) / (machine.hbm_gbs * 1e9)
@@ -233,12 +234,13 @@ def _data_parallel(layout, machine, memory, m, first_forward, last_backward):
     return exposed, zero3
 
 
-def _offload(model: Workload, layout, machine, memory, m, compute, last_backward) -> float:
+def _offload(model: Workload, layout, machine, memory, passes, compute) -> float:
     """Exposed seconds of offload's work per step (:mod:`parallax.optim.zero.offload.host_steps`).
 
     Under the passes: each pass's gradients go down to the host accumulator and, after the
     first, the accumulator comes up to be added to on the device (the model's bytes each way,
-    concurrent); once a bucket is whole the host's worker makes its fp32 gradient and norm.
+    concurrent; the last pass takes the norm there too); unclipped, once a bucket is whole the
+    host's worker makes its fp32 gradient and steps it.
     After them: the fp32 gradient again, AdamW on the host and each bucket's new weights
     converted for the upload, whose copies run beside the next bucket's step. When nothing
     clips, the worker steps each bucket during the last backward, but there it shares the
@@ -254,10 +256,14 @@ def _offload(model: Workload, layout, machine, memory, m, compute, last_backward
     backwards, ran 23.4 s a step against 12.5 s at micro-batch 32 (benchmarks/RESULTS.md, run
     6a8fd6ee2dca; the queue was not bounded then). Gradients summed on the GPU
     (``--gpu-accumulation``) cross once, in the step, each bucket's trip under the step of the
-    one before: they leave the passes' copies and cost the step nothing more.
+    one before: they leave the passes' copies and cost the step nothing more. Where no
+    all-gather must follow the uploads (ZeRO-3, or dp 1) the step runs on under the next step's
+    first forward, each block waiting for its own weights
+    (:meth:`~parallax.optim.ZeroOptimizer.overlap_host_step`): up to that forward of it hides.
     """
     if not layout.offload:
         return 0.0
+    m, first_forward, last_backward = passes
     rank = max(memory, key=lambda r: r.trainable)
     share = layout.offload * rank.trainable / layout.dp  # elements stepped on the host
     passed = share - rank.kept  # ... whose sums cross the link every pass
@@ -266,7 +272,9 @@ def _offload(model: Workload, layout, machine, memory, m, compute, last_backward
     copies = m * node * model.e * passed / (machine.h2d_gbs * 1e9)  # each way, per step
     gradient = (model.e + 4) * host  # the accumulator read, the fp32 gradient written
     window = m * last_backward  # the backwards, beside which the copies run
-    under = max(copies - window, gradient - compute)
     clipped = bool(model.run.grad_clip)
+    under = max(copies - window, 0.0 if clipped else gradient - compute)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
+    if layout.zero == 3 or layout.dp == 1:  # the step runs on under the next first forward
+        step = max(step - first_forward, 0.0)
     return max(0.0, under) + step

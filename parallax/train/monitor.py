@@ -115,8 +115,8 @@ def offload_fields(optimizer: object) -> dict[str, float | None]:
     host (fp32 masters, moments, accumulators, scratch, pinned staging: measured from its
     tensors, :meth:`~parallax.optim.zero.optimizer.ZeroOptimizer.memory_report`) and their
     ratio to the floor of 12 bytes an offloaded parameter; ``None`` without offload. Asked once,
-    after the first step (whose host steps are done when ``step()`` returns, the moments
-    made)."""
+    after the first step (the report waits for its host steps, which may run under the next
+    forward: the moments are made then)."""
     report = getattr(optimizer, "memory_report", None)
     measured = report() if callable(report) else None
     if measured is None or not measured.host_numel:

@@ -91,6 +91,8 @@ class Trainer:
         self.optimizer = build_optimizer(self)
         if run.overlap_param_gather and ctx.dp_size > 1 and run.zero < 3:
             self.optimizer.overlap_param_gather(*self.chunks)
+        if run.offload == "optimizer":  # the host's step under the next forward, where it can
+            self.optimizer.overlap_host_step(*self.chunks)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(run))
         self._metrics: list[torch.Tensor] = []
         self._units: torch.Tensor | None = None

@@ -31,6 +31,8 @@ CASES = {
         ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6),  # some sums kept on the device, clipped
         ("adamw", 3, 3, None, False, True, 1.0, 0.6),  # ... stepped during the backward
         ("adamw", 3, 3, None, False, True, 1.0),  # (the last one's twin, every sum on the host)
+        ("adamw", 3, 2, 0.5, False, True, 1.0, 0.0, "defer"),  # the step under the next forward
+        ("adamw", 3, 2, 0.5, False, True, 1.0),  # (its twin, waited for in step())
     ],
     "2x2": [
         ("adamw", 2, 2, 0.5, True, False, 0.0),
@@ -61,9 +63,10 @@ def _reference(name, accum, clip, always):
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0) -> dict:
+def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0, defer="") -> dict:
     """``offload``: the share of the optimizer offloaded (0: none); ``on_gpu``: the share of
-    that whose gradients are summed on the device."""
+    that whose gradients are summed on the device; ``defer``: the host's step left running
+    under the next forward."""
     cls, kwargs = OPTIMIZERS[name]
     model = build(ctx, sp).to(ctx.device)
     opt = ZeroOptimizer(
@@ -81,6 +84,8 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0) ->
         step_in_backward=offload > 0 and clip is None,
         **kwargs,
     )
+    if defer:
+        assert opt.overlap_host_step(model)
     norms, grads_left = [], 0
     for step in range(STEPS):
         opt.zero_grad()
@@ -113,6 +118,7 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0) ->
         host_bytes=report.host_bytes,
         kept_bytes=report.kept_bytes,
         host_phases=sorted(k for k, v in opt.host.seconds.items() if v > 0) if opt.host else [],
+        forward_waits=opt.host.seconds["wait_bucket"] if opt.host else 0.0,
     )
 
 
@@ -129,9 +135,10 @@ def test_stages_2_and_3_match_torch(layout):
     tp, world = (2, 4) if layout == "2x2" else (1, layout)
     results = run_ranks(_cases, world, tp, CASES[layout])
     dp = world // tp
-    for k, (name, stage, accum, clip, sp, always, offload, *on_gpu) in enumerate(CASES[layout]):
+    for k, (name, stage, accum, clip, sp, always, offload, *more) in enumerate(CASES[layout]):
         ref_weights, ref_norms = _reference(name, accum, clip, always)
-        case = f"{name} stage={stage} accum={accum} clip={clip} sp={sp} offload={offload} {on_gpu}"
+        case = f"{name} stage={stage} accum={accum} clip={clip} sp={sp} offload={offload} {more}"
+        on_gpu = more[0] if more else 0.0
         for rank in results:
             got = rank[k]
             assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **TOL, msg=case)
@@ -161,8 +168,19 @@ def test_sums_kept_on_the_device_step_as_the_host_sums():
     same weights, bit for bit, as the same sums made in host memory: the same fp32 additions,
     rounded to the model's dtype the same way. (On the CPU "the device" is host memory too: the
     test runs the kept buckets' code path, its GPU streams aside.) And the host holds less."""
-    results = run_ranks(_cases, 2, 1, CASES[2][-2:])
+    results = run_ranks(_cases, 2, 1, CASES[2][-4:-2])
     for kept, hosted in results:
         for n, w in hosted["weights"].items():
             assert torch.equal(kept["weights"][n], w), n
         assert kept["host_bytes"] < hosted["host_bytes"]
+
+
+def test_the_host_step_under_the_next_forward_changes_nothing():
+    """Left running under the next forward (each block waiting for its own weights, ZeRO-3's
+    gathers here), the host's step gives the weights and norms of the same step waited for in
+    ``step()``, bit for bit, and the forward did wait for it."""
+    deferred, waited = run_ranks(_cases, 2, 1, CASES[2][-2:])[0]
+    for n, w in waited["weights"].items():
+        assert torch.equal(deferred["weights"][n], w), n
+    assert deferred["norms"] == waited["norms"]
+    assert "wait_bucket" in deferred["host_phases"] and "wait_bucket" not in waited["host_phases"]

@@ -122,6 +122,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
             else None
         )
         self._side_copies = side_stream_grad_copies
+        self._defer_host = False  # the host's step left running under the next forward
         groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
         self._build_step(groups, offload, step_in_backward, backward_passes_per_step, kept)
         self._build_weights(bucket_numel, reshard_after_forward)
@@ -206,13 +207,14 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
                 loss = closure()
         flags = self._reduce()
         if self.host is not None:  # on the host, bucket by bucket (some maybe done already)
-            self.host.step(flags)
+            self.host.step(flags, defer=self._defer_host)
         self._step_inner(flags)  # the buckets on the device
-        self.gathers.track(
-            self.flat.gather_params(
-                self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
-            )
+        works = self.flat.gather_params(
+            self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
         )
+        if self._defer_host and self.zero3 is None:  # the hooks wait for the uploads too
+            works.update({b: _Upload(self.host, b) for b in self.host.pending})
+        self.gathers.track(works)
         if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
             self.zero3.gathers.release_all()
         self._end_step(open=False)
@@ -230,9 +232,8 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
 
     def _end_step(self, open: bool) -> None:
         self.reducer.reset(open)
-        if self.host is not None:
-            self.host.wait()
-            self.host.reset()
+        if self.host is not None:  # (its step may still run under the next forward)
+            self.host.end_step()
         self._flags = None
         self.scale.reset()
 
@@ -284,7 +285,9 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         return total
 
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds, measured from the tensors, and what plain AdamW would need."""
+        """Bytes this rank holds, measured from the tensors, and what plain AdamW would need
+        (after any step still running: its state is made)."""
+        self.wait_params()
         return measure(
             self.flat, self.inner, self.params, self.stage, self.reducer, self.host, self.zero3
         )
@@ -295,3 +298,13 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
             f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, stage={self.stage}, "
             f"overlap={self.overlap})"
         )
+
+
+class _Upload:
+    """A deferred host step's upload of one bucket, as a handle the forward's hooks wait on."""
+
+    def __init__(self, host, b: int) -> None:
+        self.host, self.b = host, b
+
+    def wait(self) -> None:
+        self.host.wait_bucket(self.b)

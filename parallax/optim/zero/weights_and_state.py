@@ -33,10 +33,32 @@ class WeightsAndState:
             return []
         return self.gathers.register(modules)
 
+    def overlap_host_step(self, *modules: nn.Module) -> bool:
+        """With ``--offload optimizer``: let ``step()`` return while the host still steps and
+        uploads, the next forward waiting bucket by bucket for the weights it reads (forward
+        pre-hooks as :meth:`overlap_param_gather`'s at stage 2, ZeRO-3's own gathers at stage
+        3). Only where no all-gather must follow an upload: stage 3, or stage 2 at dp 1. Whether
+        it is on. The same contract as :meth:`overlap_param_gather`: anything else that reads
+        the weights or the optimizer's state calls :meth:`wait_params` first."""
+        if self.host is None or (not self.stage.shards_weights and self.ctx.dp_size > 1):
+            return False
+        if self.zero3 is not None:
+            trainable, host = self.flat.store, self.host
+            self.zero3.gathers.before = lambda store, b: (
+                host.wait_bucket(b) if store is trainable else None
+            )
+        elif not self.gathers.deferred:
+            self.gathers.register(modules)
+        self._defer_host = True
+        return True
+
     def wait_params(self) -> None:
-        """Finish every parameter all-gather still in flight (see :meth:`overlap_param_gather`):
-        call it before reading parameters outside a hooked forward, e.g. to save or evaluate."""
+        """Finish every parameter all-gather and host step still in flight (see
+        :meth:`overlap_param_gather`, :meth:`overlap_host_step`): call it before reading
+        parameters or state outside a hooked forward, e.g. to save or evaluate."""
         self.gathers.wait_all()
+        if self.host is not None:
+            self.host.wait()
 
     # -- the weights outside a forward (stage 3 shards them) ------------------------------------
     def weight(self, p: torch.Tensor) -> torch.Tensor:
@@ -51,13 +73,14 @@ class WeightsAndState:
     def materialized(self, unit: int) -> AbstractContextManager:
         """Stage 3: a context in which unit ``unit``'s weights (``self.units[unit]``) can be
         overwritten whole, with no collective (see :meth:`ShardedWeights.materialized`)."""
+        self.wait_params()
         return self.zero3.materialized(unit)
 
     def gathered(self) -> AbstractContextManager:
         """A context with every weight whole, e.g. to export the model (at stage 3 a collective
         that gathers the whole stage on every rank; otherwise it only waits for the weights)."""
+        self.wait_params()
         if self.zero3 is None:
-            self.wait_params()
             return nullcontext()
         return self.zero3.gathered()
 

@@ -61,7 +61,12 @@ from parallax.optim.zero.offload.accumulators import Accumulators
 from parallax.optim.zero.offload.downloads import Downloads
 from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
-from parallax.optim.zero.torch_contract import grad_scale, takes_grad_scale
+from parallax.optim.zero.torch_contract import (
+    grad_scale,
+    private_copy,
+    refresh_copy,
+    takes_grad_scale,
+)
 
 
 class HostSteps:
@@ -85,7 +90,10 @@ class HostSteps:
         early: bool,
         kept: Sequence[int] = (),
     ) -> None:
-        self.flat, self.layout, self.inner, self.device = flat, flat.layout, inner, device
+        # the worker steps through its own handle on ``inner`` (same state, own group dicts): a
+        # step left running under the next forward must not see the scheduler's next lr
+        self.outer, self.inner = inner, private_copy(inner)
+        self.flat, self.layout, self.device = flat, flat.layout, device
         self.early, self.has, self.dp, self.dp_group = early, has, ctx.dp_size, ctx.dp_group
         self.fold = takes_grad_scale(inner)  # the kernel scales the gradients itself
         self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
@@ -115,6 +123,8 @@ class HostSteps:
         # seconds spent since construction, by phase (worker: finish, step_later, upload and its
         # wait for staging; main thread: blocked on the worker): where a step's time goes
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.pending: dict[int, Future] = {}  # deferred: bucket -> its upload job
+        self.uploaded: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its upload's end
         self.reset()
 
     def _start_worker(self) -> None:
@@ -122,8 +132,20 @@ class HostSteps:
         if self.on_device:
             torch.cuda.set_device(self.device)
 
+    def end_step(self) -> None:
+        """The step is over; the next use starts a new one (:meth:`_fresh`) after any of its
+        work left running under the next forward."""
+        self.stale = True
+
+    def _fresh(self) -> None:
+        if self.stale:
+            self.wait()
+            self.reset()
+
     def reset(self) -> None:
-        """A new step: nothing in, nothing stepped."""
+        """A new step: nothing in, nothing stepped (the worker idle)."""
+        self.stale = False
+        refresh_copy(self.inner, self.outer)
         self.jobs: list[Future] = []
         self.final = dict.fromkeys(self.buckets, False)
         self.stepped = dict.fromkeys(self.buckets, False)
@@ -142,6 +164,7 @@ class HostSteps:
         (:class:`~parallax.optim.zero.offload.accumulators.Accumulators`), the host's cores left
         free for the steps. The last pass also takes the sum's share of the gradient norm
         there, on the device, as the host will read it."""
+        self._fresh()
         squares = self.sums.add(b, grad, first, self._pieces(b) if last else None)
         if last:
             self.partials[b] = squares / self.dp**2  # the dp sum's squares: the average's
@@ -149,6 +172,7 @@ class HostSteps:
 
     def complete(self, b: int, summed: bool) -> None:
         """Bucket ``b``'s gradient is all in (``summed``: some pass reduced it this step)."""
+        self._fresh()
         if self.final[b]:
             return
         self.final[b] = True
@@ -240,9 +264,9 @@ class HostSteps:
             self._step(b, self._gradient(b, self._next_kept(b)), flags, scale)
 
     def _next_kept(self, b: int) -> int | None:
-        """The kept bucket ``step()`` steps after ``b``, if any."""
-        later = (c for c in self.buckets if c > b and c in self.kept and not self.stepped[c])
-        return next(later, None)
+        """The kept bucket ``step()`` steps after ``b`` (it goes down the layout), if any."""
+        later = (c for c in reversed(self.buckets) if c < b and c in self.kept)
+        return next((c for c in later if not self.stepped[c]), None)
 
     @torch.no_grad()
     def _upload(self, b: int) -> None:
@@ -261,15 +285,34 @@ class HostSteps:
                 event = torch.cuda.Event()
                 event.record()
             self.rings[mine.dtype].give(ticket, event)
+            self.uploaded[b] = event
 
     # -- the main thread: the step ---------------------------------------------------------------
     def wait(self) -> None:
+        """Every job done (a worker's error is raised here) and, on GPUs, the current stream
+        after every upload."""
         jobs, self.jobs = self.jobs, []
         start = time.perf_counter()
         with record_function("parallax.offload.wait"):
             for job in jobs:
-                job.result()  # a worker's error is raised here
+                job.result()
         self.seconds["wait"] += time.perf_counter() - start
+        if self.uploads is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.uploads)
+        self.pending.clear()
+
+    def wait_bucket(self, b: int) -> None:
+        """Bucket ``b``'s new weights in place (a deferred step's upload done; on GPUs the
+        current stream after its copy): what the next forward waits for, bucket by bucket."""
+        job = self.pending.pop(b, None)
+        if job is None:
+            return
+        start = time.perf_counter()
+        with record_function("parallax.offload.wait_bucket"):
+            job.result()
+        self.seconds["wait_bucket"] += time.perf_counter() - start
+        if b in self.uploaded:
+            torch.cuda.current_stream(self.device).wait_event(self.uploaded[b])
 
     def local_part(self, norm_type: float) -> float:
         """What this rank's offloaded gradients add to the global norm: the sum of their
@@ -279,6 +322,7 @@ class HostSteps:
             raise NotImplementedError(
                 f"with --offload optimizer the gradient norm is the 2- or inf-norm, not {norm_type}"
             )
+        self._fresh()
         self.wait()
         if norm_type == 2.0:
             self.sums.settle()  # (the squares were made beside the adds)
@@ -296,6 +340,7 @@ class HostSteps:
         )
 
     def clip(self, coef: torch.Tensor) -> None:
+        self._fresh()
         if any(self.stepped.values()):
             raise RuntimeError(
                 "with --offload optimizer and step_in_backward the host steps each bucket during "
@@ -303,16 +348,20 @@ class HostSteps:
             )
         self.coef = float(coef) if self.coef is None else self.coef * float(coef)
 
-    def step(self, flags: Sequence[bool]) -> None:
+    def step(self, flags: Sequence[bool], defer: bool = False) -> None:
         """Step every bucket not stepped yet (with the clip coefficient) and send each changed
-        bucket's weights back; the current stream then waits for those uploads."""
+        bucket's weights back; the current stream then waits for those uploads, or with
+        ``defer`` returns at once: the next forward waits bucket by bucket
+        (:meth:`wait_bucket`), anything else through :meth:`wait`."""
+        self._fresh()
         self.wait()
         if self.uploads is not None:  # the weights change only after the whole backward
             self.uploads.wait_stream(torch.cuda.current_stream(self.device))
-        for b in self.buckets:
+        self.uploaded.clear()
+        for b in reversed(self.buckets):  # in the forward's order (the layout's is the backward's)
             self._submit(self._step_later, b, self.coef, flags)
             if any(flags[i] for i in self.layout.buckets[b].params):
                 self._submit(self._upload, b)
-        self.wait()
-        if self.uploads is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.uploads)
+                self.pending[b] = self.jobs[-1]
+        if not defer:
+            self.wait()

@@ -31,9 +31,10 @@ def offloaded_share(numels: Sequence[int], fraction: float) -> float:
 
 def kept_buckets(numels: Sequence[int], hosted: Sequence[int], fraction: float) -> list[int]:
     """Of the offloaded buckets ``hosted``, those whose gradients are summed on the device
-    (``--gpu-accumulation``): the last ones in layout order, the first layers, whose host steps
-    come last (their single trip down then runs under the earlier buckets' steps), up to
-    ``fraction`` of the offloaded elements."""
+    (``--gpu-accumulation``): the last ones in layout order, the first layers (the offloaded ones
+    are the last layers first: a partial offload keeps the first layers' optimizer on the device
+    and this keeps their neighbours' sums there), up to ``fraction`` of the offloaded
+    elements."""
     if fraction <= 0 or not hosted:
         return []
     total, out, held = sum(numels[b] for b in hosted), [], 0

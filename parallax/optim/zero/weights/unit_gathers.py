@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -111,6 +111,9 @@ class UnitGathers:
         self.ended: set[int] = set()  # units whose backward ended in this pass
         self._out_hooks: dict[int, tuple[Any, int, weakref.ref]] = {}  # id(output) -> hook
         self.stores = list({id(s): s for bs in buckets for s, _ in bs}.values())
+        # what must happen before a bucket is read (the offloaded step's upload, when the step
+        # was left running under the forward): before(store, b)
+        self.before: Callable[[ShardedStore, int], None] | None = None
         reducer.follow(self)  # its arrivals and pass ends come here
         ref = weakref.ref(self)
         self.handles = []
@@ -128,6 +131,8 @@ class UnitGathers:
     def ensure(self, u: int) -> None:
         """Unit ``u`` whole: wait for its prefetch, or gather it now."""
         for store, b in self.buckets[u]:
+            if self.before is not None:
+                self.before(store, b)
             work = self.works.pop((id(store), b), None)
             if work is not None:
                 comm.wait(work)
@@ -140,6 +145,8 @@ class UnitGathers:
         if u is None or self.gathered[u]:
             return
         for store, b in self.buckets[u]:
+            if self.before is not None:
+                self.before(store, b)
             if (id(store), b) not in self.works and not store.gathered[b]:
                 self.works[(id(store), b)] = store.gather(b, self.ctx.dp_group, async_op=True)
         self.gathered[u] = True
