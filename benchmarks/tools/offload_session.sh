@@ -6,7 +6,9 @@
 #   PARALLAX_COMMIT=<sha> bash benchmarks/tools/offload_session.sh OUT_DIR [SECONDS]
 #
 # STEPS (default "profile24 profile32") picks what runs: profile24, profile32, fit (FIT_ROWS,
-# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up).
+# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up), and
+# before24: profile24 from the tree in .before (an earlier commit's parallax/ and benchmarks/,
+# `git archive REV parallax benchmarks | tar -x -C .before`, carried), for a before/after pair.
 set -u
 out=${1:?usage: offload_session.sh OUT_DIR [SECONDS]}
 budget=${2:-580}
@@ -22,6 +24,8 @@ for s in ${STEPS:-profile24 profile32}; do
   case $s in
     profile24|profile32)
       step 260 "$s" python3 -m benchmarks.tools.profile_rows --out "$logs/$s.txt" plan "fit:openvla-${s#profile}" --compile ;;
+    before24)
+      step 260 before24 env -C .before PYTHONPATH=. python3 -m benchmarks.tools.profile_rows --out "$logs/before24.txt" plan fit:openvla-24 --compile ;;
     fit)
       step 560 fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla,openvla-24,openvla-32}" \
         --compile --steps "${FIT_STEPS:-2}" --warmup 1 --row-timeout "${ROW_TIMEOUT:-200}" ;;
