@@ -156,6 +156,11 @@ def host_note(plans: list[RankMemory]) -> str | None:
         f"ranks): {_size(r.host)} ({parts}) for {r.offloaded:,.0f} offloaded trainable "
         f"parameters: {r.host / r.offloaded:.2f} B a parameter, {r.host_ratio:.2f}x the floor "
         f"of {HOST_FLOOR_BYTES} B (fp32 master and AdamW's moments, {_size(r.host_floor)})"
+        + (
+            f"; the gradient sums of {r.kept:,.0f} of them on the GPU (--gpu-accumulation)"
+            if r.kept
+            else ""
+        )
     )
 
 
