@@ -167,7 +167,7 @@ class HostSteps:
         self._fresh()
         squares = self.sums.add(b, grad, first, self._pieces(b) if last else None)
         if last:
-            self.partials[b] = squares / self.dp**2  # the dp sum's squares: the average's
+            self.partials[b] = squares  # (made on another stream: scaled once it is read)
             self.complete(b, summed=True)
 
     def complete(self, b: int, summed: bool) -> None:
@@ -329,7 +329,8 @@ class HostSteps:
             parts = list(self.partials.values())
             made = [v.to(self.device, torch.float64) for v in parts if isinstance(v, torch.Tensor)]
             total = sum(v for v in parts if not isinstance(v, torch.Tensor))
-            return total + (float(torch.stack(made).sum()) if made else 0.0)
+            total += float(torch.stack(made).sum()) if made else 0.0
+            return total / self.dp**2  # the dp sum's squares: the average's
         return max(
             (
                 float(self.sums.view(b)[p].abs().max()) / self.dp
