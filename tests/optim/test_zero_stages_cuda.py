@@ -16,13 +16,16 @@ from tests.optim.test_zero_stages import TOL, _reference, _zero
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-# (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, offloaded share)
+# (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, offloaded share
+# [, share of that summed on the GPU, "defer": the host's step under the next forward])
 CASES = [
     ("adamw-fused", 2, 2, 0.5, False, False, 0.0),
     ("adamw-fused", 3, 2, 0.5, False, True, 0.0),
     ("adamw", 2, 2, 0.5, False, False, 1.0),
     ("adamw", 3, 2, None, False, True, 1.0),  # offloaded, stepped during the backward
     ("adamw-fused", 3, 2, 0.5, False, True, 0.5),  # half offloaded
+    ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6),  # some sums on the GPU, brought down once
+    ("adamw", 3, 3, 0.5, False, True, 1.0, 0.6, "defer"),  # ... and the step under the forward
 ]
 
 
@@ -31,8 +34,8 @@ def _on_gpu() -> list[dict]:
     accumulate.IN_FLIGHT = 1  # every add waits for the one before: the bound's path, every time
     ctx = replace(context(), device=torch.device("cuda", 0))
     out = []
-    for *case, offload in CASES:
-        got = _zero(ctx, *case, offload=offload)
+    for case in CASES:
+        got = _zero(ctx, *case)
         got["weights"] = {n: w.cpu() for n, w in got["weights"].items()}
         out.append(got)
     return out
@@ -40,7 +43,7 @@ def _on_gpu() -> list[dict]:
 
 def test_stages_and_offload_on_one_gpu():
     results = run_ranks(_on_gpu, 2, timeout=300)
-    for k, (name, stage, accum, clip, _, always, offload) in enumerate(CASES):
+    for k, (name, stage, accum, clip, _, always, offload, *_more) in enumerate(CASES):
         ref_weights, ref_norms = _reference(name, accum, clip, always)
         case = f"{name} stage={stage} offload={offload}"
         for rank in results:
