@@ -2,6 +2,8 @@
 replicated, sequence-parallel, frozen, unused and sometimes-used parameters), and what the
 stages hold: no gradient buffer, pass buffers of a bucket or two, weights sharded over dp."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,13 +129,20 @@ def _cases(tp: int, cases: list) -> list[dict]:
     return [_zero(ctx, *case) for case in cases]
 
 
+@functools.cache
+def _results(layout) -> list:
+    """Every rank's results of ``CASES[layout]``, run once for the tests that read them."""
+    tp, world = (2, 4) if layout == "2x2" else (1, layout)
+    return run_ranks(_cases, world, tp, CASES[layout])
+
+
 @pytest.mark.parametrize("layout", [2, "2x2"])
 def test_stages_2_and_3_match_torch(layout):
     """Weights and clip norms after several steps with accumulation equal plain torch's; the
     stages keep no gradient buffer (``.grad`` is None after every backward) and reduce into
     pass buffers of at most a few buckets; stage 3 holds about 1/dp of the weights."""
     tp, world = (2, 4) if layout == "2x2" else (1, layout)
-    results = run_ranks(_cases, world, tp, CASES[layout])
+    results = _results(layout)
     dp = world // tp
     for k, (name, stage, accum, clip, sp, always, offload, *more) in enumerate(CASES[layout]):
         ref_weights, ref_norms = _reference(name, accum, clip, always)
@@ -168,8 +177,8 @@ def test_sums_kept_on_the_device_step_as_the_host_sums():
     same weights, bit for bit, as the same sums made in host memory: the same fp32 additions,
     rounded to the model's dtype the same way. (On the CPU "the device" is host memory too: the
     test runs the kept buckets' code path, its GPU streams aside.) And the host holds less."""
-    results = run_ranks(_cases, 2, 1, CASES[2][-4:-2])
-    for kept, hosted in results:
+    for rank in _results(2):
+        kept, hosted = rank[-4:-2]
         for n, w in hosted["weights"].items():
             assert torch.equal(kept["weights"][n], w), n
         assert kept["host_bytes"] < hosted["host_bytes"]
@@ -179,7 +188,7 @@ def test_the_host_step_under_the_next_forward_changes_nothing():
     """Left running under the next forward (each block waiting for its own weights, ZeRO-3's
     gathers here), the host's step gives the weights and norms of the same step waited for in
     ``step()``, bit for bit, and the forward did wait for it."""
-    deferred, waited = run_ranks(_cases, 2, 1, CASES[2][-2:])[0]
+    deferred, waited = _results(2)[0][-2:]
     for n, w in waited["weights"].items():
         assert torch.equal(deferred["weights"][n], w), n
     assert deferred["norms"] == waited["norms"]
