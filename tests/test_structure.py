@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 # lowest first: a module may import its own layer and those below it
 LAYERS = [
-    ("parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile"),
+    ("parallax.seeds", "parallax.dims", "parallax.atomic", "parallax.tomlfile", "parallax.eager"),
     ("parallax.comm",),
     ("parallax.context",),
     ("parallax.tensor", "parallax.init"),

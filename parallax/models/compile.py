@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from parallax.eager import arm
 from parallax.tensor.layers import resolve_tp
 
 
@@ -23,6 +24,7 @@ def compile_modules(modules: Iterable[nn.Module], **options) -> int:
     """Compile each module's forward in place (``module.compile(**options)``): calls through the
     module, checkpointed ones included, run the compiled code. Returns how many."""
     modules = list(modules)
+    arm()  # parallax's collectives and hooks run eagerly in what compiles
     _allow_recompiles(len(modules))
     for module in modules:
         module.compile(**options)

@@ -16,7 +16,7 @@ reduce_scatter_to_sp reduce-scatter          all-gather
 The last two are the sequence-parallel pair: activations outside the tp region are split along
 the sequence dimension instead of replicated.
 
-Under ``torch.compile`` the communicating calls run eagerly (``torch.compiler.disable``): a
+Under ``torch.compile`` the communicating calls run eagerly (:func:`parallax.eager.eager`): a
 compiled block breaks its graph around each collective instead of tracing ``torch.distributed``.
 With no group (one rank) they are the identity and compile away.
 """
@@ -29,6 +29,7 @@ import torch
 
 from parallax import comm
 from parallax.comm import Group
+from parallax.eager import eager
 
 Op = Callable[[torch.Tensor, Group, int], torch.Tensor]  # one rank's side of a collective
 
@@ -85,14 +86,7 @@ class _AlongDim(torch.autograd.Function):
         return ctx.grad_op(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-def _eager(fn):
-    """``fn`` kept out of ``torch.compile`` graphs (torch >= 2.1; otherwise unchanged)."""
-    compiler = getattr(torch, "compiler", None)
-    disable = getattr(compiler, "disable", None)
-    return fn if disable is None else disable(fn)
-
-
-@_eager
+@eager
 def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: Group, *args) -> torch.Tensor:
     return x if comm.size(group) == 1 else fn.apply(x, group, *args)
 

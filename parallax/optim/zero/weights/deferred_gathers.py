@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from parallax import comm
+from parallax.eager import eager
 from parallax.optim.zero.torch_contract import is_compiled
 
 
@@ -35,7 +36,7 @@ def hook_points(module: nn.Module) -> Iterator[tuple[nn.Module, bool]]:
         yield from hook_points(child)
 
 
-@torch.compiler.disable  # runs eagerly in front of a compiled block, without a graph break in it
+@eager  # runs eagerly in front of a compiled block, without a graph break in it
 def _gather_hook(ref: weakref.ref, buckets: tuple[int, ...], module: nn.Module, args) -> None:
     gathers = ref()
     if gathers is not None and gathers.works:

@@ -22,7 +22,7 @@ all-gather per unit per step instead of two per microbatch (a pipeline's microba
 them). Either way a recomputation (activation checkpointing) finds its unit already gathered
 for the backward.
 
-Hooks run eagerly in front of and behind compiled blocks (``torch.compiler.disable``), so the
+Hooks run eagerly in front of and behind compiled blocks (:func:`parallax.eager.eager`), so the
 collectives stay outside the graphs, and a compiled block reads its weights as graph inputs:
 their storage comes and goes between calls without a recompilation. CUDA graphs cannot work
 here: a replay reads each weight at the address it was recorded with, and a block's gathered
@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from parallax import comm
 from parallax.context import ParallelContext
+from parallax.eager import eager
 from parallax.optim.zero.reduction.pass_reducer import PassReducer
 from parallax.optim.zero.torch_contract import in_backward
 from parallax.optim.zero.weights.shards import ShardedStore
@@ -61,14 +62,14 @@ def _opaque(output: Any) -> bool:
     return output is not None and not isinstance(output, torch.Tensor | tuple | list | dict)
 
 
-@torch.compiler.disable
+@eager
 def _pre_forward(ref: weakref.ref, u: int, module, args, kwargs) -> None:
     gathers = ref()
     if gathers is not None:
         gathers.pre_forward(u, (args, kwargs))
 
 
-@torch.compiler.disable
+@eager
 def _post_forward(ref: weakref.ref, u: int, module, args, output) -> None:
     gathers = ref()
     if gathers is not None:
