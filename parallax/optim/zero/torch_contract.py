@@ -34,7 +34,6 @@ optimizer it wraps, which steps this rank's fp32 master pieces. What that takes,
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -170,14 +169,16 @@ def private_copy(inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A second handle on ``inner`` for another thread: the same state dict, its own group dicts
     (narrowed and scaled there without the caller's thread seeing it, point 4); refresh it with
     :func:`refresh_copy` while that thread is idle."""
-    mine = copy.copy(inner)
+    mine = object.__new__(type(inner))  # every attribute shared (copy.copy keeps only three)
+    mine.__dict__.update(inner.__dict__)
     mine.param_groups = [dict(g) for g in inner.param_groups]
     return mine
 
 
 def refresh_copy(mine: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> None:
     """``mine`` (:func:`private_copy`) with ``inner``'s current state dict and hyperparameters
-    (a scheduler's new learning rate; a loaded checkpoint's state)."""
+    (a scheduler's new learning rate; a loaded checkpoint's state, which torch's
+    ``load_state_dict`` puts in a new dict)."""
     mine.state = inner.state
     for own, theirs in zip(mine.param_groups, inner.param_groups):
         own.update({k: v for k, v in theirs.items() if k != "params"})

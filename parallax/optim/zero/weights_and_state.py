@@ -103,3 +103,5 @@ class WeightsAndState:
         ranks may fail differently (a rank-local read error) agrees on the outcome itself."""
         self.wait_params()
         self.state_io.load(meta, get)
+        if self.host is not None:  # its worker's handle on the optimizer reads the new state
+            self.host.end_step()

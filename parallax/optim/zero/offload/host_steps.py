@@ -126,6 +126,7 @@ class HostSteps:
         self.pending: dict[int, Future] = {}  # deferred: bucket -> its upload job
         self.uploaded: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its upload's end
         self.reset()
+        self.stale = True  # (the first use refreshes the worker's handle: a load may come first)
 
     def _start_worker(self) -> None:
         torch.set_num_threads(host_threads())
@@ -356,6 +357,7 @@ class HostSteps:
         (:meth:`wait_bucket`), anything else through :meth:`wait`."""
         self._fresh()
         self.wait()
+        refresh_copy(self.inner, self.outer)  # (the worker is idle)
         if self.uploads is not None:  # the weights change only after the whole backward
             self.uploads.wait_stream(torch.cuda.current_stream(self.device))
         self.uploaded.clear()
