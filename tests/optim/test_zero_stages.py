@@ -3,6 +3,7 @@ replicated, sequence-parallel, frozen, unused and sometimes-used parameters), an
 stages hold: no gradient buffer, pass buffers of a bucket or two, weights sharded over dp."""
 
 import functools
+import time
 
 import pytest
 import torch
@@ -88,6 +89,15 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0, de
     )
     if defer:
         assert opt.overlap_host_step(model)
+        inner_step = opt.host.inner.step  # a slow host, its pieces' .grad set: the main
+        # thread's step and the next forward run while the worker steps (a race there once
+        # took the worker's gradients away, or stepped host pieces twice)
+
+        def slow(*args, **kwargs):
+            time.sleep(0.02)
+            return inner_step(*args, **kwargs)
+
+        opt.host.inner.step = slow
     norms, grads_left = [], 0
     for step in range(STEPS):
         opt.zero_grad()

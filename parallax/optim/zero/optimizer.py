@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from parallax.optim.zero.offload.host_kernels import host_options
 from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets
 from parallax.optim.zero.stage import stage_of
 from parallax.optim.zero.state_io import StateIO
-from parallax.optim.zero.torch_contract import OptimizerFacade
+from parallax.optim.zero.torch_contract import OptimizerFacade, narrowed
 from parallax.optim.zero.weights_and_state import WeightsAndState
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         self._side_copies = side_stream_grad_copies
         self._defer_host = False  # the host's step left running under the next forward
         groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
+        self._piece_groups = groups
         self._build_step(groups, offload, step_in_backward, backward_passes_per_step, kept)
         self._build_weights(bucket_numel, reshard_after_forward)
         self.state_io = StateIO(
@@ -221,11 +223,21 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         return loss
 
     def _step_inner(self, flags: list[bool]) -> None:
+        """Step the buckets on the device. The offloaded ones are the host worker's, which may
+        still be stepping them (``overlap_host_step``): their pieces are left out, ``.grad``
+        included, and the optimizer is narrowed to the others."""
         stepped = False  # pieces whose fp32 gradient already has its home: one step for all
-        for pc, t, g in zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads):
+        members: list[list[torch.Tensor]] = [[] for _ in self.inner.param_groups]
+        for k, (pc, t, g) in enumerate(
+            zip(self.flat.pieces, self.flat.piece_params, self.flat.piece_grads)
+        ):
+            if pc.bucket in self.flat.offload:
+                continue
             t.grad = g if g is not None and flags[pc.param] else None
             stepped = stepped or g is not None
-        with self.scale.folded(self.inner):
+            members[self._piece_groups[k]].append(t)
+        mine = narrowed(self.inner, members) if self.host is not None else nullcontext()
+        with self.scale.folded(self.inner), mine:
             if stepped:
                 self.inner.step()
             self.staged.step(self.inner, flags, self.scale.coefs)  # the others, bucket by bucket
