@@ -46,6 +46,7 @@ class Row:
     batch: int
     finetune: str = "full"
     limit: float | None = None  # GiB: --gpu-memory-limit
+    host: float | None = None  # GiB of host memory the planner may use (--host-memory)
 
 
 ROWS = (
@@ -119,6 +120,8 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
     machine = machine.with_(gpus_per_node=1, nodes=1, gpu_memory_gib=card)
     if row.limit is not None:  # torch's fraction caps the allocator, not the CUDA context
         machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)
+    if row.host is not None:
+        machine = machine.with_(host_memory_gib=row.host)
     model = Workload(run)
     result = search(model, machine, 1, top=1)
     if result.ranked:

@@ -5,6 +5,8 @@
 #
 #   PARALLAX_COMMIT=<sha> bash benchmarks/tools/offload_session.sh OUT_DIR [SECONDS]
 #
+# Next: STEPS="before24 fit" FIT_ROWS=openvla,openvla-24,openvla-32,openvla-32-host95 (the
+# before/after pair and every capped row with the race fixes, and the host target's row).
 # STEPS (default "profile24 profile32") picks what runs: profile24, profile32, fit (FIT_ROWS,
 # default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up), and
 # before24: profile24 from the tree in .before (an earlier commit's parallax/ and benchmarks/,
