@@ -40,22 +40,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
-from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets, offloaded_share
-from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
+from parallax.optim.zero.offload.share import offloaded_share
 from parallax.optim.zero.stage import (
-    ACCUMULATION,
     HOST_FLOOR_BYTES,
     ElementBytes,
     ZeroStage,
     stage_of,
 )
 from parallax.plan.activations import activation_bytes
+from parallax.plan.host_memory import PINNED, kept_on_gpu, offload_host
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
 from parallax.plan.workload import Workload
 
 GIB = 2**30
-SCRATCH, PINNED = "step scratch", "pinned upload staging"  # host bytes beside the stage's terms
 PASS_BUFFERS = 2  # ZeRO-2/3 pass buffers alive at once: one in flight, one filling
 HOST_PER_PROCESS = 3.0 * GIB  # a torch + CUDA training process's own resident memory
 
@@ -155,11 +153,8 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     held = _held(model, layout, pp_rank)
     c = held.counts
     weights, gradients, optimizer, gathered, buffers, hosted, share = _states(c, layout, overlap)
-    kept, kept_bytes, landing = _kept(c, layout)
-    if kept:  # sums on the device instead of the host, and their landing buffers
-        gradients += kept_bytes
-        hosted[ACCUMULATION] = max(0.0, hosted.get(ACCUMULATION, 0.0) - kept_bytes)
-        hosted[PINNED] = hosted.get(PINNED, 0.0) + landing
+    kept, kept_bytes = kept_on_gpu(c.order, layout, hosted)  # sums on the GPU, not the host
+    gradients += kept_bytes
     activations, workspace = activation_bytes(model, layout, pp_rank)
     return RankMemory(
         pp_rank=pp_rank,
@@ -184,24 +179,6 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
         offloaded=share * c.trainable / layout.dp,
         kept=kept,
     )
-
-
-def _kept(c: _Counts, layout: Layout) -> tuple[float, float, float]:
-    """(elements, device bytes, pinned landing bytes) of the offloaded gradients this rank sums
-    on the GPU (``--gpu-accumulation``): whole buckets, the optimizer's own choice
-    (:func:`~parallax.optim.zero.offload.share.kept_buckets`)."""
-    if not (layout.offload and layout.accumulate):
-        return 0.0, 0.0, 0.0
-    numels = [n for _, n in c.order]
-    hosted = offloaded_buckets(numels, float(layout.offload))
-    chosen = kept_buckets(numels, hosted, layout.accumulate)
-    if not chosen:
-        return 0.0, 0.0, 0.0
-    dp = layout.dp
-    elements = sum(numels[b] for b in chosen) / dp
-    device = sum(c.order[b][0][0] * numels[b] for b in chosen) / dp
-    landing = 2.0 * max(c.order[b][0][0] * numels[b] for b in chosen) / dp  # two, one each way
-    return elements, device, landing
 
 
 @dataclass(frozen=True)
@@ -260,8 +237,7 @@ def _counts(blocks) -> _Counts:
 
 def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple:
     """(weights, gradients, optimizer, gathered, buffers, host bytes by what they hold, share
-    offloaded) of ZeRO at this layout (:data:`PINNED`: the host's staging, which only a run on
-    GPUs makes)."""
+    offloaded) of ZeRO at this layout (the host's: :mod:`parallax.plan.host_memory`)."""
     dp, stage = layout.dp, stage_of(layout.zero)
     share = offloaded_share([n for _, n in c.order], float(layout.offload))  # whole buckets
     held = _element_bytes(c, stage, dp, overlap, share)
@@ -281,15 +257,7 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple:
         # partial over tp; one for dp = 1's step of 16-bit buckets
         reduced = max(sixteen if dp > 1 else 0, partial)
         buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
-    hosted: dict[str, float] = {}
-    if share:  # the stage's host terms, the scratch and the pinned staging
-        for size, n in ((2, c.t2), (4, c.t4)):
-            for name, each in stage.host_parts(dp, size).items():
-                hosted[name] = hosted.get(name, 0.0) + each * share * n
-        width = 2 if c.t2 else 4
-        staged = share * (2.0 * c.t2 + 4.0 * c.t4) / dp  # one pass of offloaded gradients
-        hosted[SCRATCH] = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
-        hosted[PINNED] = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the ring
+    hosted = offload_host(stage, dp, share, c.t2, c.t4, bucket)
     weights = held.weights + c.quantized
     return weights, held.gradients, held.optimizer, gathered, buffers, hosted, share
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallax.optim.zero.offload import upload_ring as staging
-from parallax.plan import memory as plan_memory
+from parallax.plan import host_memory as plan_memory
 
 
 def test_pieces_wrap_around_and_wait_for_the_oldest():

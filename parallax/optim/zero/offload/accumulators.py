@@ -9,6 +9,18 @@ previous bucket's copy down, so the link carries both ways at once; on one strea
 the two copies in turn (OpenVLA-7B under 24 GiB, 16 passes: 19.0 s a step against 16.4 s). On
 the CPU the same code adds in place.
 
+**Why the device adds.** On one H200 host (16 cores, ``benchmarks/zero/host_bound.py``) a bf16
+add of a 7.5B model's gradient takes 0.75 s, as long as a pass: done by the host's worker it was
+the step's bottleneck (9 of 14.4 s at 8 passes). Through the device a pass costs the host's
+memory two concurrent copies and its cores nothing. The last pass also takes the sum's squares
+for the gradient norm there, sparing the host a read of every accumulator (1.5 s a step for
+OpenVLA-7B under 24 GiB, part of it after the backward).
+
+**Beside 90 GB of state.** A 7.5B model's fp32 masters and moments are 90 GB on the host at dp
+1; the device keeps no gradient between passes, and the host accumulates in the model's dtype
+(15 GB; in fp32 it would be 30 GB more, past a 125 GiB host). The price is one rounding per
+pass, of a sum formed in fp32; fp32 models accumulate in fp32.
+
 Buckets ``kept`` on the device (``--gpu-accumulation``, the planner's choice of what fits beside
 the run) sum their passes in device memory, in the model's dtype as the host would, and cross
 the link once, when the host steps them: less host memory and less traffic a pass.

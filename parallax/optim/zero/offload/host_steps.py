@@ -12,38 +12,27 @@ thread makes its fp32 gradient (the accumulator over dp, one bucket at a time) a
 wrapped optimizer on the bucket's host masters: torch's fused CPU AdamW where this torch has it
 (checked by running it once; the dp average and clip coefficient folded into its ``grad_scale``),
 otherwise its foreach kernels.
-In ``step()`` the worker then writes each bucket's updated weights in the model's dtype into pinned
-staging (:mod:`parallax.optim.zero.offload.upload_ring`) and copies them to the device on an uploads
-stream (at ZeRO-3 into the shards, which the next forward gathers), so one bucket's upload runs
-while the next one is stepped.
+In ``step()`` the worker then sends each bucket's updated weights up
+(:mod:`~parallax.optim.zero.offload.uploads`), one bucket's copy beside the next one's step.
 
-**Why the device adds, and the host's habits.** On one H200 host (16 cores,
-``benchmarks/zero/host_bound.py``) a bf16 add of a 7.5B model's gradient takes 0.75 s, as long as a
-pass: done by the worker it was the step's bottleneck (9 of 14.4 s at 8 passes). Through the device
-a pass costs the host's memory two concurrent copies and its cores nothing; the norm taken on the
-device spares the host a read of every accumulator in the clipped case (the worker's "finish" was
-1.5 s a step for OpenVLA-7B under 24 GiB, part of it after the backward). The worker keeps one
-fp32 scratch buffer for the gradient it steps (a fresh one per bucket is page faults that cost more
-than the arithmetic) and runs on this process's share of the cores
-(:func:`~parallax.optim.zero.offload.host_kernels.host_threads`; torchrun sets
-``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B parameters).
+**The host's habits.** The worker keeps one fp32 scratch buffer for the gradient it steps (a
+fresh one per bucket is page faults that cost more than the arithmetic) and runs on this
+process's share of the cores (:func:`~parallax.optim.zero.offload.host_kernels.host_threads`;
+torchrun sets ``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B
+parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
 gradients) a bucket is stepped as soon as its gradient is complete, so the host's work hides
 under the rest of the backward; the dp-global "got a gradient" flags of its parameters come from
 one small all-reduce at its last reduce-scatter. Clipping needs the norm of the whole gradient
 before any step: then only the copies, the accumulation and the norm run under the backward,
-and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient.
-
-**Gradient accumulation beside 90 GB of state.** A 7.5B model's fp32 masters and moments are
-90 GB on the host at dp 1; the device keeps no gradient between passes, and the host
-accumulates in the model's dtype (15 GB; in fp32 it would be 30 GB more, past a 125 GiB host).
-The price is one rounding per pass, of a sum formed in fp32; fp32 models accumulate in fp32.
+and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient. With
+``step(defer=True)`` (:meth:`~parallax.optim.ZeroOptimizer.overlap_host_step`) they run on under
+the next forward, which waits bucket by bucket (:meth:`HostSteps.wait_bucket`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -60,7 +49,8 @@ from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
 from parallax.optim.zero.offload.downloads import Downloads
 from parallax.optim.zero.offload.host_kernels import host_threads
-from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
+from parallax.optim.zero.offload.norm_part import local_part
+from parallax.optim.zero.offload.uploads import Uploads
 from parallax.optim.zero.torch_contract import (
     grad_scale,
     private_copy,
@@ -111,12 +101,7 @@ class HostSteps:
         self.kept = self.sums.kept  # bucket -> its sum on the device (--gpu-accumulation)
         most = max(buckets[b].chunk for b in self.buckets)
         self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
-        self.uploads = torch.cuda.Stream(device) if self.on_device else None
-        self.down = Downloads(self.kept, device)
-        self.rings = {  # GPUs: pinned staging of the new weights on their way up
-            dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
-            for dt, flat in (self.flats.items() if self.on_device else ())
-        }
+        self.up, self.down = Uploads(self.flats, most, device), Downloads(self.kept, device)
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
         )
@@ -124,7 +109,6 @@ class HostSteps:
         # wait for staging; main thread: blocked on the worker): where a step's time goes
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.pending: dict[int, Future] = {}  # deferred: bucket -> its upload job
-        self.uploaded: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its upload's end
         self.reset()
         self.stale = True  # (the first use refreshes the worker's handle: a load may come first)
 
@@ -155,8 +139,8 @@ class HostSteps:
         self.coef: float | None = None
 
     def host_tensors(self) -> list[torch.Tensor]:
-        rings = [r.buffer for r in self.rings.values()]
-        return [*self.flats.values(), self.scratch, *rings, *self.down.buffers()]
+        rings = [*self.up.buffers(), *self.down.buffers()]
+        return [*self.flats.values(), self.scratch, *rings]
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
@@ -269,24 +253,9 @@ class HostSteps:
         later = (c for c in reversed(self.buckets) if c < b and c in self.kept)
         return next((c for c in later if not self.stepped[c]), None)
 
-    @torch.no_grad()
     def _upload(self, b: int) -> None:
-        """Bucket ``b``'s new weights into the model (its shard at ZeRO-3), in the model's dtype:
-        through pinned staging and the upload stream on GPUs."""
-        mine, master = self.flat.own_param(b), self.flat.masters[b]  # (bucket/dp,) each
-        if not self.on_device:
-            mine.copy_(master)
-        else:
-            start = time.perf_counter()
-            part, ticket = self.rings[mine.dtype].take(mine.numel())  # waits while it is full
-            self.seconds["upload_wait"] += time.perf_counter() - start
-            part.copy_(master)  # fp32 -> the model's dtype, on the host
-            with torch.cuda.stream(self.uploads):
-                mine.copy_(part, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            self.rings[mine.dtype].give(ticket, event)
-            self.uploaded[b] = event
+        """Bucket ``b``'s new weights into the model (its shard at ZeRO-3)."""
+        self.up.send(b, self.flat.own_param(b), self.flat.masters[b], self.seconds)
 
     # -- the main thread: the step ---------------------------------------------------------------
     def wait(self) -> None:
@@ -298,8 +267,7 @@ class HostSteps:
             for job in jobs:
                 job.result()
         self.seconds["wait"] += time.perf_counter() - start
-        if self.uploads is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.uploads)
+        self.up.arrived()
         self.pending.clear()
 
     def wait_bucket(self, b: int) -> None:
@@ -312,34 +280,14 @@ class HostSteps:
         with record_function("parallax.offload.wait_bucket"):
             job.result()
         self.seconds["wait_bucket"] += time.perf_counter() - start
-        if b in self.uploaded:
-            torch.cuda.current_stream(self.device).wait_event(self.uploaded[b])
+        self.up.arrived(b)
 
     def local_part(self, norm_type: float) -> float:
-        """What this rank's offloaded gradients add to the global norm: the sum of their
-        squares (2-norm, each bucket's share taken when its gradient was complete) or their
-        largest element (inf-norm, read from the accumulators now)."""
-        if norm_type not in (2.0, math.inf):
-            raise NotImplementedError(
-                f"with --offload optimizer the gradient norm is the 2- or inf-norm, not {norm_type}"
-            )
+        """What this rank's offloaded gradients add to the global norm
+        (:func:`~parallax.optim.zero.offload.norm_part.local_part`), once every job is done."""
         self._fresh()
         self.wait()
-        if norm_type == 2.0:
-            self.sums.settle()  # (the squares were made beside the adds)
-            parts = list(self.partials.values())
-            made = [v.to(self.device, torch.float64) for v in parts if isinstance(v, torch.Tensor)]
-            total = sum(v for v in parts if not isinstance(v, torch.Tensor))
-            total += float(torch.stack(made).sum()) if made else 0.0
-            return total / self.dp**2  # the dp sum's squares: the average's
-        return max(
-            (
-                float(self.sums.view(b)[p].abs().max()) / self.dp
-                for b in self.partials
-                for p in self._pieces(b)
-            ),
-            default=0.0,
-        )
+        return local_part(norm_type, self.partials, self.sums, self._pieces, self.dp)
 
     def clip(self, coef: torch.Tensor) -> None:
         self._fresh()
@@ -358,9 +306,7 @@ class HostSteps:
         self._fresh()
         self.wait()
         refresh_copy(self.inner, self.outer)  # (the worker is idle)
-        if self.uploads is not None:  # the weights change only after the whole backward
-            self.uploads.wait_stream(torch.cuda.current_stream(self.device))
-        self.uploaded.clear()
+        self.up.start()
         for b in reversed(self.buckets):  # in the forward's order (the layout's is the backward's)
             self._submit(self._step_later, b, self.coef, flags)
             if any(flags[i] for i in self.layout.buckets[b].params):
