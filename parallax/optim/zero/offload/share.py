@@ -44,10 +44,3 @@ def kept_buckets(numels: Sequence[int], hosted: Sequence[int], fraction: float) 
         out.append(b)
         held += numels[b]
     return sorted(out)
-
-
-def kept_share(numels: Sequence[int], offload: float, fraction: float) -> float:
-    """The share of all elements whose offloaded gradients :func:`kept_buckets` keeps on the
-    device."""
-    kept = kept_buckets(numels, offloaded_buckets(numels, offload), fraction)
-    return sum(numels[b] for b in kept) / sum(numels) if kept else 0.0
