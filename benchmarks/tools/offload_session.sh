@@ -7,7 +7,9 @@
 #
 # Next: STEPS="before24 fit" FIT_ROWS=openvla,openvla-24,openvla-32,openvla-32-host95 (the
 # before/after pair and every capped row with the race fixes, and the host target's row).
-# STEPS (default "profile24 profile32") picks what runs: profile24, profile32, fit (FIT_ROWS,
+# STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
+# then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
+# CUDA tests), profile24, profile32, fit (FIT_ROWS,
 # default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up), and
 # before24: profile24 from the tree in .before (an earlier commit's parallax/ and benchmarks/,
 # `git archive REV parallax benchmarks | tar -x -C .before`, carried), for a before/after pair.
@@ -24,6 +26,11 @@ source benchmarks/tools/session_steps.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for s in ${STEPS:-profile24 profile32}; do
   case $s in
+    host)
+      step 40 cpu bash -c 'lscpu; command -v numactl >/dev/null && numactl -H; free -g'
+      step 200 host_bound python3 -m benchmarks.zero.host_bound --threads ${HOST_THREADS:-15 16} ;;
+    cuda_tests)
+      step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py ;;
     profile24|profile32)
       step 260 "$s" python3 -m benchmarks.tools.profile_rows --out "$logs/$s.txt" plan "fit:openvla-${s#profile}" --compile ;;
     before24)

@@ -28,6 +28,7 @@ import argparse
 import torch
 
 from benchmarks.tools.common import append_results, median, print_table, time_it
+from parallax.optim.zero.offload.host_adamw import HostAdamW
 from parallax.optim.zero.offload.host_kernels import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
@@ -50,6 +51,20 @@ def adamw_seconds(n: int, fused: bool) -> float:
     kind = {"fused": True} if fused else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, **kind)
     return timed(opt.step)
+
+
+def one_pass_seconds(n: int) -> float | None:
+    """parallax's one-pass host AdamW (:mod:`parallax.optim.zero.offload.host_adamw`, compiled)
+    over ``n`` elements in weight-matrix pieces: bf16 gradient in, bf16 weights out, in place."""
+    kernel = HostAdamW(compiled=True)
+    if not kernel.prepare():
+        return None
+    piece = BUCKET // 16
+    masters = [torch.zeros(min(piece, n - s)) for s in range(0, n, piece)]
+    grads = [torch.full(m.shape, 1e-3, dtype=torch.bfloat16) for m in masters]
+    inner = torch.optim.AdamW([m.requires_grad_() for m in masters], lr=1e-5, weight_decay=0.0)
+    pieces = [(m, g, None, 0) for m, g in zip(masters, grads)]
+    return timed(lambda: kernel.step(inner, pieces, 1.0))
 
 
 def gradient_phases(n: int) -> dict[str, tuple[float, int]]:
@@ -82,6 +97,9 @@ def host_phases(n: int) -> dict[str, tuple[float, int]]:
     out = gradient_phases(n)
     out["adamw fused"] = (adamw_seconds(n, fused=True), 28)
     out["adamw foreach"] = (adamw_seconds(n, fused=False), 28)
+    one = one_pass_seconds(n)
+    if one is not None:  # the three phases above in one: bf16 grad in, bf16 weights out
+        out["adamw one pass (bf16 in, bf16 out)"] = (one, 28)
     return out
 
 

@@ -60,6 +60,37 @@ class Uploads:
         self.rings[mine.dtype].give(ticket, event)
         self.done[b] = event
 
+    def stage(
+        self, mine: torch.Tensor, over: torch.Tensor | None, seconds: defaultdict
+    ) -> tuple[torch.Tensor, list | None]:
+        """Worker: where a one-pass step writes a bucket's new weights for ``mine`` (its chunk
+        in the model), with the ring's ticket if from there: on the CPU ``mine`` itself; on GPUs
+        ``over`` (the accumulator the step reads, pinned, its gradient used up) or, with None,
+        a piece of the ring."""
+        if not self.on_device:
+            return mine, None
+        if over is not None:
+            return over, None
+        start = time.perf_counter()
+        part, ticket = self.rings[mine.dtype].take(mine.numel())  # waits while it is full
+        seconds["upload_wait"] += time.perf_counter() - start
+        return part, ticket
+
+    @torch.no_grad()
+    def send_staged(self, b: int, mine: torch.Tensor, staged: torch.Tensor, ticket) -> None:
+        """Worker: bucket ``b``'s weights, written by the step into ``staged``
+        (:meth:`stage`), into ``mine``; on GPUs the accumulator is rewritten only after the
+        next forward waited for this copy (so did the passes' copies down)."""
+        if not self.on_device:
+            return
+        with torch.cuda.stream(self.stream):
+            mine.copy_(staged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        if ticket is not None:
+            self.rings[mine.dtype].give(ticket, event)
+        self.done[b] = event
+
     def arrived(self, b: int | None = None) -> None:
         """Main thread: the current stream after bucket ``b``'s upload (``None``: all sent)."""
         if self.stream is None:

@@ -1,0 +1,135 @@
+"""AdamW on the host in one pass over memory: an offloaded bucket's gradient read in the model's
+dtype, its fp32 masters and moments updated, and the new weights written in the model's dtype for
+the upload, all in one loop over the elements.
+
+torch's fused CPU AdamW takes fp32 gradients and writes only the fp32 masters, so the step around
+it made three passes: the accumulator up to fp32 into scratch (6 bytes an element), the fused
+kernel (28), the masters down to the model's dtype for the upload (6): 40 bytes an element, and
+the host's step is memory-bound (``benchmarks/zero/host_bound.py``). This kernel moves 28: it
+reads the 2-byte gradient, reads and writes the 12 bytes of master and moments, and writes the
+2-byte weight. On GPUs it is the same arithmetic compiled for the CPU with ``torch.compile``
+(inductor's C++ backend, one OpenMP loop); compiled in the worker thread, so the loop takes that
+thread's share of the cores. Where torch cannot compile it (no C++ compiler) the step keeps
+torch's fused kernel. On the CPU (the tests' runs) it runs as plain torch ops, the same code.
+
+The update is torch's AdamW (``amsgrad`` and ``maximize`` off), with the same state (``step``,
+``exp_avg``, ``exp_avg_sq``) in the wrapped optimizer, so checkpoints and a later torch step see
+no difference; results agree with torch's kernel to fp32 rounding, not bitwise (its scalars are
+formed in float64 and it fuses differently).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+Kernel = Callable[..., None]
+
+
+def _update(g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor):
+    """AdamW on one piece: ``h`` = (1 - lr * weight decay, 1 - beta1, beta2, 1 - beta2, eps,
+    step size, 1 / sqrt of the second bias correction, gradient scale), fp32 (8,); one
+    division an element (the rest multiplies: the loop stays bound by memory, not by the
+    divider)."""
+    g32 = g.float() * h[7]  # (n,) fp32: the dp average and the clip coefficient folded in
+    p.mul_(h[0])
+    m.lerp_(g32, h[1])
+    v.mul_(h[2]).add_(g32 * g32 * h[3])
+    p.sub_(h[5] * m / (v.sqrt() * h[6] + h[4]))
+
+
+def _step_out(g, p, m, v, out, h) -> None:
+    """Update, then the new weights into ``out`` (another buffer, any dtype)."""
+    _update(g, p, m, v, h)
+    out.copy_(p)
+
+
+def _step_in_place(g, p, m, v, h) -> None:
+    """Update, then the new weights over the gradient ``g`` (its buffer goes up next)."""
+    _update(g, p, m, v, h)
+    g.copy_(p)
+
+
+def supports(inner: torch.optim.Optimizer) -> bool:
+    """Whether these kernels step ``inner`` as its own ``step()`` would: torch's AdamW without
+    amsgrad, maximize or differentiable steps."""
+    if type(inner) is not torch.optim.AdamW:
+        return False
+    return not any(
+        g.get("amsgrad") or g.get("maximize") or g.get("differentiable")
+        for g in inner.param_groups
+    )
+
+
+class HostAdamW:
+    """The one-pass step's kernels, eager or compiled for the CPU (``compiled``; compile errors
+    turn it off: :attr:`ok` then False and the caller keeps torch's fused kernel)."""
+
+    def __init__(self, compiled: bool) -> None:
+        self.compiled, self.ok = compiled, True
+        self.out: Kernel = _step_out
+        self.in_place: Kernel = _step_in_place
+
+    def prepare(self) -> bool:
+        """Compile both kernels here, on tiny tensors (call it in the thread that steps: the
+        compiled loop takes its thread count); whether they work."""
+        if not self.compiled:
+            return True
+        try:
+            out = torch.compile(_step_out, dynamic=True, fullgraph=True)
+            in_place = torch.compile(_step_in_place, dynamic=True, fullgraph=True)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                g, p, m, v = _tiny(dtype)
+                out(g, p, m, v, torch.empty_like(g), _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0))
+                in_place(g, p, m, v, _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0))
+        except Exception:  # noqa: BLE001 (no compiler, an unsupported torch: torch's kernel)
+            self.ok = False
+            return False
+        self.out, self.in_place = out, in_place
+        return True
+
+    @torch.no_grad()
+    def step(
+        self,
+        inner: torch.optim.Optimizer,
+        pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
+        scale: float,
+    ) -> None:
+        """Step each ``(master, grad, out, group)`` of ``pieces``: the master (fp32) on its
+        gradient times ``scale``, in group ``group`` of ``inner``; the new weights into ``out``,
+        or over ``grad`` where ``out`` is None."""
+        for master, grad, out, j in pieces:
+            group, state = inner.param_groups[j], inner.state[master]
+            if not state:  # as torch's AdamW starts a parameter
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            h = _scalars(
+                group["lr"], group["weight_decay"], beta1, beta2, group["eps"],
+                state["step"].item(), scale,
+            )  # fmt: skip
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if out is None:
+                self.in_place(grad, master, m, v, h)
+            else:
+                self.out(grad, master, m, v, out, h)
+
+
+def _scalars(lr, wd, beta1, beta2, eps, step: float, scale: float) -> torch.Tensor:
+    """The kernel's hyperparameters for one piece at ``step`` (bias corrections in float64)."""
+    lr, beta1, beta2 = float(lr), float(beta1), float(beta2)
+    step_size = lr / (1 - beta1**step)
+    inverse_root = 1 / math.sqrt(1 - beta2**step)
+    values = [1 - lr * float(wd), 1 - beta1, beta2, 1 - beta2, float(eps), step_size,
+              inverse_root, scale]  # fmt: skip
+    return torch.tensor(values, dtype=torch.float32)  # (8,)
+
+
+def _tiny(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A gradient of ``dtype`` and fp32 master and moments, views at an offset as real ones are."""
+    g = torch.ones(40, dtype=dtype)[7:30]
+    return g, torch.ones(40)[7:30], torch.zeros(40)[7:30], torch.zeros(40)[7:30]
