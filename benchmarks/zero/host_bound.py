@@ -57,7 +57,7 @@ def one_pass_seconds(n: int) -> float | None:
     """parallax's one-pass host AdamW (:mod:`parallax.optim.zero.offload.host_adamw`, compiled)
     over ``n`` elements in weight-matrix pieces: bf16 gradient in, bf16 weights out, in place."""
     kernel = HostAdamW(compiled=True)
-    if not kernel.prepare():
+    if not kernel.prepare([torch.bfloat16], [], torch.get_num_threads()):
         return None
     piece = BUCKET // 16
     masters = [torch.zeros(min(piece, n - s)) for s in range(0, n, piece)]

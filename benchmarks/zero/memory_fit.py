@@ -192,7 +192,8 @@ def spawn(row: Row, args) -> dict:
     cmd += ["--machine", args.machine] if args.machine else []
     cmd += ["--pad-to-multiple-of", str(args.pad_to_multiple_of)]
     cmd += ["--peer-micro-batch", str(args.peer_micro_batch)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # (SIGABRT: every thread's stack)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
     start, most, status = time.monotonic(), 0.0, None
     while proc.poll() is None:
         most = max(most, _rss_gib(proc.pid))
@@ -201,6 +202,9 @@ def spawn(row: Row, args) -> dict:
         elif time.monotonic() - start > args.row_timeout:
             status = f"no step within {args.row_timeout:g} s"
         if status:
+            if status.startswith("no step"):  # where it was: the stacks into the log
+                os.kill(proc.pid, signal.SIGABRT)
+                time.sleep(3)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return {"status": status, "host_gib": most}

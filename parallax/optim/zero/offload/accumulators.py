@@ -44,6 +44,7 @@ import torch
 from torch.profiler import record_function
 
 from parallax.optim.zero.offload.host_kernels import squares
+from parallax.optim.zero.offload.pinned import pinned
 
 IN_FLIGHT = 4  # adds whose copies may be queued at once: enough to keep both directions busy
 
@@ -63,12 +64,17 @@ class Accumulators:
         self.device = device
         self.on_device = device.type == "cuda"
         self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.pinned: list = []  # the page-locked buffers' owners
         self.acc: dict[int, torch.Tensor] = {}
         # ``kept`` buckets sum their passes in device memory (the link carries them once)
         self.kept = {b: torch.zeros(chunks[b], dtype=dtypes[b], device=device) for b in kept}
         for dt in set(dtypes[b] for b in buckets if b not in self.kept):
             mine = [b for b in buckets if dtypes[b] == dt and b not in self.kept]
-            flat = torch.zeros(sum(chunks[b] for b in mine), dtype=dt, pin_memory=self.on_device)
+            numel = sum(chunks[b] for b in mine)
+            if self.on_device:  # (page-locked, exactly its size: offload.pinned)
+                flat = pinned(numel, dt, self.pinned, zero=True)
+            else:
+                flat = torch.zeros(numel, dtype=dt)
             self.flats[dt] = flat
             for b, start in zip(mine, itertools.accumulate((chunks[b] for b in mine), initial=0)):
                 self.acc[b] = flat[start : start + chunks[b]]  # (bucket/dp,)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from parallax.optim.zero.offload.pinned import pinned
+
 
 class Downloads:
     """Landing buffers and the downloads stream for the ``kept`` sums (bucket -> tensor)."""
@@ -21,10 +23,11 @@ class Downloads:
         self.on_device = device.type == "cuda" and bool(kept)
         self.stream = torch.cuda.Stream(device) if self.on_device else None
         self.landing: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.pinned: list = []  # the page-locked buffers' owners
         if self.on_device:
             for dt in {t.dtype for t in kept.values()}:
                 most = max(t.numel() for t in kept.values() if t.dtype == dt)
-                self.landing[dt] = [torch.empty(most, dtype=dt, pin_memory=True) for _ in (0, 1)]
+                self.landing[dt] = [pinned(most, dt, self.pinned) for _ in (0, 1)]
         self.turn: dict[torch.dtype, int] = dict.fromkeys(self.landing, 0)
         self.sums_done: dict[int, torch.cuda.Event] = {}  # bucket -> its sum is complete
         self.issued: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}

@@ -58,8 +58,7 @@ def supports(inner: torch.optim.Optimizer) -> bool:
     if type(inner) is not torch.optim.AdamW:
         return False
     return not any(
-        g.get("amsgrad") or g.get("maximize") or g.get("differentiable")
-        for g in inner.param_groups
+        g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in inner.param_groups
     )
 
 
@@ -72,22 +71,32 @@ class HostAdamW:
         self.out: Kernel = _step_out
         self.in_place: Kernel = _step_in_place
 
-    def prepare(self) -> bool:
-        """Compile both kernels here, on tiny tensors (call it in the thread that steps: the
-        compiled loop takes its thread count); whether they work."""
+    @torch.no_grad()
+    def prepare(self, in_place: Sequence[torch.dtype], out: Sequence[torch.dtype], threads: int):
+        """Compile the kernels now, on the calling (main) thread, for gradients of the dtypes
+        ``in_place`` stepped in place and fp32 ones written out to ``out`` dtypes, the loop
+        built for ``threads`` cores (the worker's share); whether they work. (Compiled here,
+        before the model's compile, not in the worker beside it: nothing compiles while the
+        steps run.)"""
         if not self.compiled:
             return True
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # (inductor writes the loop for the current count)
         try:
-            out = torch.compile(_step_out, dynamic=True, fullgraph=True)
-            in_place = torch.compile(_step_in_place, dynamic=True, fullgraph=True)
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                g, p, m, v = _tiny(dtype)
-                out(g, p, m, v, torch.empty_like(g), _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0))
-                in_place(g, p, m, v, _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0))
+            compiled_out = torch.compile(_step_out, dynamic=True, fullgraph=True)
+            compiled_in_place = torch.compile(_step_in_place, dynamic=True, fullgraph=True)
+            h = _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0)
+            for dtype in in_place:
+                compiled_in_place(*_tiny(dtype), h)
+            for dtype in out:
+                g, p, m, v = _tiny(torch.float32)
+                compiled_out(g, p, m, v, torch.empty_like(g, dtype=dtype), h)
         except Exception:  # noqa: BLE001 (no compiler, an unsupported torch: torch's kernel)
             self.ok = False
             return False
-        self.out, self.in_place = out, in_place
+        finally:
+            torch.set_num_threads(before)
+        self.out, self.in_place = compiled_out, compiled_in_place
         return True
 
     @torch.no_grad()
@@ -113,10 +122,11 @@ class HostAdamW:
                 state["step"].item(), scale,
             )  # fmt: skip
             m, v = state["exp_avg"], state["exp_avg_sq"]
+            small = master.numel() < 2  # (eager: a compiled loop is built for sizes of 2 up)
             if out is None:
-                self.in_place(grad, master, m, v, h)
+                (_step_in_place if small else self.in_place)(grad, master, m, v, h)
             else:
-                self.out(grad, master, m, v, out, h)
+                (_step_out if small else self.out)(grad, master, m, v, out, h)
 
 
 def _scalars(lr, wd, beta1, beta2, eps, step: float, scale: float) -> torch.Tensor:

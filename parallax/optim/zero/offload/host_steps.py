@@ -101,10 +101,14 @@ class HostSteps:
         self.acc, self.flats = self.sums.acc, self.sums.flats  # (bucket/dp,) host views; buffers
         self.kept = self.sums.kept  # bucket -> its sum on the device (--gpu-accumulation)
         most = max(buckets[b].chunk for b in self.buckets)
-        self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
+        self.scratch = torch.empty(0)  # fp32: the gradient being stepped (grown to the need)
         self.up, self.down = Uploads(self.flats, most, device), Downloads(self.kept, device)
         # AdamW in one pass (bf16 gradient in, new bf16 weights out) for the clipped step
         self.one_pass = HostAdamW(compiled=self.on_device) if supports(inner) else None
+        in_place = {dtypes[b] for b in self.buckets if b not in self.kept}
+        out = {dtypes[b] for b in self.kept}
+        if self.one_pass and not self.one_pass.prepare(in_place, out, host_threads()):
+            self.one_pass = None  # (torch cannot compile it here: torch's fused kernel)
         self.written: dict[int, tuple[torch.Tensor, list | None]] = {}  # bucket -> its weights
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
@@ -120,8 +124,6 @@ class HostSteps:
         torch.set_num_threads(host_threads())
         if self.on_device:
             torch.cuda.set_device(self.device)
-        if self.one_pass is not None and not self.one_pass.prepare():
-            self.one_pass = None  # (torch cannot compile it here: torch's fused kernel)
 
     def end_step(self) -> None:
         """The step is over; the next use starts a new one (:meth:`_fresh`) after any of its
@@ -209,12 +211,19 @@ class HostSteps:
         down first; ``then``: the kept bucket to bring down next, under this one's step)."""
         if b not in self.kept:
             acc = self.acc[b]
-            grad = self.scratch[: acc.numel()]  # (bucket/dp,) fp32
+            grad = self._scratch(acc.numel())  # (bucket/dp,) fp32
             grad.copy_(acc)
             return grad
-        grad = self.scratch[: self.kept[b].numel()]  # (bucket/dp,) fp32
+        grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
         self.down.into(b, grad, then)
         return grad
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        """``n`` elements of the worker's fp32 scratch, grown (rarely: to the largest bucket
+        it steps through it) where it is short."""
+        if self.scratch.numel() < n:
+            self.scratch = torch.empty(n)  # (n,) fp32
+        return self.scratch[:n]
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags, landed) -> None:
@@ -270,7 +279,7 @@ class HostSteps:
         landing copy into staging); the rest of the chunk gets its masters' values."""
         mine, master = self.flat.own_param(b), self.flat.masters[b]
         if b in self.kept:
-            grad = self.scratch[: self.kept[b].numel()]  # (bucket/dp,) fp32
+            grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
             self.down.into(b, grad, self._next_kept(b))
         else:
             grad = self.acc[b]  # (bucket/dp,) host, the model's dtype

@@ -17,6 +17,8 @@ from collections import deque
 
 import torch
 
+from parallax.optim.zero.offload.pinned import pinned
+
 STAGING_BYTES = 2**29  # per dtype: a few buckets' uploads in flight
 
 
@@ -24,7 +26,8 @@ class Ring:
     """``numel`` elements of ``dtype`` (pinned when ``pin``), handed out first in, first out."""
 
     def __init__(self, numel: int, dtype: torch.dtype, pin: bool) -> None:
-        self.buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)  # (numel,)
+        self.owner: list = []  # (the page-locked buffer's owner)
+        self.buffer = pinned(numel, dtype, self.owner) if pin else torch.empty(numel, dtype=dtype)
         self.numel = numel
         self.live: deque[list] = deque()  # [start, end, released, event], oldest first
         self.head = 0  # where the next piece starts, unless it wraps to 0
