@@ -28,7 +28,7 @@ import argparse
 import torch
 
 from benchmarks.tools.common import append_results, median, print_table, time_it
-from parallax.optim.zero.offload.host_adamw import HostAdamW
+from benchmarks.zero.one_pass_adamw import HostAdamW
 from parallax.optim.zero.offload.host_kernels import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",

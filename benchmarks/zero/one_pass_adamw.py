@@ -1,26 +1,20 @@
-"""AdamW on the host in one pass over memory: an offloaded bucket's gradient read in the model's
-dtype, its fp32 masters and moments updated, and the new weights written in the model's dtype for
-the upload, all in one loop over the elements.
+"""An alternative host step measured for ``--offload optimizer`` and not adopted: AdamW in one
+pass over memory (the bucket's gradient read in the model's dtype, fp32 masters and moments
+updated, the new weights written in the model's dtype), against the library's three passes around
+torch's fused CPU AdamW (upcast into scratch, fused AdamW, convert for the upload: 40 bytes an
+element against 28), compiled for the CPU with ``torch.compile``.
 
-torch's fused CPU AdamW takes fp32 gradients and writes only the fp32 masters, so the step around
-it made three passes: the accumulator up to fp32 into scratch (6 bytes an element), the fused
-kernel (28), the masters down to the model's dtype for the upload (6): 40 bytes an element, and
-the host's step is memory-bound (``benchmarks/zero/host_bound.py``). This kernel moves 28: it
-reads the 2-byte gradient, reads and writes the 12 bytes of master and moments, and writes the
-2-byte weight. On GPUs it is the same arithmetic compiled for the CPU with ``torch.compile``
-(inductor's C++ backend, one OpenMP loop); compiled in the worker thread, so the loop takes that
-thread's share of the cores. Where torch cannot compile it (no C++ compiler) the step keeps
-torch's fused kernel. On the CPU (the tests' runs) it runs as plain torch ops, the same code.
-
-The update is torch's AdamW (``amsgrad`` and ``maximize`` off), with the same state (``step``,
-``exp_avg``, ``exp_avg_sq``) in the wrapped optimizer, so checkpoints and a later torch step see
-no difference; results agree with torch's kernel to fp32 rounding, not bitwise (its scalars are
-formed in float64 and it fuses differently).
+Measured on one H200 host (``benchmarks/RESULTS.md``): alone, 0.40 s per 1e9 elements against
+0.52 s for the three passes (``host_bound``); inside the offloaded OpenVLA-7B step, run from the
+offload's worker thread, the host step took 19 s a step instead of 4 (``memory_fit``). Not yet
+known why; ``python -m benchmarks.zero.one_pass_adamw`` replays the worker's calls (views at
+offsets, leaf parameters, a thread of its own) and counts dynamo's recompiles, the first suspect.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -143,3 +137,49 @@ def _tiny(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A gradient of ``dtype`` and fp32 master and moments, views at an offset as real ones are."""
     g = torch.ones(40, dtype=dtype)[7:30]
     return g, torch.ones(40)[7:30], torch.zeros(40)[7:30], torch.zeros(40)[7:30]
+
+
+def main() -> None:
+    """Replay the offload worker's calls: in a thread of its own (its share of the cores), on
+    leaf fp32 masters viewed out of one flat buffer and bf16 gradients out of another, pieces of
+    a 7B block's sizes; time each round and count dynamo's recompiles."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._dynamo.utils import counters
+
+    from parallax.optim.zero.offload.host_kernels import host_threads
+
+    sizes = [4096, 4096 * 4096, 4096 * 4096, 4096 * 1024, 4096 * 1024, 4096 * 4096]
+    sizes += [4096, 14336 * 4096, 14336 * 4096, 4096 * 14336] * 1
+    blocks, total = int(os.environ.get("PROBE_BLOCKS", "16")), sum(sizes)
+    flat = torch.zeros(blocks * total)  # (n,) fp32 masters
+    grads = torch.full((blocks * total,), 1e-3, dtype=torch.bfloat16)  # (n,) sums
+    views, off = [], 0
+    for _ in range(blocks):
+        for n in sizes:
+            views.append((flat[off : off + n], grads[off : off + n]))
+            off += n
+    masters = [torch.nn.Parameter(m) for m, _ in views]  # (leaves, as the offload's pieces)
+    inner = torch.optim.AdamW(masters, lr=1e-5, weight_decay=0.1)
+    threads = host_threads()
+    for compiled in (True, False):
+        kernel = HostAdamW(compiled)
+        start = time.perf_counter()
+        kernel.prepare([torch.bfloat16], [], threads)
+        built = time.perf_counter() - start
+        pieces = [(p, g, None, 0) for p, (_, g) in zip(masters, views)]
+        worker = ThreadPoolExecutor(1, initializer=lambda: torch.set_num_threads(threads))
+        for r in range(3):
+            start = time.perf_counter()
+            worker.submit(torch.no_grad()(kernel.step), inner, pieces, 1.0).result()
+            took = time.perf_counter() - start
+            recompiles = dict(counters["stats"])
+            print(f"compiled={compiled} round {r}: {took:.2f} s for {off / 1e9:.2f}e9 elements "
+                  f"({took / off * 1e9:.3f} s per 1e9; prepared in {built:.1f} s; "
+                  f"dynamo stats {recompiles})", flush=True)  # fmt: skip
+        worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()
