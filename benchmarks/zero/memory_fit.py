@@ -137,7 +137,7 @@ def child(row: Row, args) -> dict:
             layout=described(best, run) + (", compile" if args.compile else ""),
             flags=" ".join(best.layout.argv()),
             predicted_gib=max(r.gpu for r in best.memory) / GIB,
-            predicted_host_gib=max(r.host for r in best.memory) / GIB,
+            predicted_host_gib=best.host / GIB,  # (a node of one process: its own memory too)
             predicted_s=best.time.seconds,
         )
         if not fits:  # does the planner's margin refuse a layout that runs? run the nearest
