@@ -53,10 +53,11 @@ def adamw_seconds(n: int, fused: bool) -> float:
     return timed(opt.step)
 
 
-def one_pass_seconds(n: int) -> float | None:
-    """parallax's one-pass host AdamW (:mod:`parallax.optim.zero.offload.host_adamw`, compiled)
-    over ``n`` elements in weight-matrix pieces: bf16 gradient in, bf16 weights out, in place."""
-    kernel = HostAdamW(compiled=True)
+def one_pass_seconds(n: int, compiled: bool) -> float | None:
+    """The one-pass host AdamW (:mod:`benchmarks.zero.one_pass_adamw`, ``compiled`` for the CPU
+    or eager) over ``n`` elements in weight-matrix pieces: bf16 gradient in, bf16 weights out, in
+    place."""
+    kernel = HostAdamW(compiled=compiled)
     if not kernel.prepare([torch.bfloat16], [], torch.get_num_threads()):
         return None
     piece = BUCKET // 16
@@ -92,12 +93,12 @@ def gradient_phases(n: int) -> dict[str, tuple[float, int]]:
     }
 
 
-def host_phases(n: int) -> dict[str, tuple[float, int]]:
+def host_phases(n: int, compiled: bool = True) -> dict[str, tuple[float, int]]:
     """Each host-only phase over ``n`` elements: (seconds, bytes moved per element)."""
     out = gradient_phases(n)
     out["adamw fused"] = (adamw_seconds(n, fused=True), 28)
     out["adamw foreach"] = (adamw_seconds(n, fused=False), 28)
-    one = one_pass_seconds(n)
+    one = one_pass_seconds(n, compiled)
     if one is not None:  # the three phases above in one: bf16 grad in, bf16 weights out
         out["adamw one pass (bf16 in, bf16 out)"] = (one, 28)
     return out
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     rows = []
     for threads in args.threads or [torch.get_num_threads()]:
         torch.set_num_threads(threads)
-        got = {**host_phases(n), **link_phases(n)}
+        got = {**host_phases(n, compiled=not args.smoke), **link_phases(n)}
         phases = {k: (s, w, n) for k, (s, w) in got.items()}
         rows += table(phases, args.params, args.passes, threads)
     title = f"host_bound: an offloaded optimizer's host phases, scaled to {args.params:.3g} params"
