@@ -5,11 +5,12 @@
 #
 #   PARALLAX_COMMIT=<sha> bash benchmarks/tools/offload_session.sh OUT_DIR [SECONDS]
 #
-# Next: STEPS="before24 fit" FIT_ROWS=openvla,openvla-24,openvla-32,openvla-32-host95 (the
-# before/after pair and every capped row with the race fixes, and the host target's row).
+# Next: STEPS="probe fit" FIT_ROWS=openvla-32-host95,openvla-32,openvla-24,openvla (why the one-pass
+# AdamW was slow in the run; the host target's row; the capped rows with exact-size pinned buffers).
 # STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
 # then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
-# CUDA tests), profile24, profile32, fit (FIT_ROWS,
+# CUDA tests), probe (benchmarks/zero/one_pass_adamw.py's replay of the worker's calls), profile24,
+# profile32, fit (FIT_ROWS,
 # default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up), and
 # before24: profile24 from the tree in .before (an earlier commit's parallax/ and benchmarks/,
 # `git archive REV parallax benchmarks | tar -x -C .before`, carried), for a before/after pair.
@@ -29,6 +30,9 @@ for s in ${STEPS:-profile24 profile32}; do
     host)
       step 40 cpu bash -c 'lscpu; command -v numactl >/dev/null && numactl -H; free -g'
       step 200 host_bound python3 -m benchmarks.zero.host_bound --threads ${HOST_THREADS:-15 16} ;;
+    probe)  # the one-pass AdamW replayed as the offload's worker calls it, plain then pinned sums
+      step 150 probe env PROBE_BLOCKS=8 TORCH_LOGS=recompiles python3 -m benchmarks.zero.one_pass_adamw
+      step 150 probe_pinned env PROBE_BLOCKS=8 PROBE_PINNED=1 python3 -m benchmarks.zero.one_pass_adamw ;;
     cuda_tests)
       step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py ;;
     profile24|profile32)

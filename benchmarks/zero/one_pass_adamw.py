@@ -8,7 +8,10 @@ Measured on one H200 host (``benchmarks/RESULTS.md``): alone, 0.40 s per 1e9 ele
 0.52 s for the three passes (``host_bound``); inside the offloaded OpenVLA-7B step, run from the
 offload's worker thread, the host step took 19 s a step instead of 4 (``memory_fit``). Not yet
 known why; ``python -m benchmarks.zero.one_pass_adamw`` replays the worker's calls (views at
-offsets, leaf parameters, a thread of its own) and counts dynamo's recompiles, the first suspect.
+offsets, leaf parameters, a thread of its own; ``PROBE_PINNED=1``: the sums in page-locked memory
+as on a GPU) and counts dynamo's recompiles. Replayed on the CPU through the offload itself (a
+16-layer bf16 model, ZeRO-3, clipped, its blocks compiled or not) the compiled kernel stayed fast
+after one recompile in the worker: what differs on a GPU run is still to find.
 """
 
 from __future__ import annotations
@@ -149,12 +152,17 @@ def main() -> None:
     from torch._dynamo.utils import counters
 
     from parallax.optim.zero.offload.host_kernels import host_threads
+    from parallax.optim.zero.offload.pinned import pinned
 
     sizes = [4096, 4096 * 4096, 4096 * 4096, 4096 * 1024, 4096 * 1024, 4096 * 4096]
     sizes += [4096, 14336 * 4096, 14336 * 4096, 4096 * 14336] * 1
     blocks, total = int(os.environ.get("PROBE_BLOCKS", "16")), sum(sizes)
     flat = torch.zeros(blocks * total)  # (n,) fp32 masters
-    grads = torch.full((blocks * total,), 1e-3, dtype=torch.bfloat16)  # (n,) sums
+    owner: list = []  # PROBE_PINNED=1: the sums in page-locked memory, as on a GPU run
+    if os.environ.get("PROBE_PINNED"):
+        grads = pinned(blocks * total, torch.bfloat16, owner).fill_(1e-3)  # (n,) sums
+    else:
+        grads = torch.full((blocks * total,), 1e-3, dtype=torch.bfloat16)  # (n,) sums
     views, off = [], 0
     for _ in range(blocks):
         for n in sizes:
