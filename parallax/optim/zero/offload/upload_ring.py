@@ -26,8 +26,8 @@ class Ring:
     """``numel`` elements of ``dtype`` (pinned when ``pin``), handed out first in, first out."""
 
     def __init__(self, numel: int, dtype: torch.dtype, pin: bool) -> None:
-        self.owner: list = []  # (the page-locked buffer's owner)
-        self.buffer = pinned(numel, dtype, self.owner) if pin else torch.empty(numel, dtype=dtype)
+        self.pinned: list = []  # the page-locked buffer's owner
+        self.buffer = pinned(numel, dtype, self.pinned) if pin else torch.empty(numel, dtype=dtype)
         self.numel = numel
         self.live: deque[list] = deque()  # [start, end, released, event], oldest first
         self.head = 0  # where the next piece starts, unless it wraps to 0
