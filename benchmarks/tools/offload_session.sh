@@ -5,13 +5,15 @@
 #
 #   PARALLAX_COMMIT=<sha> bash benchmarks/tools/offload_session.sh OUT_DIR [SECONDS]
 #
-# Next: STEPS="probe fit" FIT_ROWS=openvla-32-host95,openvla-32,openvla-24,openvla (why the one-pass
-# AdamW was slow in the run; the host target's row; the capped rows with exact-size pinned buffers).
+# Next: STEPS="probe fit" FIT_ROWS=openvla-32-one-pass,openvla-32,openvla FIT_WARMUP=2 (the probe
+# must print "graphs compiled since: 0"; --host-adamw one-pass against torch's kernel under 32 GiB),
+# then STEPS=fit FIT_ROWS=openvla-24-one-pass,openvla-24,openvla-32-host95,openvla FIT_WARMUP=2.
 # STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
 # then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
 # CUDA tests), probe (benchmarks/zero/one_pass_adamw.py's replay of the worker's calls), profile24,
 # profile32, fit (FIT_ROWS,
-# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after one warm-up), and
+# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after FIT_WARMUP, default 1: a
+# deferred host step runs under the next step, so 2 keeps the first one's state allocation out), and
 # before24: profile24 from the tree in .before (an earlier commit's parallax/ and benchmarks/,
 # `git archive REV parallax benchmarks | tar -x -C .before`, carried), for a before/after pair.
 set -u
@@ -41,6 +43,6 @@ for s in ${STEPS:-profile24 profile32}; do
       step 260 before24 env -C .before PYTHONPATH=. python3 -m benchmarks.tools.profile_rows --out "$logs/before24.txt" plan fit:openvla-24 --compile ;;
     fit)
       step 560 fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla,openvla-24,openvla-32}" \
-        --compile --steps "${FIT_STEPS:-2}" --warmup 1 --row-timeout "${ROW_TIMEOUT:-200}" ;;
+        --compile --steps "${FIT_STEPS:-2}" --warmup "${FIT_WARMUP:-1}" --row-timeout "${ROW_TIMEOUT:-200}" ;;
   esac
 done

@@ -28,7 +28,7 @@ import argparse
 import torch
 
 from benchmarks.tools.common import append_results, median, print_table, time_it
-from benchmarks.zero.one_pass_adamw import HostAdamW
+from parallax.optim.zero.offload.host_adamw import HostAdamW
 from parallax.optim.zero.offload.host_kernels import squares
 
 COLUMNS = ["phase", "threads", "bytes/elem", "s per 1e9 elem", "GB/s", "times per step",
@@ -54,7 +54,7 @@ def adamw_seconds(n: int, fused: bool) -> float:
 
 
 def one_pass_seconds(n: int, compiled: bool) -> float | None:
-    """The one-pass host AdamW (:mod:`benchmarks.zero.one_pass_adamw`, ``compiled`` for the CPU
+    """The one-pass host AdamW (``--host-adamw one-pass``, ``compiled`` for the CPU
     or eager) over ``n`` elements in weight-matrix pieces: bf16 gradient in, bf16 weights out, in
     place."""
     kernel = HostAdamW(compiled=compiled)

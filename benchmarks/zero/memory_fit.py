@@ -48,6 +48,8 @@ ROWS = (
     Row("openvla-32", "openvla-7b", 256, limit=32.0),
     Row("openvla-24", "openvla-7b", 256, limit=24.0),
     Row("openvla-32-host95", "openvla-7b", 256, limit=32.0, host=95.0),  # host memory's target
+    Row("openvla-32-one-pass", "openvla-7b", 256, limit=32.0, host_adamw="one-pass"),
+    Row("openvla-24-one-pass", "openvla-7b", 256, limit=24.0, host_adamw="one-pass"),
     Row("fsdp2-offload-32", "openvla-7b", 256, limit=32.0),  # the peers
     Row("deepspeed-z2-offload-32", "openvla-7b", 256, limit=32.0),
     Row("deepspeed-z3-offload-32", "openvla-7b", 256, limit=32.0),

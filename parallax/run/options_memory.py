@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.models.compile import CHECKPOINT_SCOPES
+from parallax.optim.zero.stage import HOST_ADAMWS
 from parallax.run.option import opt, within
 from parallax.run.options_layout import GPU_GIB
 
@@ -67,6 +68,15 @@ class MemoryOptions:
         check=within(0, 1),
         needs=("offload", "optimizer"),
         metavar="F",
+    )
+    host_adamw: str = opt(
+        "torch",
+        "where --offload optimizer steps a clipped run on the host, its AdamW. torch: torch's "
+        "fused CPU kernel between an upcast of the summed gradients and a conversion of the new "
+        "weights (40 bytes an element); one-pass: one loop from the sums to the new weights (28 "
+        "bytes; on GPUs compiled for the CPU at start)",
+        MEMORY,
+        choices=HOST_ADAMWS,
     )
     gpu_memory_limit: float | None = opt(
         None,

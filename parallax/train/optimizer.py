@@ -28,6 +28,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         offload=trainer.run.offload == "optimizer",
         offload_fraction=trainer.run.offload_fraction,
         gpu_accumulation=trainer.run.gpu_accumulation,
+        host_adamw=trainer.run.host_adamw,
         # nothing clips after the backward: the host steps each bucket during it
         step_in_backward=not trainer.run.grad_clip,
         overlap=trainer.run.overlap_grad_reduce,

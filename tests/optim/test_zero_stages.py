@@ -20,7 +20,8 @@ STEPS = 3
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 # (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, share of the
-# optimizer offloaded[, share of that summed on the device]). At stage 3 every dp rank must run
+# optimizer offloaded[, share of that summed on the device[, modes: "defer" the host's step under
+# the next forward, "one-pass" its AdamW (--host-adamw)]]). At stage 3 every dp rank must run
 # the same modules: the tower (used by one dp rank's rows only on odd steps) then runs on all
 # rows.
 CASES = {
@@ -36,11 +37,14 @@ CASES = {
         ("adamw", 3, 3, None, False, True, 1.0),  # (the last one's twin, every sum on the host)
         ("adamw", 3, 2, 0.5, False, True, 1.0, 0.0, "defer"),  # the step under the next forward
         ("adamw", 3, 2, 0.5, False, True, 1.0),  # (its twin, waited for in step())
+        ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6, "one-pass"),  # in place and out
+        ("adamw", 3, 2, 0.5, False, True, 1.0, 0.0, "defer one-pass"),
     ],
     "2x2": [
         ("adamw", 2, 2, 0.5, True, False, 0.0),
         ("adamw", 3, 2, 0.5, True, True, 0.0),
         ("adamw", 3, 2, 0.5, True, True, 1.0),
+        ("adamw", 2, 2, 0.5, True, False, 1.0, 0.0, "one-pass"),
     ],
 }
 
@@ -66,10 +70,10 @@ def _reference(name, accum, clip, always):
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0, defer="") -> dict:
+def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0, mode="") -> dict:
     """``offload``: the share of the optimizer offloaded (0: none); ``on_gpu``: the share of
-    that whose gradients are summed on the device; ``defer``: the host's step left running
-    under the next forward."""
+    that whose gradients are summed on the device; ``mode``: "defer" leaves the host's step
+    running under the next forward, "one-pass" steps it with the one-pass AdamW."""
     cls, kwargs = OPTIMIZERS[name]
     model = build(ctx, sp).to(ctx.device)
     opt = ZeroOptimizer(
@@ -85,11 +89,15 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0, de
         offload_fraction=offload or 1.0,
         gpu_accumulation=on_gpu,
         step_in_backward=offload > 0 and clip is None,
+        host_adamw="one-pass" if "one-pass" in mode else "torch",
         **kwargs,
     )
-    if defer:
+    if "one-pass" in mode:
+        assert opt.host.one_pass is not None
+    if "defer" in mode:
         assert opt.overlap_host_step(model)
-        inner_step = opt.host.inner.step  # a slow host, its pieces' .grad set: the main
+        stepper = opt.host.one_pass or opt.host.inner
+        inner_step = stepper.step  # a slow host, its pieces' .grad set: the main
         # thread's step and the next forward run while the worker steps (a race there once
         # took the worker's gradients away, or stepped host pieces twice)
 
@@ -97,7 +105,7 @@ def _zero(ctx, name, stage, accum, clip, sp, always, offload=0.0, on_gpu=0.0, de
             time.sleep(0.02)
             return inner_step(*args, **kwargs)
 
-        opt.host.inner.step = slow
+        stepper.step = slow
     norms, grads_left = [], 0
     for step in range(STEPS):
         opt.zero_grad()
@@ -188,7 +196,7 @@ def test_sums_kept_on_the_device_step_as_the_host_sums():
     rounded to the model's dtype the same way. (On the CPU "the device" is host memory too: the
     test runs the kept buckets' code path, its GPU streams aside.) And the host holds less."""
     for rank in _results(2):
-        kept, hosted = rank[-4:-2]
+        kept, hosted = rank[-6:-4]
         for n, w in hosted["weights"].items():
             assert torch.equal(kept["weights"][n], w), n
         assert kept["host_bytes"] < hosted["host_bytes"]
@@ -198,7 +206,7 @@ def test_the_host_step_under_the_next_forward_changes_nothing():
     """Left running under the next forward (each block waiting for its own weights, ZeRO-3's
     gathers here), the host's step gives the weights and norms of the same step waited for in
     ``step()``, bit for bit, and the forward did wait for it."""
-    deferred, waited = _results(2)[0][-2:]
+    deferred, waited = _results(2)[0][-4:-2]
     for n, w in waited["weights"].items():
         assert torch.equal(deferred["weights"][n], w), n
     assert deferred["norms"] == waited["norms"]

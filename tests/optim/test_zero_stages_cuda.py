@@ -17,7 +17,8 @@ from tests.optim.test_zero_stages import TOL, _reference, _zero
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 # (optimizer, stage, accumulation, clip, sequence parallel, tower on every row, offloaded share
-# [, share of that summed on the GPU, "defer": the host's step under the next forward])
+# [, share of that summed on the GPU, modes: "defer" the host's step under the next forward,
+# "one-pass" its AdamW compiled for the CPU, in place of the sums and into staging])
 CASES = [
     ("adamw-fused", 2, 2, 0.5, False, False, 0.0),
     ("adamw-fused", 3, 2, 0.5, False, True, 0.0),
@@ -26,6 +27,8 @@ CASES = [
     ("adamw-fused", 3, 2, 0.5, False, True, 0.5),  # half offloaded
     ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6),  # some sums on the GPU, brought down once
     ("adamw", 3, 3, 0.5, False, True, 1.0, 0.6, "defer"),  # ... and the step under the forward
+    ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6, "one-pass"),
+    ("adamw", 3, 3, 0.5, False, True, 1.0, 0.6, "defer one-pass"),
 ]
 
 

@@ -1,6 +1,7 @@
 """``metrics.jsonl`` says what the optimizer offload holds on the host: the bytes measured from
 the optimizer's host tensors and their ratio to the floor of 12 bytes an offloaded parameter
-(fp32 master, AdamW's moments); null without offload."""
+(fp32 master, AdamW's moments); null without offload. The one-pass host AdamW holds only the
+floor and the sums."""
 
 import json
 
@@ -27,5 +28,14 @@ def test_the_offloads_host_bytes_and_their_ratio_to_the_floor_are_in_the_metrics
         assert r["offload_host_ratio"] == pytest.approx(rows[0]["offload_host_ratio"])
         assert 16 / 12 <= r["offload_host_ratio"] < 2, r
         assert 0 < r["offload_host_gib"] < r["host_memory_gib"], r
+    # --host-adamw one-pass steps in place of the sums: no fp32 scratch (nor, on the CPU, any
+    # staging), the same losses to fp32 rounding
+    one = _rows(
+        tmp_path / "one", ["--zero", "2", "--offload", "optimizer", "--host-adamw", "one-pass"]
+    )
+    for r, o in zip(rows, one):
+        assert o["offload_host_ratio"] == pytest.approx(16 / 12, rel=1e-3), o
+        assert o["offload_host_ratio"] < r["offload_host_ratio"]
+        assert o["loss"] == pytest.approx(r["loss"], rel=1e-5)
     plain = _rows(tmp_path / "plain", ["--zero", "2"])
     assert all(r["offload_host_gib"] is None and r["offload_host_ratio"] is None for r in plain)

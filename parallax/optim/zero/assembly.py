@@ -137,6 +137,7 @@ def step_parts(
     stream: torch.cuda.Stream | None,
     copies: torch.cuda.Stream | None,
     kept: Sequence[int] = (),
+    one_pass: bool = False,
 ) -> StepParts:
     """The step's parts over ``flat`` (``groups``: each piece's parameter group; ``early``:
     the host steps each bucket during the backward)."""
@@ -147,7 +148,7 @@ def step_parts(
     has = [False] * len(flat.params)  # which parameters got a gradient since zero_grad()
     host = None
     if offload:
-        host = HostSteps(flat, inner, ctx, device, groups, counted, has, early, kept)
+        host = HostSteps(flat, inner, ctx, device, groups, counted, has, early, kept, one_pass)
     reducer, grads = build_reduction(
         stage, flat, names, ctx, overlap=overlap, passes=passes, average=not fold,
         device=device, stream=stream, copies=copies, sink=host, has=has,

@@ -88,6 +88,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         offload: bool = False,
         offload_fraction: float = 1.0,
         gpu_accumulation: float = 0.0,
+        host_adamw: str = "torch",
         step_in_backward: bool = False,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
@@ -98,7 +99,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     ) -> None:
         self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
         modules = self.stage.check_modules(modules)
-        self.stage.check_offload(offload, offload_fraction, gpu_accumulation)
+        self.stage.check_offload(offload, offload_fraction, gpu_accumulation, host_adamw)
         if offload:
             optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
@@ -126,6 +127,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         self._defer_host = False  # the host's step left running under the next forward
         groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
         self._piece_groups = groups
+        self._one_pass = host_adamw == "one-pass"  # the host's clipped step in one pass
         self._build_step(groups, offload, step_in_backward, backward_passes_per_step, kept)
         self._build_weights(bucket_numel, reshard_after_forward)
         self.state_io = StateIO(
@@ -141,7 +143,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         parts = step_parts(
             self.stage, self.flat, self.inner, self.names, self.ctx, self.device,
             groups=groups, offload=offload, early=early, passes=passes, overlap=self.overlap,
-            kept=kept,
+            kept=kept, one_pass=self._one_pass,
             stream=self._stream, copies=copies,
         )  # fmt: skip
         self.scale, self.staged, self._counted = parts.scale, parts.staged, parts.counted

@@ -20,6 +20,9 @@ ADAMW_STATE_BYTES = 8  # AdamW's two fp32 moments per element
 # that offload's host memory is reported against: --dry-run, metrics.jsonl)
 HOST_FLOOR_BYTES = 4 + ADAMW_STATE_BYTES
 ACCUMULATION = "accumulation"  # the host part above that floor: the passes' gradient sums
+# the offloaded clipped step's AdamW: torch's fused CPU kernel between an upcast and a conversion
+# (40 bytes an element), or one pass from the summed gradient to the new weights (28)
+HOST_ADAMWS = ("torch", "one-pass")
 
 # Where a bucket's fp32 reduced gradient (this rank's chunk) lives between the reduction and the
 # optimizer step (:meth:`ZeroStage.grad_home`)
@@ -127,7 +130,9 @@ class ZeroStage(IntEnum):
             raise TypeError("modules must be nn.Modules")
         return modules
 
-    def check_offload(self, offload: bool, fraction: float, on_gpu: float = 0.0) -> None:
+    def check_offload(
+        self, offload: bool, fraction: float, on_gpu: float = 0.0, host_adamw: str = "torch"
+    ) -> None:
         if offload and not self.can_offload:
             raise ValueError(f"offloading the optimizer needs ZeRO stage 2 or 3, got {self}")
         if not 0.0 < fraction <= 1.0:
@@ -136,6 +141,8 @@ class ZeroStage(IntEnum):
             raise ValueError(f"gpu_accumulation must be in [0, 1], got {on_gpu}")
         if on_gpu and not offload:
             raise ValueError("gpu_accumulation sums offloaded gradients: it needs offload")
+        if host_adamw not in HOST_ADAMWS:
+            raise ValueError(f"host_adamw must be one of {HOST_ADAMWS}, got {host_adamw!r}")
 
     def trainable_bytes(
         self,

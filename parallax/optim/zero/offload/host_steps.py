@@ -26,13 +26,17 @@ gradients) a bucket is stepped as soon as its gradient is complete, so the host'
 under the rest of the backward; the dp-global "got a gradient" flags of its parameters come from
 one small all-reduce at its last reduce-scatter. Clipping needs the norm of the whole gradient
 before any step: then only the copies, the accumulation and the norm run under the backward,
-and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient. With
+and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient
+(``--host-adamw one-pass``: each bucket's AdamW in one loop from its sums to its new weights,
+written over the sums and sent up from there: :mod:`~parallax.optim.zero.offload.host_adamw`).
+With
 ``step(defer=True)`` (:meth:`~parallax.optim.ZeroOptimizer.overlap_host_step`) they run on under
 the next forward, which waits bucket by bucket (:meth:`HostSteps.wait_bucket`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -48,6 +52,7 @@ from parallax.optim.zero.bucketwise import step_bucket
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
 from parallax.optim.zero.offload.downloads import Downloads
+from parallax.optim.zero.offload.host_adamw import HostAdamW, supports
 from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.optim.zero.offload.norm_part import local_part
 from parallax.optim.zero.offload.uploads import Uploads
@@ -57,6 +62,8 @@ from parallax.optim.zero.torch_contract import (
     refresh_copy,
     takes_grad_scale,
 )
+
+log = logging.getLogger(__name__)
 
 
 class HostSteps:
@@ -79,6 +86,7 @@ class HostSteps:
         has: Sequence[bool],
         early: bool,
         kept: Sequence[int] = (),
+        one_pass: bool = False,
     ) -> None:
         # the worker steps through its own handle on ``inner`` (same state, own group dicts): a
         # step left running under the next forward must not see the scheduler's next lr
@@ -100,8 +108,10 @@ class HostSteps:
         self.acc, self.flats = self.sums.acc, self.sums.flats  # (bucket/dp,) host views; buffers
         self.kept = self.sums.kept  # bucket -> its sum on the device (--gpu-accumulation)
         most = max(buckets[b].chunk for b in self.buckets)
-        self.scratch = torch.empty(most)  # (largest chunk,) fp32: the gradient being stepped
+        self.scratch = torch.empty(0)  # fp32: the gradient being stepped (grown to the need)
         self.up, self.down = Uploads(self.flats, most, device), Downloads(self.kept, device)
+        self.one_pass = self._one_pass(inner, dtypes) if one_pass else None
+        self.written: dict[int, tuple[torch.Tensor, list | None]] = {}  # bucket -> its weights
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
         )
@@ -111,6 +121,23 @@ class HostSteps:
         self.pending: dict[int, Future] = {}  # deferred: bucket -> its upload job
         self.reset()
         self.stale = True  # (the first use refreshes the worker's handle: a load may come first)
+
+    def _one_pass(self, inner: torch.optim.Optimizer, dtypes: dict) -> HostAdamW | None:
+        """``--host-adamw one-pass``'s kernels for the clipped step (bf16 sums in, new bf16
+        weights out), compiled for the worker on GPUs; None where torch cannot compile them
+        (torch's fused kernel steps then)."""
+        if not supports(inner):
+            raise ValueError(
+                f"host_adamw='one-pass' steps torch's AdamW without amsgrad or maximize, "
+                f"not {type(inner).__name__} with {inner.defaults}"
+            )
+        kernel = HostAdamW(compiled=self.on_device)
+        in_place = {dtypes[b] for b in self.buckets if b not in self.kept}
+        out = {dtypes[b] for b in self.kept}
+        if kernel.prepare(in_place, out, host_threads()):
+            return kernel
+        log.warning("--host-adamw one-pass: torch cannot compile it here; torch's kernel steps")
+        return None
 
     def _start_worker(self) -> None:
         torch.set_num_threads(host_threads())
@@ -137,6 +164,7 @@ class HostSteps:
         # bucket -> its share of the squared 2-norm (a device scalar for a kept bucket)
         self.partials: dict[int, float | torch.Tensor] = {}
         self.coef: float | None = None
+        self.written = {}
 
     def host_tensors(self) -> list[torch.Tensor]:
         rings = [*self.up.buffers(), *self.down.buffers()]
@@ -202,12 +230,19 @@ class HostSteps:
         down first; ``then``: the kept bucket to bring down next, under this one's step)."""
         if b not in self.kept:
             acc = self.acc[b]
-            grad = self.scratch[: acc.numel()]  # (bucket/dp,) fp32
+            grad = self._scratch(acc.numel())  # (bucket/dp,) fp32
             grad.copy_(acc)
             return grad
-        grad = self.scratch[: self.kept[b].numel()]  # (bucket/dp,) fp32
+        grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
         self.down.into(b, grad, then)
         return grad
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        """``n`` elements of the worker's fp32 scratch, grown (rarely: to the largest bucket
+        it steps through it) where it is short."""
+        if self.scratch.numel() < n:
+            self.scratch = torch.empty(n)  # (n,) fp32
+        return self.scratch[:n]
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags, landed) -> None:
@@ -244,9 +279,41 @@ class HostSteps:
 
     @torch.no_grad()
     def _step_later(self, b: int, coef: float | None, flags) -> None:
-        if not self.stepped[b]:  # (a bucket no pass reduced has a zeroed accumulator)
-            scale = (1.0 if coef is None else coef) / self.dp
+        if self.stepped[b]:
+            return
+        scale = (1.0 if coef is None else coef) / self.dp  # (no pass: a zeroed accumulator)
+        if self.one_pass is None:
             self._step(b, self._gradient(b, self._next_kept(b)), flags, scale)
+            return
+        pieces = self.flat.pieces
+        live = [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
+        self.stepped[b] = True
+        if live:
+            self._step_one_pass(b, live, scale)
+
+    def _step_one_pass(self, b: int, live: list[int], scale: float) -> None:
+        """Step bucket ``b``'s ``live`` pieces in one pass each
+        (:mod:`~parallax.optim.zero.offload.host_adamw`): the accumulator read in its dtype and
+        overwritten with the new weights, which go up from there (a kept bucket: from its
+        landing copy into staging); the rest of the chunk gets its masters' values."""
+        mine, master = self.flat.own_param(b), self.flat.masters[b]
+        if b in self.kept:
+            grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
+            self.down.into(b, grad, self._next_kept(b))
+        else:
+            grad = self.acc[b]  # (bucket/dp,) host, the model's dtype
+        dest, ticket = self.up.stage(mine, None if b in self.kept else grad, self.seconds)
+        pieces, done = self.flat.pieces, 0
+        todo = []
+        for k in sorted(live, key=lambda k: pieces[k].chunk_offset):
+            lo, n = pieces[k].chunk_offset, pieces[k].numel
+            out = None if dest is grad else dest[lo : lo + n]
+            todo.append((self.flat.piece_params[k], grad[lo : lo + n], out, self.piece_groups[k]))
+            dest[done:lo].copy_(master[done:lo])  # (a frozen piece, padding: as they were)
+            done = lo + n
+        dest[done:].copy_(master[done:])
+        self.one_pass.step(self.inner, todo, scale)
+        self.written[b] = (dest, ticket)
 
     def _next_kept(self, b: int) -> int | None:
         """The kept bucket ``step()`` steps after ``b`` (it goes down the layout), if any."""
@@ -255,6 +322,10 @@ class HostSteps:
 
     def _upload(self, b: int) -> None:
         """Bucket ``b``'s new weights into the model (its shard at ZeRO-3)."""
+        if b in self.written:  # written by the one-pass step
+            dest, ticket = self.written.pop(b)
+            self.up.send_staged(b, self.flat.own_param(b), dest, ticket)
+            return
         self.up.send(b, self.flat.own_param(b), self.flat.masters[b], self.seconds)
 
     # -- the main thread: the step ---------------------------------------------------------------

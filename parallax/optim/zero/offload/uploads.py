@@ -27,14 +27,21 @@ class Uploads:
         self.device = device
         self.on_device = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.on_device else None
-        self.rings = {  # GPUs: pinned staging of the new weights on their way up
-            dt: Ring(max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize)), dt, pin=True)
+        self.sizes = {  # GPUs: each ring's elements (made at its first use: a one-pass step
+            # writes the weights into the accumulator and needs none, bar kept buckets)
+            dt: max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize))
             for dt, flat in (flats.items() if self.on_device else ())
         }
+        self.rings: dict[torch.dtype, Ring] = {}  # pinned staging of the weights going up
         self.done: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its upload's end
 
     def buffers(self) -> list[torch.Tensor]:
         return [r.buffer for r in self.rings.values()]
+
+    def _ring(self, dtype: torch.dtype) -> Ring:
+        if dtype not in self.rings:
+            self.rings[dtype] = Ring(self.sizes[dtype], dtype, pin=True)
+        return self.rings[dtype]
 
     def start(self) -> None:
         """Main thread, before a step's sends: they follow everything on the current stream
@@ -50,7 +57,7 @@ class Uploads:
             mine.copy_(master)
             return
         start = time.perf_counter()
-        part, ticket = self.rings[mine.dtype].take(mine.numel())  # waits while it is full
+        part, ticket = self._ring(mine.dtype).take(mine.numel())  # waits while it is full
         seconds["upload_wait"] += time.perf_counter() - start
         part.copy_(master)  # fp32 -> the model's dtype, on the host
         with torch.cuda.stream(self.stream):
@@ -58,6 +65,37 @@ class Uploads:
             event = torch.cuda.Event()
             event.record()
         self.rings[mine.dtype].give(ticket, event)
+        self.done[b] = event
+
+    def stage(
+        self, mine: torch.Tensor, over: torch.Tensor | None, seconds: defaultdict
+    ) -> tuple[torch.Tensor, list | None]:
+        """Worker: where a one-pass step writes a bucket's new weights for ``mine`` (its chunk
+        in the model), with the ring's ticket if from there: on the CPU ``mine`` itself; on GPUs
+        ``over`` (the accumulator the step reads, pinned, its gradient used up) or, with None,
+        a piece of the ring."""
+        if not self.on_device:
+            return mine, None
+        if over is not None:
+            return over, None
+        start = time.perf_counter()
+        part, ticket = self._ring(mine.dtype).take(mine.numel())  # waits while it is full
+        seconds["upload_wait"] += time.perf_counter() - start
+        return part, ticket
+
+    @torch.no_grad()
+    def send_staged(self, b: int, mine: torch.Tensor, staged: torch.Tensor, ticket) -> None:
+        """Worker: bucket ``b``'s weights, written by the step into ``staged``
+        (:meth:`stage`), into ``mine``; on GPUs the accumulator is rewritten only after the
+        next forward waited for this copy (so did the passes' copies down)."""
+        if not self.on_device:
+            return
+        with torch.cuda.stream(self.stream):
+            mine.copy_(staged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        if ticket is not None:
+            self.rings[mine.dtype].give(ticket, event)
         self.done[b] = event
 
     def arrived(self, b: int | None = None) -> None:

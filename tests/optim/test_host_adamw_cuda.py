@@ -1,0 +1,60 @@
+"""The one-pass host AdamW as GPU runs build it (compiled for the CPU with ``torch.compile``):
+after ``prepare`` the worker's steps compile nothing more, over pieces like the offload's
+(Parameters viewed out of a flat master buffer, sums viewed out of a flat accumulator, at offset
+0 and elsewhere, many sizes), and they match the eager kernel. (It compiled anew for every piece
+in the worker once, 19 s a step.) Skipped without a GPU, the only place the library compiles it;
+run with ``python3 -m pytest -q tests/optim/test_host_adamw_cuda.py``.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from parallax.optim.zero.offload.host_adamw import HostAdamW
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+SIZES = [4096, 1 << 20, 4096, 3 << 20, 1000, 7, 1, 123_457]
+
+
+def _pieces(out: bool):
+    flat = torch.randn(2 * sum(SIZES) + 5)  # (n,) fp32 masters
+    sums = (torch.randn(2 * sum(SIZES) + 9) * 1e-3).to(torch.float32 if out else torch.bfloat16)
+    staging = torch.zeros_like(sums, dtype=torch.bfloat16)
+    pieces, off = [], 0
+    for n in SIZES * 2:
+        g0 = 0 if off == 0 else off + 3  # (the first piece at offset 0, as a bucket's first)
+        master = torch.nn.Parameter(flat[off : off + n])
+        dest = staging[g0 : g0 + n] if out else None
+        pieces.append((master, sums[g0 : g0 + n], dest, 0))
+        off += n
+    return pieces
+
+
+@pytest.mark.parametrize("out", [False, True])
+def test_no_compile_after_prepare_and_the_eager_kernels_results(out):
+    from torch._dynamo.utils import counters
+
+    threads = max(1, torch.get_num_threads() - 1)
+    kernel = HostAdamW(compiled=True)
+    assert kernel.prepare([] if out else [torch.bfloat16], [torch.bfloat16] if out else [], threads)
+    prepared = counters["stats"]["unique_graphs"]
+    mine, ref = _pieces(out), _pieces(out)
+    with torch.no_grad():
+        for (p, g, *_), (q, h, *_) in zip(mine, ref):
+            q.copy_(p)
+            h.copy_(g)
+    opt = torch.optim.AdamW([p for p, *_ in mine], lr=1e-3, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW([p for p, *_ in ref], lr=1e-3, weight_decay=0.1)
+    worker = ThreadPoolExecutor(1, initializer=lambda: torch.set_num_threads(threads))
+    eager = HostAdamW(compiled=False)
+    for _ in range(2):
+        worker.submit(torch.no_grad()(kernel.step), opt, mine, 0.7).result()
+        eager.step(opt_ref, ref, 0.7)
+    worker.shutdown()
+    assert counters["stats"]["unique_graphs"] == prepared  # nothing compiled in the worker
+    for (p, g, d, _), (q, h, e, _) in zip(mine, ref):
+        assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+        assert_close(d if out else g, e if out else h, rtol=1e-2, atol=1e-4)  # (bf16 weights)
