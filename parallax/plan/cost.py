@@ -34,6 +34,9 @@ COMPILED = 0.35
 ADAMW_BYTES = 36.0  # bytes a fused AdamW step moves per fp32 element (master, grad, moments)
 # what hidden collectives still cost, as a share of their time (OpenVLA-7B dp2 on two H200s)
 OVERLAP_TAX = 0.3
+# --host-adamw one-pass against torch's fused CPU AdamW alone, the same 28 bytes an element: 0.399
+# against 0.338 s per 1e9 on the H200 host, 15 threads (benchmarks/RESULTS.md, run 5c30c5c4c420)
+ONE_PASS_OVER_FUSED = 0.399 / 0.338
 HOOK_S = 30e-6  # ZeRO-3's Python hooks around one unit's use (gather, release, reduce)
 
 
@@ -243,8 +246,8 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     host's worker makes its fp32 gradient and steps it.
     After them: the fp32 gradient again, AdamW on the host and each bucket's new weights
     converted for the upload, whose copies run beside the next bucket's step; with
-    ``--host-adamw one-pass`` one loop (28 bytes an element, as many as torch's fused kernel
-    moves alone) does all three. When nothing
+    ``--host-adamw one-pass`` one loop does all three (28 bytes an element, as many as torch's
+    fused kernel moves alone, at :data:`ONE_PASS_OVER_FUSED` its time). When nothing
     clips, the worker steps each bucket during the last backward, but there it shares the
     host's cores with the thread launching that backward: SigLIP-large at batch 512, fully
     offloaded and unclipped, waited 0.16-0.76 s a step for a host step of 0.23 s at the
@@ -278,7 +281,7 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     under = max(copies - window, 0.0 if clipped else gradient - compute)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
     if clipped and getattr(model.run, "host_adamw", "torch") == "one-pass":
-        step = machine.host_adam_s * node * share / 1e9  # as many bytes as the fused kernel
+        step = ONE_PASS_OVER_FUSED * machine.host_adam_s * node * share / 1e9
     if layout.zero == 3 or layout.dp == 1:  # the step runs on under the next first forward
         step = max(step - first_forward, 0.0)
     return max(0.0, under) + step

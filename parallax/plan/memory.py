@@ -152,7 +152,13 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     the backward, ``--overlap-grad-reduce``)."""
     held = _held(model, layout, pp_rank)
     c = held.counts
-    weights, gradients, optimizer, gathered, buffers, hosted, share = _states(c, layout, overlap)
+    # a clipped one-pass step reads the host's sums in place and sends them up from there: only
+    # sums kept on the GPU come down into an fp32 scratch and go up through the ring
+    one_pass = bool(model.run.grad_clip) and getattr(model.run, "host_adamw", "") == "one-pass"
+    apart = not one_pass or layout.accumulate > 0
+    weights, gradients, optimizer, gathered, buffers, hosted, share = _states(
+        c, layout, overlap, apart
+    )
     kept, kept_bytes = kept_on_gpu(c.order, layout, hosted)  # sums on the GPU, not the host
     gradients += kept_bytes
     activations, workspace = activation_bytes(model, layout, pp_rank)
@@ -235,9 +241,10 @@ def _counts(blocks) -> _Counts:
     )
 
 
-def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple:
+def _states(c: _Counts, layout: Layout, overlap: bool, apart: bool = True) -> tuple:
     """(weights, gradients, optimizer, gathered, buffers, host bytes by what they hold, share
-    offloaded) of ZeRO at this layout (the host's: :mod:`parallax.plan.host_memory`)."""
+    offloaded) of ZeRO at this layout (the host's: :mod:`parallax.plan.host_memory`; ``apart``:
+    some bucket steps from a scratch and goes up through the ring)."""
     dp, stage = layout.dp, stage_of(layout.zero)
     share = offloaded_share([n for _, n in c.order], float(layout.offload))  # whole buckets
     held = _element_bytes(c, stage, dp, overlap, share)
@@ -257,7 +264,7 @@ def _states(c: _Counts, layout: Layout, overlap: bool) -> tuple:
         # partial over tp; one for dp = 1's step of 16-bit buckets
         reduced = max(sixteen if dp > 1 else 0, partial)
         buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
-    hosted = offload_host(stage, dp, share, c.t2, c.t4, bucket)
+    hosted = offload_host(stage, dp, share, c.t2, c.t4, bucket, apart)
     weights = held.weights + c.quantized
     return weights, held.gradients, held.optimizer, gathered, buffers, hosted, share
 

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from parallax.plan.cost import step_time
+from parallax.plan.cost import ONE_PASS_OVER_FUSED, step_time
+from parallax.plan.host_memory import PINNED, SCRATCH
 from parallax.plan.layout import Layout
 from parallax.plan.machine import H200, Link
 from parallax.plan.memory import GIB, plan_memory
@@ -131,10 +132,10 @@ def test_offloaded_layouts_sum_on_the_gpu_what_fits():
     assert shown[1] < shown[0] - 1.0, shown
 
 
-def test_the_one_pass_host_adamw_costs_the_fused_kernel_alone():
-    """A clipped offloaded step with ``--host-adamw one-pass`` costs what torch's fused AdamW
-    alone costs on the host (the same 28 bytes an element), without the upcast and the
-    conversion around it; an unclipped run steps in the backward with torch's kernel either way."""
+def test_the_one_pass_host_adamw_costs_its_measured_share_of_the_fused_kernel():
+    """A clipped offloaded step with ``--host-adamw one-pass`` costs torch's fused AdamW alone
+    times their measured ratio, without the upcast and the conversion around it; an unclipped
+    run steps in the backward with torch's kernel either way."""
     base = ["--model", "openvla-7b", "--global-batch-size", "256", "--precision", "bf16"]
     mach = H200.with_(gpus_per_node=1, gpu_memory_gib=32.0)
     lay = Layout(micro_batch_size=8, zero=2, offload=1.0, checkpointing=True)
@@ -146,6 +147,22 @@ def test_the_one_pass_host_adamw_costs_the_fused_kernel_alone():
     torch_s, one_s = got[""], got["--host-adamw one-pass"]
     assert 0 < one_s < torch_s
     share = 7.5e9  # (about: every trainable element is stepped on the host)
-    saved = 2 * (4 + 2) * share / (mach.host_gbs * 1e9)  # the upcast and the conversion
+    around = 2 * (4 + 2) * share / (mach.host_gbs * 1e9)  # the upcast and the conversion
+    fused = mach.host_adam_s * share / 1e9
+    saved = around - (ONE_PASS_OVER_FUSED - 1) * fused
     assert torch_s - one_s == pytest.approx(saved, rel=0.1)
     assert got["--grad-clip 0"] == got["--grad-clip 0 --host-adamw one-pass"]
+
+
+def test_a_one_pass_step_holds_no_scratch_nor_ring_unless_sums_are_kept_on_the_gpu():
+    base = ["--model", "openvla-7b", "--global-batch-size", "256", "--precision", "bf16"]
+    lay = Layout(micro_batch_size=8, zero=2, offload=1.0, checkpointing=True)
+    parts = {}
+    for adamw in ("torch", "one-pass"):
+        model = Workload(resolve(parse_args([*base, "--host-adamw", adamw])))
+        for share in (0.0, 0.3):
+            rank = plan_memory(model, dataclasses.replace(lay, accumulate=share))[0]
+            parts[adamw, share] = dict(rank.host_parts)
+    assert SCRATCH in parts["torch", 0.0] and PINNED in parts["torch", 0.0]
+    assert SCRATCH not in parts["one-pass", 0.0] and PINNED not in parts["one-pass", 0.0]
+    assert parts["one-pass", 0.3] == parts["torch", 0.3]  # (kept sums: scratch and ring again)
