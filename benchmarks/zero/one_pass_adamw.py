@@ -7,9 +7,11 @@ a 7B block's sizes; it times each round and counts dynamo's compiles after ``pre
 What it found (2026-12-05): the kernel, compiled on a 23-element example, ran its loop on one
 thread for every size (inductor decides from the example's sizes), and each real piece (a
 Parameter, a view, sizes the compiler then took as fixed) compiled anew in the worker during the
-timed steps: 19 s a step of host time in the training run against 4 with torch's kernel. The
-library now compiles on large plain examples with the loop parallel at any size and steps plain
-tensors over the same memory: no compile after ``prepare``.
+timed steps: 19 s a step of host time in the training run against 4 with torch's kernel; and
+inductor's Python entry point held the GIL while the loop ran, so the main thread stalled beside
+it. The library now compiles on large plain examples with the loop parallel at any size and a
+C++ entry point (the GIL let go), and steps plain tensors over the same memory: no compile after
+``prepare``.
 
     python -m benchmarks.zero.one_pass_adamw
 """

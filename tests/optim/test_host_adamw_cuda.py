@@ -58,3 +58,37 @@ def test_no_compile_after_prepare_and_the_eager_kernels_results(out):
     for (p, g, d, _), (q, h, e, _) in zip(mine, ref):
         assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
         assert_close(d if out else g, e if out else h, rtol=1e-2, atol=1e-4)  # (bf16 weights)
+
+
+def test_the_compiled_kernel_lets_other_threads_run():
+    """While the kernel runs, a Python thread beside it (the main thread launching the next
+    forward) keeps going: compiled with a Python entry point it held the GIL throughout."""
+    import threading
+    import time
+
+    kernel = HostAdamW(compiled=True)
+    assert kernel.prepare([torch.bfloat16], [], max(1, torch.get_num_threads() - 1))
+    n = 1 << 25
+    g = torch.zeros(n + 3, dtype=torch.bfloat16)[3:].detach()
+    p, m, v = torch.zeros(n + 5)[5:].detach(), torch.zeros(n), torch.zeros(n)
+    h = torch.ones(8)
+    counts, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counts[0] += 1
+
+    with torch.no_grad():
+        kernel.in_place(g, p, m, v, h)  # (first touch of the pages)
+        side = threading.Thread(target=spin)
+        side.start()
+        time.sleep(0.05)
+        start, before = time.perf_counter(), counts[0]
+        for _ in range(5):
+            kernel.in_place(g, p, m, v, h)
+        took, during = time.perf_counter() - start, counts[0] - before
+        time.sleep(took)
+        alone = counts[0] - before - during
+        stop.set()
+        side.join()
+    assert during > 0.3 * alone, (during, alone)  # (held, the thread got about a tenth)

@@ -20,7 +20,10 @@ loop is told to be parallel (inductor's ``cpp.dynamic_threads``: it then takes t
 thread's count at run time) and is compiled on examples of a million elements, and for each
 storage offset the compiler specializes (a view at offset 0 guards apart from one elsewhere,
 and equal example values guard as equal), so no step compiles anew
-(:meth:`HostAdamW.prepare`).
+(:meth:`HostAdamW.prepare`). And it is built with a C++ entry point (``cpp_wrapper``), which
+lets go of the GIL while the loop runs: inductor's Python entry point holds it, so the main
+thread could launch none of the next forward beside the step (a Python thread beside the
+kernel ran at a sixth of its speed, ``tests/optim/test_host_adamw_cuda.py``).
 
 The update is torch's AdamW (``amsgrad`` and ``maximize`` off), with the same state (``step``,
 ``exp_avg``, ``exp_avg_sq``) in the wrapped optimizer, so checkpoints and a later torch step see
@@ -77,11 +80,16 @@ def supports(inner: torch.optim.Optimizer) -> bool:
 
 
 def compile_options() -> dict[str, bool]:
-    """Inductor's options for the kernels: the loop parallel whatever the example's size, on
-    the calling thread's count (a torch without the option gets the large examples alone)."""
+    """Inductor's options for the kernels: a C++ entry point, which lets go of the GIL while
+    the loop runs (the Python one holds it, and the main thread could launch none of the next
+    forward's work beside the step), and the loop parallel whatever the example's size, on the
+    calling thread's count (a torch without that option gets the large examples alone)."""
     import torch._inductor.config as config  # (loaded when compiling)
 
-    return {"cpp.dynamic_threads": True} if hasattr(config.cpp, "dynamic_threads") else {}
+    options = {"cpp_wrapper": True}
+    if hasattr(config.cpp, "dynamic_threads"):
+        options["cpp.dynamic_threads"] = True
+    return options
 
 
 class HostAdamW:
