@@ -10,7 +10,8 @@
 # then STEPS=fit FIT_ROWS=openvla-24-one-pass,openvla-24,openvla-32-host95,openvla FIT_WARMUP=2.
 # STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
 # then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
-# CUDA tests), probe (benchmarks/zero/one_pass_adamw.py's replay of the worker's calls), profile24,
+# CUDA tests), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
+# with torch's kernel and in one pass, replayed in a worker thread beside a busy main thread), profile24,
 # profile32, fit (FIT_ROWS,
 # default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after FIT_WARMUP, default 1: a
 # deferred host step runs under the next step, so 2 keeps the first one's state allocation out), and
@@ -32,11 +33,13 @@ for s in ${STEPS:-profile24 profile32}; do
     host)
       step 40 cpu bash -c 'lscpu; command -v numactl >/dev/null && numactl -H; free -g'
       step 200 host_bound python3 -m benchmarks.zero.host_bound --threads ${HOST_THREADS:-15 16} ;;
-    probe)  # the one-pass AdamW replayed as the offload's worker calls it, plain then pinned sums
-      step 150 probe env PROBE_BLOCKS=8 TORCH_LOGS=recompiles python3 -m benchmarks.zero.one_pass_adamw
+    probe)  # the clipped host step both ways as the offload's worker runs it, beside a busy main thread
+      step 150 probe env PROBE_BLOCKS=8 TORCH_LOGS=recompiles python3 -m benchmarks.zero.one_pass_adamw ;;
+    probe_pinned)  # ... the sums page-locked
       step 150 probe_pinned env PROBE_BLOCKS=8 PROBE_PINNED=1 python3 -m benchmarks.zero.one_pass_adamw ;;
     cuda_tests)
-      step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py ;;
+      step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py \
+        tests/optim/test_host_adamw_cuda.py tests/optim/test_pinned.py ;;
     profile24|profile32)
       step 260 "$s" python3 -m benchmarks.tools.profile_rows --out "$logs/$s.txt" plan "fit:openvla-${s#profile}" --compile ;;
     before24)
