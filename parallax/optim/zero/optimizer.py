@@ -55,7 +55,9 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     offloaded, the first buckets reduced (the last layers: their host steps have the most
     backward left to hide under); the others stay on the device. ``gpu_accumulation``: the
     share of the offloaded elements whose gradients are summed over the passes on the device,
-    not the host (less host memory, one trip down instead of one a pass). See
+    not the host (less host memory, one trip down instead of one a pass). ``host_adamw``: how
+    a bucket is stepped in ``step()`` (``"torch"``: the optimizer's own step; ``"one-pass"``:
+    torch's AdamW only, from the summed gradient to the new weights in one loop). See
     :mod:`parallax.optim.zero.offload.host_steps`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
