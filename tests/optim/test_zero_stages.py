@@ -44,7 +44,6 @@ CASES = {
         ("adamw", 2, 2, 0.5, True, False, 0.0),
         ("adamw", 3, 2, 0.5, True, True, 0.0),
         ("adamw", 3, 2, 0.5, True, True, 1.0),
-        ("adamw", 2, 2, 0.5, True, False, 1.0, 0.0, "one-pass"),
     ],
 }
 
