@@ -189,6 +189,7 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
         out["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
     if host is not None:  # seconds per step in each host phase of the offloaded optimizer
         out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
+        out["host_adamw"] = "one-pass" if host.one_pass is not None else "torch"  # (as it ran)
     return out
 
 

@@ -152,7 +152,7 @@ def child(row: Row, args) -> dict:
         rec.update(
             tokens_per_s=got["tokens"] / step, mfu=got["flops"] / step / PEAK_BF16_TFLOPS / 1e12
         )
-    for key in ("host_phases", "alloc_retries", "reserved_gib"):
+    for key in ("host_phases", "host_adamw", "alloc_retries", "reserved_gib"):
         if key in got:
             rec[key] = got[key]
     rec["host_gib"] = host_memory_gib()  # this row's process: its peak resident set
