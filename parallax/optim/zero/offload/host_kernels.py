@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,13 +20,63 @@ import torch
 ROW = 1024  # elements per partial sum of a norm
 
 
+TOPOLOGY = Path("/sys/devices/system/cpu")  # Linux: each CPU's package and core
+
+
+def _allowed() -> list[int]:
+    """The logical CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: list[int]) -> list[int]:
+    """One logical CPU per physical core among ``cpus`` (the first of its SMT siblings), from
+    Linux's topology files; ``cpus`` as given where those cannot be read. (torch's own default
+    thread count is the physical cores: a memory-bound loop gains nothing from a sibling.)"""
+    seen, out = set(), []
+    for cpu in cpus:
+        where = TOPOLOGY / f"cpu{cpu}" / "topology"
+        try:
+            core = ((where / "physical_package_id").read_text(), (where / "core_id").read_text())
+        except OSError:
+            return list(cpus)
+        if core not in seen:
+            seen.add(core)
+            out.append(cpu)
+    return out
+
+
+def host_cpus() -> tuple[list[int], bool]:
+    """The CPUs for this process's host step, and whether to keep its threads on them: one per
+    physical core, this local rank's share (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``), less one
+    for the thread that drives the GPU where there are four or more (an OpenMP team waits for
+    its slowest thread: one that shares a core holds up all of them). Kept on them only where
+    that changes who shares a core (SMT siblings, or several ranks on the host); one rank on
+    cores without siblings (the H200 host the offload was measured on) is left as it ran."""
+    allowed = _allowed()
+    cores = physical_cores(allowed)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    rank = int(os.environ.get("LOCAL_RANK", "0")) % local
+    share = max(1, len(cores) // local)
+    mine = cores[rank * share : (rank + 1) * share] or cores[:share]
+    mine = mine[:-1] if len(mine) >= 4 else mine
+    return mine, local > 1 or len(cores) < len(allowed)
+
+
 def host_threads() -> int:
-    """CPU threads for this process's host step: its share of the cores it may run on, less
-    one for the thread that drives the GPU where there are four or more (an OpenMP team waits
-    for its slowest thread: one that shares a core holds up all of them)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = (cpus or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return share - 1 if share >= 4 else max(1, share)
+    """CPU threads for this process's host step (:func:`host_cpus`)."""
+    return len(host_cpus()[0])
+
+
+def keep_on(cpus: list[int]) -> bool:
+    """Keep the calling thread, and the OpenMP team it starts later, on ``cpus``; whether the
+    system let it (Linux only)."""
+    try:
+        os.sched_setaffinity(0, cpus)  # (0: the calling thread; its new threads inherit it)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
 
 
 def squares(x: torch.Tensor) -> float:

@@ -17,8 +17,9 @@ In ``step()`` the worker then sends each bucket's updated weights up
 
 **The host's habits.** The worker keeps one fp32 scratch buffer for the gradient it steps (a
 fresh one per bucket is page faults that cost more than the arithmetic) and runs on this
-process's share of the cores (:func:`~parallax.optim.zero.offload.host_kernels.host_threads`;
-torchrun sets ``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B
+process's share of the physical cores, kept on them where it shares the host with other ranks or
+SMT siblings (:func:`~parallax.optim.zero.offload.host_kernels.host_cpus`; torchrun sets
+``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B
 parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
@@ -53,7 +54,7 @@ from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
 from parallax.optim.zero.offload.downloads import Downloads
 from parallax.optim.zero.offload.host_adamw import HostAdamW, supports
-from parallax.optim.zero.offload.host_kernels import host_threads
+from parallax.optim.zero.offload.host_kernels import host_cpus, host_threads, keep_on
 from parallax.optim.zero.offload.norm_part import local_part
 from parallax.optim.zero.offload.uploads import Uploads
 from parallax.optim.zero.torch_contract import (
@@ -140,7 +141,10 @@ class HostSteps:
         return None
 
     def _start_worker(self) -> None:
-        torch.set_num_threads(host_threads())
+        cpus, keep = host_cpus()
+        torch.set_num_threads(len(cpus))
+        if keep:
+            keep_on(cpus)
         if self.on_device:
             torch.cuda.set_device(self.device)
 
