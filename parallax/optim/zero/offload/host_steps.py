@@ -8,63 +8,44 @@ compute, without the host's cores (:mod:`parallax.optim.zero.offload.accumulator
 pass also takes the sum's share of the gradient norm there, on the device, from the values the
 host will hold (``--gpu-accumulation`` keeps some buckets' sums on the device instead:
 :mod:`~parallax.optim.zero.offload.downloads`). When the bucket's last pass has landed, a worker
-thread makes its fp32 gradient (the accumulator over dp, one bucket at a time) and steps the
-wrapped optimizer on the bucket's host masters: torch's fused CPU AdamW where this torch has it
-(checked by running it once; the dp average and clip coefficient folded into its ``grad_scale``),
-otherwise its foreach kernels.
-In ``step()`` the worker then sends each bucket's updated weights up
+thread steps it on the bucket's host masters
+(:mod:`~parallax.optim.zero.offload.bucket_steps`: torch's fused CPU AdamW on the sums made fp32,
+or ``--host-adamw one-pass``) and in ``step()`` sends each bucket's updated weights up
 (:mod:`~parallax.optim.zero.offload.uploads`), one bucket's copy beside the next one's step.
 
-**The host's habits.** The worker keeps one fp32 scratch buffer for the gradient it steps (a
-fresh one per bucket is page faults that cost more than the arithmetic) and runs on this
-process's share of the physical cores, kept on them where it shares the host with other ranks or
-SMT siblings (:func:`~parallax.optim.zero.offload.host_kernels.host_cpus`; torchrun sets
-``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B
-parameters).
+**The host's habits.** The worker runs on this process's share of the physical cores, kept on
+them where it shares the host with other ranks or SMT siblings
+(:func:`~parallax.optim.zero.offload.host_kernels.host_cpus`; torchrun sets
+``OMP_NUM_THREADS=1``). Fused AdamW then runs at 112 GB/s (1.9 s for 7.5B parameters).
 
 **When the host steps.** With ``step_in_backward`` (the Trainer sets it when nothing clips the
 gradients) a bucket is stepped as soon as its gradient is complete, so the host's work hides
 under the rest of the backward; the dp-global "got a gradient" flags of its parameters come from
 one small all-reduce at its last reduce-scatter. Clipping needs the norm of the whole gradient
 before any step: then only the copies, the accumulation and the norm run under the backward,
-and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient
-(``--host-adamw one-pass``: each bucket's AdamW in one loop from its sums to its new weights,
-written over the sums and sent up from there: :mod:`~parallax.optim.zero.offload.host_adamw`).
-With
+and the steps run in ``step()`` once ``clip_grad_norm_()`` has the coefficient. With
 ``step(defer=True)`` (:meth:`~parallax.optim.ZeroOptimizer.overlap_host_step`) they run on under
 the next forward, which waits bucket by bucket (:meth:`HostSteps.wait_bucket`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
 
 import torch
 from torch.profiler import record_function
 
 from parallax import comm
 from parallax.context import ParallelContext
-from parallax.optim.zero.bucketwise import step_bucket
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
-from parallax.optim.zero.offload.downloads import Downloads
-from parallax.optim.zero.offload.host_adamw import HostAdamW, supports
-from parallax.optim.zero.offload.host_kernels import host_cpus, host_threads, keep_on
+from parallax.optim.zero.offload.bucket_steps import BucketSteps
+from parallax.optim.zero.offload.host_kernels import host_cpus, keep_on
 from parallax.optim.zero.offload.norm_part import local_part
-from parallax.optim.zero.offload.uploads import Uploads
-from parallax.optim.zero.torch_contract import (
-    grad_scale,
-    private_copy,
-    refresh_copy,
-    takes_grad_scale,
-)
-
-log = logging.getLogger(__name__)
+from parallax.optim.zero.torch_contract import private_copy, refresh_copy
 
 
 class HostSteps:
@@ -94,25 +75,21 @@ class HostSteps:
         self.outer, self.inner = inner, private_copy(inner)
         self.flat, self.layout, self.device = flat, flat.layout, device
         self.early, self.has, self.dp, self.dp_group = early, has, ctx.dp_size, ctx.dp_group
-        self.fold = takes_grad_scale(inner)  # the kernel scales the gradients itself
         self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
         self.hosted = frozenset(self.buckets)
-        self.piece_groups, self.counted = piece_groups, counted
+        self.counted = counted
         buckets = self.layout.buckets
-        self.pieces_of_bucket: list[list[int]] = [[] for _ in buckets]
-        for k, pc in enumerate(self.flat.pieces):
-            self.pieces_of_bucket[pc.bucket].append(k)
         dtypes = {b: self.layout.dtypes[buckets[b].buffer] for b in self.buckets}
         self.on_device = device.type == "cuda"
         chunks = [bk.chunk for bk in buckets]
         self.sums = Accumulators(self.buckets, chunks, dtypes, device, kept)
         self.acc, self.flats = self.sums.acc, self.sums.flats  # (bucket/dp,) host views; buffers
         self.kept = self.sums.kept  # bucket -> its sum on the device (--gpu-accumulation)
-        most = max(buckets[b].chunk for b in self.buckets)
-        self.scratch = torch.empty(0)  # fp32: the gradient being stepped (grown to the need)
-        self.up, self.down = Uploads(self.flats, most, device), Downloads(self.kept, device)
-        self.one_pass = self._one_pass(inner, dtypes) if one_pass else None
-        self.written: dict[int, tuple[torch.Tensor, list | None]] = {}  # bucket -> its weights
+        # how the worker steps a bucket and sends it up (torch's kernel or one pass)
+        self.steps = BucketSteps(
+            flat, self.inner, self.buckets, self.sums, piece_groups, self.dp, one_pass
+        )
+        self.up, self.down, self.one_pass = self.steps.up, self.steps.down, self.steps.one_pass
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="parallax-offload", initializer=self._start_worker
         )
@@ -122,23 +99,6 @@ class HostSteps:
         self.pending: dict[int, Future] = {}  # deferred: bucket -> its upload job
         self.reset()
         self.stale = True  # (the first use refreshes the worker's handle: a load may come first)
-
-    def _one_pass(self, inner: torch.optim.Optimizer, dtypes: dict) -> HostAdamW | None:
-        """``--host-adamw one-pass``'s kernels for the clipped step (bf16 sums in, new bf16
-        weights out), compiled for the worker on GPUs; None where torch cannot compile them
-        (torch's fused kernel steps then)."""
-        if not supports(inner):
-            raise ValueError(
-                f"host_adamw='one-pass' steps torch's AdamW without amsgrad or maximize, "
-                f"not {type(inner).__name__} with {inner.defaults}"
-            )
-        kernel = HostAdamW(compiled=self.on_device)
-        in_place = {dtypes[b] for b in self.buckets if b not in self.kept}
-        out = {dtypes[b] for b in self.kept}
-        if kernel.prepare(in_place, out, host_threads()):
-            return kernel
-        log.warning("--host-adamw one-pass: torch cannot compile it here; torch's kernel steps")
-        return None
 
     def _start_worker(self) -> None:
         cpus, keep = host_cpus()
@@ -164,15 +124,13 @@ class HostSteps:
         refresh_copy(self.inner, self.outer)
         self.jobs: list[Future] = []
         self.final = dict.fromkeys(self.buckets, False)
-        self.stepped = dict.fromkeys(self.buckets, False)
+        self.steps.reset()
         # bucket -> its share of the squared 2-norm (a device scalar for a kept bucket)
         self.partials: dict[int, float | torch.Tensor] = {}
         self.coef: float | None = None
-        self.written = {}
 
     def host_tensors(self) -> list[torch.Tensor]:
-        rings = [*self.up.buffers(), *self.down.buffers()]
-        return [*self.flats.values(), self.scratch, *rings]
+        return [*self.flats.values(), *self.steps.buffers()]
 
     # -- the main thread: what arrives from the reduction ------------------------------------------
     def arrive(self, b: int, grad: torch.Tensor, first: bool, last: bool) -> None:
@@ -225,28 +183,9 @@ class HostSteps:
         pieces = self.flat.pieces
         return [
             slice(pieces[k].chunk_offset, pieces[k].chunk_offset + pieces[k].numel)
-            for k in self.pieces_of_bucket[b]
+            for k in self.steps.pieces_of_bucket[b]
             if self.counted[k] and pieces[k].numel
         ]
-
-    def _gradient(self, b: int, then: int | None = None) -> torch.Tensor:
-        """Bucket ``b``'s summed fp32 gradient, in the scratch buffer (a kept bucket's brought
-        down first; ``then``: the kept bucket to bring down next, under this one's step)."""
-        if b not in self.kept:
-            acc = self.acc[b]
-            grad = self._scratch(acc.numel())  # (bucket/dp,) fp32
-            grad.copy_(acc)
-            return grad
-        grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
-        self.down.into(b, grad, then)
-        return grad
-
-    def _scratch(self, n: int) -> torch.Tensor:
-        """``n`` elements of the worker's fp32 scratch, grown (rarely: to the largest bucket
-        it steps through it) where it is short."""
-        if self.scratch.numel() < n:
-            self.scratch = torch.empty(n)  # (n,) fp32
-        return self.scratch[:n]
 
     @torch.no_grad()
     def _finish(self, b: int, summed: bool, flags, landed) -> None:
@@ -257,7 +196,7 @@ class HostSteps:
         if not summed and b not in self.kept:
             self.acc[b].zero_()
         if flags is not None:
-            self._step_flagged(b, self._gradient(b), flags)
+            self._step_flagged(b, self.steps.gradient(b), flags)
 
     def _step_flagged(self, b: int, grad: torch.Tensor, flags) -> None:
         """Step bucket ``b`` during the backward, once its dp-global flags are in."""
@@ -265,72 +204,14 @@ class HostSteps:
         comm.wait(work)
         got = tensor.cpu().tolist()
         params = self.layout.buckets[b].params
-        self._step(b, grad, {i: bool(f) for i, f in zip(params, got)}, 1.0 / self.dp)
-
-    def _step(self, b: int, grad: torch.Tensor, flags, scale: float) -> None:
-        """Step the bucket's pieces whose parameter has a gradient on some dp rank, on
-        ``grad`` times ``scale`` (the dp average and the clip coefficient: folded into
-        torch's fused kernel where it takes a ``grad_scale``, one pass over the bucket less)."""
-        pieces = self.flat.pieces
-        live = [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
-        folded: AbstractContextManager | None = None
-        if scale != 1.0 and self.fold:
-            folded = grad_scale(self.inner, torch.full((), 1.0 / scale))
-        elif scale != 1.0:
-            grad.mul_(scale)
-        step_bucket(self.inner, self.flat, live, grad, self.piece_groups, folded)
-        self.stepped[b] = True
+        self.steps.step(b, grad, {i: bool(f) for i, f in zip(params, got)}, 1.0 / self.dp)
 
     @torch.no_grad()
     def _step_later(self, b: int, coef: float | None, flags) -> None:
-        if self.stepped[b]:
-            return
-        scale = (1.0 if coef is None else coef) / self.dp  # (no pass: a zeroed accumulator)
-        if self.one_pass is None:
-            self._step(b, self._gradient(b, self._next_kept(b)), flags, scale)
-            return
-        pieces = self.flat.pieces
-        live = [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
-        self.stepped[b] = True
-        if live:
-            self._step_one_pass(b, live, scale)
-
-    def _step_one_pass(self, b: int, live: list[int], scale: float) -> None:
-        """Step bucket ``b``'s ``live`` pieces in one pass each
-        (:mod:`~parallax.optim.zero.offload.host_adamw`): the accumulator read in its dtype and
-        overwritten with the new weights, which go up from there (a kept bucket: from its
-        landing copy into staging); the rest of the chunk gets its masters' values."""
-        mine, master = self.flat.own_param(b), self.flat.masters[b]
-        if b in self.kept:
-            grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
-            self.down.into(b, grad, self._next_kept(b))
-        else:
-            grad = self.acc[b]  # (bucket/dp,) host, the model's dtype
-        dest, ticket = self.up.stage(mine, None if b in self.kept else grad, self.seconds)
-        pieces, done = self.flat.pieces, 0
-        todo = []
-        for k in sorted(live, key=lambda k: pieces[k].chunk_offset):
-            lo, n = pieces[k].chunk_offset, pieces[k].numel
-            out = None if dest is grad else dest[lo : lo + n]
-            todo.append((self.flat.piece_params[k], grad[lo : lo + n], out, self.piece_groups[k]))
-            dest[done:lo].copy_(master[done:lo])  # (a frozen piece, padding: as they were)
-            done = lo + n
-        dest[done:].copy_(master[done:])
-        self.one_pass.step(self.inner, todo, scale)
-        self.written[b] = (dest, ticket)
-
-    def _next_kept(self, b: int) -> int | None:
-        """The kept bucket ``step()`` steps after ``b`` (it goes down the layout), if any."""
-        later = (c for c in reversed(self.buckets) if c < b and c in self.kept)
-        return next((c for c in later if not self.stepped[c]), None)
+        self.steps.step_later(b, coef, flags, self.seconds)
 
     def _upload(self, b: int) -> None:
-        """Bucket ``b``'s new weights into the model (its shard at ZeRO-3)."""
-        if b in self.written:  # written by the one-pass step
-            dest, ticket = self.written.pop(b)
-            self.up.send_staged(b, self.flat.own_param(b), dest, ticket)
-            return
-        self.up.send(b, self.flat.own_param(b), self.flat.masters[b], self.seconds)
+        self.steps.upload(b, self.seconds)
 
     # -- the main thread: the step ---------------------------------------------------------------
     def wait(self) -> None:
@@ -366,7 +247,7 @@ class HostSteps:
 
     def clip(self, coef: torch.Tensor) -> None:
         self._fresh()
-        if any(self.stepped.values()):
+        if any(self.steps.stepped.values()):
             raise RuntimeError(
                 "with --offload optimizer and step_in_backward the host steps each bucket during "
                 "the backward: nothing may clip the gradients after it (grad clipping off)"
