@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallax.optim.zero.offload.host_adamw import HostAdamW
+from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.plan.device import Detect, cache_path
 from parallax.plan.device import detect as detect_device
 from parallax.plan.machine import GIB, LINKS, Link, Machine, default_for, save
@@ -121,6 +123,26 @@ def host_adam(numel: int, iters: int) -> float:
     return s * 1e9 / numel
 
 
+def host_one_pass(numel: int, iters: int, compiled: bool) -> float:
+    """Seconds per 1e9 parameters of ``--host-adamw one-pass`` on the host, as the offload
+    runs it: compiled for the CPU on GPU machines (0 where torch cannot compile it there),
+    plain torch ops elsewhere."""
+    kernel = HostAdamW(compiled=compiled)
+    threads, before = host_threads(), torch.get_num_threads()
+    if not kernel.prepare([torch.bfloat16], [], threads):
+        return 0.0
+    master = torch.zeros(numel, requires_grad=True)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)  # (numel,) the sums
+    inner = torch.optim.AdamW([master], lr=1e-3)
+    torch.set_num_threads(threads)  # (the count it was compiled for, as the worker runs it)
+    try:
+        pieces = [(master, grad, None, 0)]
+        s = _timed(lambda: kernel.step(inner, pieces, 1.0), torch.device("cpu"), iters)
+    finally:
+        torch.set_num_threads(before)
+    return s * 1e9 / numel
+
+
 def link(group, device, sizes: list[int], iters: int) -> Link | None:
     """Bus bandwidth and latency of all-reduces over ``group`` (a fit of
     ``t = latency + 2 (p-1)/p n / busbw`` over ``sizes`` bytes)."""
@@ -178,6 +200,7 @@ def measure(model: str | None, precision: str) -> tuple[dict, list[str]]:
         hbm_gbs=elementwise(device, dtype, (256 if cuda else 1) * 2**20, iters),
         host_gbs=host_add((128 if cuda else 1) * 2**20, iters),
         host_adam_s=host_adam((64 if cuda else 1) * 2**20, iters),
+        host_one_pass_s=host_one_pass((64 if cuda else 1) * 2**20, iters, compiled=cuda),
     )
     notes = [f"shapes of {model or 'a 7B Llama'} ({h} x {f}, {dtype})"]
     if cuda:

@@ -247,7 +247,8 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     After them: the fp32 gradient again, AdamW on the host and each bucket's new weights
     converted for the upload, whose copies run beside the next bucket's step; with
     ``--host-adamw one-pass`` one loop does all three (28 bytes an element, as many as torch's
-    fused kernel moves alone, at :data:`ONE_PASS_OVER_FUSED` its time). When nothing
+    fused kernel moves alone; the profile's ``host_one_pass_s`` where calibrated, else
+    :data:`ONE_PASS_OVER_FUSED` times the fused kernel's). When nothing
     clips, the worker steps each bucket during the last backward, but there it shares the
     host's cores with the thread launching that backward: SigLIP-large at batch 512, fully
     offloaded and unclipped, waited 0.16-0.76 s a step for a host step of 0.23 s at the
@@ -281,7 +282,8 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     under = max(copies - window, 0.0 if clipped else gradient - compute)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
     if clipped and getattr(model.run, "host_adamw", "torch") == "one-pass":
-        step = ONE_PASS_OVER_FUSED * machine.host_adam_s * node * share / 1e9
+        one_pass = machine.host_one_pass_s or ONE_PASS_OVER_FUSED * machine.host_adam_s
+        step = one_pass * node * share / 1e9
     if layout.zero == 3 or layout.dp == 1:  # the step runs on under the next first forward
         step = max(step - first_forward, 0.0)
     return max(0.0, under) + step

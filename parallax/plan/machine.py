@@ -8,7 +8,8 @@ consumer card (RTX 4090 24 GB, RTX 5090 32 GB), with the link named by ``--inter
 Rates are what code achieves at a model's shapes, not datasheet peaks: ``gemm_tflops`` for bf16
 matrix products of transformer-block size, ``attention_tflops`` for fused attention,
 ``hbm_gbs`` for element-wise work (bytes read plus written per second), ``h2d_gbs`` for pinned
-host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters,
+host-device copies each way, ``host_adam_s`` for the host's fused AdamW per 1e9 parameters
+(``host_one_pass_s`` for ``--host-adamw one-pass``'s),
 ``host_gbs`` for the host's element-wise work (the offloaded gradient accumulation), and for
 collectives a :class:`Link` per scope: the bus bandwidth a ring achieves per GPU and a latency
 per collective. ``gemm_half_tokens``: the rows at which a block's matmuls run at half
@@ -81,6 +82,9 @@ class Machine:
     intra: Link = field(default_factory=lambda: LINKS["nvlink"])
     inter: Link = field(default_factory=lambda: LINKS["infiniband"])
     host_gbs: float = 25.0  # host element-wise bandwidth (read + written), all cores
+    # --host-adamw one-pass on the host, seconds per 1e9 parameters (0: not measured, taken as
+    # the fused kernel's times their ratio on the H200 host, plan.cost.ONE_PASS_OVER_FUSED)
+    host_one_pass_s: float = 0.0
     gemm_half_tokens: float = 384.0
     attention_half_tokens: float = 512.0  # the sequence at which attention runs at half rate
     # --fp8: a linear's GEMMs run this many times faster (1: no FP8 tensor cores, or unknown)
@@ -127,6 +131,7 @@ RANGES: dict[str, tuple[Check, ...]] = {
     "gpus_per_node": (ONE,),
     "nodes": (ONE,),
     "cuda_context_gib": (at_least(0),),
+    "host_one_pass_s": (at_least(0),),
     "allocator_reserve": (within(0, 1, "[)"),),
     "latency_us": (at_least(0),),
 }

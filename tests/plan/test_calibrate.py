@@ -20,6 +20,7 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
     _calibrate(str(path))
     machine = load(path)
     assert machine.measured and machine.gemm_tflops > 0 and machine.host_adam_s > 0
+    assert machine.host_one_pass_s > 0  # (on the CPU: its plain torch ops, as the CPU runs it)
     assert machine.hbm_gbs > 0 and machine.host_gbs > 0 and machine.gemm_half_tokens >= 1
     assert "no GPU" in machine.notes and "links left at the defaults" in machine.notes
     out = io.StringIO()

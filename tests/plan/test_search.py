@@ -152,6 +152,11 @@ def test_the_one_pass_host_adamw_costs_its_measured_share_of_the_fused_kernel():
     saved = around - (ONE_PASS_OVER_FUSED - 1) * fused
     assert torch_s - one_s == pytest.approx(saved, rel=0.1)
     assert got["--grad-clip 0"] == got["--grad-clip 0 --host-adamw one-pass"]
+    # a profile that measured the one-pass step (plan calibrate) is taken at its word
+    model = Workload(resolve(parse_args([*base, "--host-adamw", "one-pass"])))
+    slower = mach.with_(host_one_pass_s=ONE_PASS_OVER_FUSED * mach.host_adam_s + 0.1)
+    extra = step_time(model, lay, slower, plan_memory(model, lay)).offload - one_s
+    assert extra == pytest.approx(0.1 * share / 1e9, rel=0.1)
 
 
 def test_a_one_pass_step_holds_no_scratch_nor_ring_unless_sums_are_kept_on_the_gpu():
