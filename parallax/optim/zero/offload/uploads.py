@@ -52,20 +52,14 @@ class Uploads:
 
     @torch.no_grad()
     def send(self, b: int, mine: torch.Tensor, master: torch.Tensor, seconds: defaultdict) -> None:
-        """Worker: bucket ``b``'s ``master`` (fp32, host) into ``mine`` (the model's dtype)."""
+        """Worker: bucket ``b``'s ``master`` (fp32, host) into ``mine`` (the model's dtype):
+        converted into a piece of the ring on GPUs, then sent as :meth:`send_staged` does."""
         if not self.on_device:
             mine.copy_(master)
             return
-        start = time.perf_counter()
-        part, ticket = self._ring(mine.dtype).take(mine.numel())  # waits while it is full
-        seconds["upload_wait"] += time.perf_counter() - start
+        part, ticket = self.stage(mine, None, seconds)
         part.copy_(master)  # fp32 -> the model's dtype, on the host
-        with torch.cuda.stream(self.stream):
-            mine.copy_(part, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self.rings[mine.dtype].give(ticket, event)
-        self.done[b] = event
+        self.send_staged(b, mine, part, ticket)
 
     def stage(
         self, mine: torch.Tensor, over: torch.Tensor | None, seconds: defaultdict
