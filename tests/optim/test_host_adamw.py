@@ -24,7 +24,9 @@ def test_it_steps_as_torchs_adamw():
                                    {"params": ref[1:], "weight_decay": 0.0}], **hyper)  # fmt: skip
     inner = torch.optim.AdamW([{"params": mine[:1], "weight_decay": 0.1},
                                {"params": mine[1:], "weight_decay": 0.0}], **hyper)  # fmt: skip
-    assert supports(inner) and not supports(torch.optim.AdamW(ref, amsgrad=True))
+    assert supports(type(inner), inner.param_groups)
+    assert not supports(torch.optim.AdamW, [{"lr": 1e-3}, {"amsgrad": True}])
+    assert not supports(torch.optim.Adam, inner.param_groups)
     kernel = HostAdamW(compiled=False)
     scale = 0.5 * 0.7  # the dp average of 2 ranks and a clip coefficient
     for _ in range(3):
@@ -87,7 +89,11 @@ def test_the_examples_cover_each_offset_at_a_size_that_runs_in_parallel(out):
     assert len(patterns) == 2**views  # offset 0 and another, for each view
 
 
-def test_the_option_is_checked():
+def test_the_option_is_checked_before_any_collective(monkeypatch):
+    def collective(*args, **kwargs):
+        raise AssertionError("checked too late: the arguments' agreement is a collective")
+
+    monkeypatch.setattr("parallax.optim.zero.optimizer.accept", collective)
     ctx = context()
     params = [torch.nn.Parameter(torch.zeros(4))]
     with pytest.raises(ValueError, match="host_adamw must be one of"):

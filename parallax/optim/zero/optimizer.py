@@ -28,6 +28,7 @@ from parallax.optim.zero.buffers.homes import grad_homes
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL
 from parallax.optim.zero.memory_report import MemoryReport, measure
 from parallax.optim.zero.norms import clip_coefficient, global_grad_norm
+from parallax.optim.zero.offload.host_adamw import check_supported
 from parallax.optim.zero.offload.host_kernels import host_options
 from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets
 from parallax.optim.zero.stage import stage_of
@@ -102,6 +103,8 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
         modules = self.stage.check_modules(modules)
         self.stage.check_offload(offload, offload_fraction, gpu_accumulation, host_adamw)
+        if offload and host_adamw == "one-pass":  # (on every rank, before any collective)
+            check_supported(optimizer_class, [optimizer_kwargs])
         if offload:
             optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)

@@ -23,7 +23,7 @@ from parallax.optim.zero.bucketwise import step_bucket
 from parallax.optim.zero.buffers.flat_buffers import FlatBuffers
 from parallax.optim.zero.offload.accumulators import Accumulators
 from parallax.optim.zero.offload.downloads import Downloads
-from parallax.optim.zero.offload.host_adamw import HostAdamW, supports
+from parallax.optim.zero.offload.host_adamw import HostAdamW, check_supported
 from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.optim.zero.offload.uploads import Uploads
 from parallax.optim.zero.torch_contract import grad_scale, takes_grad_scale
@@ -64,11 +64,7 @@ class BucketSteps:
         """``--host-adamw one-pass``'s kernels for the clipped step (bf16 sums in, new bf16
         weights out), compiled for the worker on GPUs; None where torch cannot compile them
         (torch's fused kernel steps then)."""
-        if not supports(self.inner):
-            raise ValueError(
-                f"host_adamw='one-pass' steps torch's AdamW without amsgrad or maximize, "
-                f"not {type(self.inner).__name__} with {self.inner.defaults}"
-            )
+        check_supported(type(self.inner), self.inner.param_groups)
         layout = self.flat.layout
         dtypes = {b: layout.dtypes[layout.buckets[b].buffer] for b in self.buckets}
         kernel = HostAdamW(compiled=on_device)

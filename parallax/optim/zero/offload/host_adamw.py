@@ -69,14 +69,23 @@ def _step_in_place(g, p, m, v, h) -> None:
     g.copy_(p)
 
 
-def supports(inner: torch.optim.Optimizer) -> bool:
-    """Whether these kernels step ``inner`` as its own ``step()`` would: torch's AdamW without
-    amsgrad, maximize or differentiable steps."""
-    if type(inner) is not torch.optim.AdamW:
+def supports(optimizer_class: type, groups: Sequence[dict]) -> bool:
+    """Whether these kernels step ``optimizer_class`` with options ``groups`` (its defaults and
+    param groups) as its own ``step()`` would: torch's AdamW without amsgrad, maximize or
+    differentiable steps."""
+    if optimizer_class is not torch.optim.AdamW:
         return False
-    return not any(
-        g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in inner.param_groups
-    )
+    return not any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in groups)
+
+
+def check_supported(optimizer_class: type, groups: Sequence[dict]) -> None:
+    """``--host-adamw one-pass``'s refusal of an optimizer it would not step as its own
+    ``step()`` does (raised alike on every rank, before any collective)."""
+    if not supports(optimizer_class, groups):
+        raise ValueError(
+            f"host_adamw='one-pass' steps torch's AdamW without amsgrad, maximize or "
+            f"differentiable steps, not {optimizer_class.__name__} with {list(groups)}"
+        )
 
 
 def compile_options() -> dict[str, bool]:
