@@ -5,16 +5,24 @@ frozen weights (a LoRA run's base) and gathers each block around its use."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from parallax.optim import ZeroOptimizer
 from parallax.run import param_groups as groups
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(trainer) -> ZeroOptimizer:
     """The run's ZeRO AdamW over this rank's trainable parameters, in their groups."""
     named = [(n, p) for n, p in trainer._named_parameters() if p.requires_grad]
     passes = trainer.recipe.objective.backward_passes(trainer.num_microbatches)
+    run = trainer.run
+    if run.host_adamw != "torch" and (run.offload == "none" or not run.grad_clip):
+        why = "nothing is offloaded" if run.offload == "none" else "unclipped, the backward steps"
+        log.warning("--host-adamw %s changes nothing here: %s", run.host_adamw, why)
     kwargs = {}
     if trainer.ctx.device.type == "cuda":
         kwargs["fused"] = True  # one kernel for the whole fp32 shard (offloaded: the CPU's)
