@@ -217,13 +217,18 @@ EXIT_BARRIER = timedelta(seconds=15)
 
 
 def _destroy_at_exit() -> None:
-    """Tear down the gloo process group this module made, unless its owner did. The ranks
-    first meet at a short barrier (skipped when this one leaves on an error): a rank that tore
-    its sockets down while a peer's gloo threads still read them aborted that peer
-    ("terminate called without an active exception"), on a loaded machine."""
+    """Tear down the gloo process group this module made, unless its owner did."""
+    shutdown(clean=not hasattr(sys, "last_value"))  # set when an uncaught error ends the script
+
+
+def shutdown(clean: bool = True) -> None:
+    """Tear the default process group down. On gloo a clean ending first meets the other ranks
+    at a short barrier: a rank that tore its sockets down while a peer's gloo threads still read
+    them aborted that peer ("terminate called without an active exception") on a loaded
+    machine. An ending on an error skips it (a peer may never come)."""
     if not dist.is_initialized():
         return
-    if not hasattr(sys, "last_value"):  # set when an uncaught error ends the script
+    if clean and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
         with contextlib.suppress(RuntimeError):  # a rank that never comes: leave anyway
             dist.monitored_barrier(timeout=EXIT_BARRIER)
     dist.destroy_process_group()

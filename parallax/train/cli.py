@@ -19,9 +19,7 @@ import signal
 import traceback
 from pathlib import Path
 
-import torch.distributed as dist
-
-from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel
+from parallax.context import DEFAULT_TIMEOUT_S, ParallelContext, init_parallel, shutdown
 from parallax.dims import ParallelDims
 from parallax.plan import auto
 from parallax.recipe import resolve
@@ -89,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, ending.on_sigterm)
     watch_launcher(ending.preemption)  # no rank trains on once torchrun is gone
     resolved = ctx = None
+    clean = False  # a run that ended well meets its peers before tearing the group down
     try:
         # what every rank checks alike, rank 0 says; a launcher's SIGTERM (a peer that already
         # failed on the same check) waits until it has been said
@@ -106,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         run(resolved, ctx, preemption=ending.preemption)
+        clean = True
         return ending.end(0)
     except Preempted as err:
         return ending.preempted(err.step)
@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             return ending.peer_failed(err, resolved.timeout if resolved else DEFAULT_TIMEOUT_S)
         return ending.crashed(traceback.format_exc())  # a bug: say where
     finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # a broken group cannot always be torn down
-                dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # a broken group cannot always be torn down
+            shutdown(clean)
         ending.hold_on()
 
 
