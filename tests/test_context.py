@@ -77,3 +77,24 @@ def test_one_ranks_problem_reaches_every_rank():
     for found, none in run_ranks(_problems_on_rank_2, 4, timeout=30):
         assert found == ["rank 2: bad input"] and none == []
     assert comm.problems("alone", None) == ["alone"]
+
+
+def test_shutdown_meets_the_peers_only_on_a_clean_gloo_ending(monkeypatch):
+    """A clean ending waits at a barrier before tearing gloo down (a peer's threads still
+    reading a closed socket aborted it); an ending on an error leaves at once."""
+    import parallax.context as pc
+
+    calls = []
+    monkeypatch.setattr(pc.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(pc.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(pc.dist, "monitored_barrier", lambda timeout: calls.append("barrier"))
+    monkeypatch.setattr(pc.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    for backend, clean, expected in [
+        ("gloo", True, ["barrier", "destroy"]),
+        ("gloo", False, ["destroy"]),
+        ("nccl", True, ["destroy"]),
+    ]:
+        calls.clear()
+        monkeypatch.setattr(pc.dist, "get_backend", lambda b=backend: b)
+        pc.shutdown(clean)
+        assert calls == expected, (backend, clean, calls)
