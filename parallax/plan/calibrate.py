@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallax.context import shutdown
 from parallax.optim.zero.offload.host_adamw import HostAdamW
 from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.plan.device import Detect, cache_path
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None, detect: Detect = detect_device) -> int:
             save(machine, path)  # atomic: a planner reading the cache sees all of it or none
             log.info("wrote %s: %s", path, machine)
     if created:
-        dist.destroy_process_group()
+        shutdown()  # (gloo: the ranks meet before the teardown)
     return 0
 
 

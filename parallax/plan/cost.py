@@ -22,7 +22,6 @@ from functools import lru_cache
 
 from parallax.models.estimate import Part
 from parallax.pipeline import make_schedule, simulate
-from parallax.plan.host_memory import one_pass_step
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Link, Machine
 from parallax.plan.workload import Workload
@@ -282,7 +281,7 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     clipped = bool(model.run.grad_clip)
     under = max(copies - window, 0.0 if clipped else gradient - compute)
     step = gradient * clipped + machine.host_adam_s * node * share / 1e9 + (4 + model.e) * host
-    if one_pass_step(model.run):
+    if model.run.host_step_one_pass:
         one_pass = machine.host_one_pass_s or ONE_PASS_OVER_FUSED * machine.host_adam_s
         step = one_pass * node * share / 1e9
     if layout.zero == 3 or layout.dp == 1:  # the step runs on under the next first forward

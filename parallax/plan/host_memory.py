@@ -15,12 +15,6 @@ from parallax.plan.layout import Layout
 SCRATCH, PINNED = "step scratch", "pinned upload staging"  # host bytes beside the stage's terms
 
 
-def one_pass_step(run) -> bool:
-    """Whether ``run``'s offloaded buckets step in one pass: ``--host-adamw one-pass`` with
-    clipping (unclipped, the Trainer steps each bucket in the backward with torch's kernel)."""
-    return bool(getattr(run, "grad_clip", 0)) and getattr(run, "host_adamw", "") == "one-pass"
-
-
 def offload_host(
     stage: ZeroStage, dp: int, share: float, t2: int, t4: int, bucket: int, apart: bool = True
 ) -> dict[str, float]:

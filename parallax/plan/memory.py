@@ -48,7 +48,7 @@ from parallax.optim.zero.stage import (
     stage_of,
 )
 from parallax.plan.activations import activation_bytes
-from parallax.plan.host_memory import PINNED, kept_on_gpu, offload_host, one_pass_step
+from parallax.plan.host_memory import PINNED, kept_on_gpu, offload_host
 from parallax.plan.layout import Layout
 from parallax.plan.machine import Machine
 from parallax.plan.workload import Workload
@@ -154,7 +154,7 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     c = held.counts
     # a clipped one-pass step reads the host's sums in place and sends them up from there: only
     # sums kept on the GPU come down into an fp32 scratch and go up through the ring
-    apart = not one_pass_step(model.run) or layout.accumulate > 0
+    apart = not model.run.host_step_one_pass or layout.accumulate > 0
     weights, gradients, optimizer, gathered, buffers, hosted, share = _states(
         c, layout, overlap, apart
     )

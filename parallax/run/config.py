@@ -107,6 +107,12 @@ class TrainConfig(
             return False
         return True if self.checkpoint_scope == "all" else self.checkpoint_scope
 
+    @property
+    def host_step_one_pass(self) -> bool:
+        """Whether offloaded buckets step in one pass on the host: ``--host-adamw one-pass``
+        with clipping (unclipped, each bucket steps in the backward with torch's kernel)."""
+        return bool(self.grad_clip) and self.host_adamw == "one-pass"
+
     def num_microbatches(self, dp: int) -> int:
         """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""
         check_batch_sizes(self.global_batch_size, self.micro_batch_size, dp)

@@ -20,7 +20,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
     named = [(n, p) for n, p in trainer._named_parameters() if p.requires_grad]
     passes = trainer.recipe.objective.backward_passes(trainer.num_microbatches)
     run = trainer.run
-    if run.host_adamw != "torch" and (run.offload == "none" or not run.grad_clip):
+    if run.host_adamw != "torch" and (run.offload == "none" or not run.host_step_one_pass):
         why = "nothing is offloaded" if run.offload == "none" else "unclipped, the backward steps"
         log.warning("--host-adamw %s changes nothing here: %s", run.host_adamw, why)
     kwargs = {}

@@ -107,8 +107,7 @@ class BucketSteps:
         """Step the bucket's pieces whose parameter has a gradient on some dp rank, on
         ``grad`` times ``scale`` (the dp average and the clip coefficient: folded into
         torch's fused kernel where it takes a ``grad_scale``, one pass over the bucket less)."""
-        pieces = self.flat.pieces
-        live = [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
+        live = self._live(b, flags)
         folded: AbstractContextManager | None = None
         if scale != 1.0 and self.fold:
             folded = grad_scale(self.inner, torch.full((), 1.0 / scale))
@@ -116,6 +115,11 @@ class BucketSteps:
             grad.mul_(scale)
         step_bucket(self.inner, self.flat, live, grad, self.piece_groups, folded)
         self.stepped[b] = True
+
+    def _live(self, b: int, flags) -> list[int]:
+        """Bucket ``b``'s pieces whose parameter has a gradient on some dp rank (``flags``)."""
+        pieces = self.flat.pieces
+        return [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
 
     def step_later(self, b: int, coef: float | None, flags, seconds: defaultdict) -> None:
         """Bucket ``b``'s step in ``step()``, with the clip coefficient ``coef``."""
@@ -125,8 +129,7 @@ class BucketSteps:
         if self.one_pass is None:
             self.step(b, self.gradient(b, self._next_kept(b)), flags, scale)
             return
-        pieces = self.flat.pieces
-        live = [k for k in self.pieces_of_bucket[b] if flags[pieces[k].param]]
+        live = self._live(b, flags)
         self.stepped[b] = True
         if live:
             self._step_one_pass(b, live, scale, seconds)
