@@ -20,7 +20,7 @@ def _rows(out, flags: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_offloads_host_bytes_and_their_ratio_to_the_floor_are_in_the_metrics(tmp_path):
+def test_the_offloads_host_bytes_and_their_ratio_to_the_floor_are_in_the_metrics(tmp_path, caplog):
     rows = _rows(tmp_path / "offload", ["--zero", "2", "--offload", "optimizer"])
     assert len(rows) == 2
     for r in rows:
@@ -37,5 +37,7 @@ def test_the_offloads_host_bytes_and_their_ratio_to_the_floor_are_in_the_metrics
         assert o["offload_host_ratio"] == pytest.approx(16 / 12, rel=1e-3), o
         assert o["offload_host_ratio"] < r["offload_host_ratio"]
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-5)
-    plain = _rows(tmp_path / "plain", ["--zero", "2"])
+    # without offload --host-adamw changes nothing, and the run says so
+    plain = _rows(tmp_path / "plain", ["--zero", "2", "--host-adamw", "one-pass"])
+    assert "--host-adamw one-pass changes nothing here: nothing is offloaded" in caplog.text
     assert all(r["offload_host_gib"] is None and r["offload_host_ratio"] is None for r in plain)
