@@ -36,6 +36,7 @@ from parallax.plan.workload import Workload
 from parallax.recipe import registry, resolve
 from parallax.run import TrainConfig
 from parallax.train.memory_limit import cap_gpu_memory, default_allocator
+from parallax.train.step_batches import StepBatches
 from parallax.train.trainer import Trainer
 
 
@@ -146,6 +147,12 @@ def described(best, run) -> str:
 
 def batch_source(run, ctx):
     """A callable giving one global batch of ``run``'s synthetic data (its microbatches)."""
+    loader, builder = _loader_and_builder(run, ctx)
+    return lambda: [builder(s) for s in loader.next_batch()]
+
+
+def _loader_and_builder(run, ctx):
+    """``run``'s synthetic data: its loader and its collator."""
     recipe = run.recipe
     if recipe.name == "llava":  # every image the largest canvas (2 x 2 tiles): the planner's case
         scale = max(1, run.model_config.tile_size // 56)  # 112 x 112 times 6: 672 x 672 pixels
@@ -153,36 +160,44 @@ def batch_source(run, ctx):
                             image_sizes=((112, 112),), text_only_fraction=0.0)  # fmt: skip
     else:
         data = recipe.data.dataset("synthetic", run)
-    loader = recipe.data.loader(data, run, ctx)
-    builder = recipe.data.collator(run, data)
-    return lambda: [builder(s) for s in loader.next_batch()]
+    return recipe.data.loader(data, run, ctx), recipe.data.collator(run, data)
 
 
 def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     """``run`` on this device: median step seconds, peak allocated GiB (``step_s``,
     ``peak_gib``), one step's model FLOPs and tokens (``flops``, ``tokens``) and, offloaded,
-    the seconds per step of each host phase (``host_phases``)."""
+    the seconds per step of each host phase (``host_phases``).
+
+    The batches come as ``parallax.train`` takes them (:class:`StepBatches`, made a step ahead
+    in a thread) and the timed steps run back to back, each from the end of the one before:
+    a deferred host step gets no untimed gap to run on in (``step_times``: each one)."""
     ctx = ParallelContext.local(device=device)
     trainer = Trainer(run, ctx)
-    next_batch = batch_source(run, ctx)
+    loader, builder = _loader_and_builder(run, ctx)
+    batches = StepBatches(loader, builder, trainer, 0, warmup + steps, depth=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-    times, batch = [], []
+    times: list[float] = []
     host = getattr(trainer.optimizer, "host", None)  # --offload optimizer: its phase timers
     before: dict[str, float] = {}
-    for i in range(warmup + steps):
-        batch = next_batch()
-        if i == warmup and host is not None:
-            before = dict(host.seconds)
-        sync(device)
+    try:
         start = time.perf_counter()
-        out = trainer.train_step(batch)
-        out.loss.item()
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        for i in range(warmup + steps):
+            if i == warmup and host is not None:
+                before = dict(host.seconds)
+            batch = batches.next()
+            out = trainer.train_step(batch.microbatches, problem=batch.problem, staged=batch.staged)
+            out.loss.item()
+            sync(device)
+            end = time.perf_counter()
+            if i >= warmup:
+                times.append(end - start)
+            start = end
+    finally:
+        batches.close()
+    batch = batch.microbatches
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
-    out = dict(step_s=median(times), peak_gib=peak, flops=flops, tokens=tokens)
+    out = dict(step_s=median(times), step_times=times, peak_gib=peak, flops=flops, tokens=tokens)
     if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow;
         # what it reserved past the peak it handed out is the planner's allocator reserve
         out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
@@ -218,7 +233,7 @@ def run_row(row: Row, args, device: torch.device) -> dict:
         step = got["step_s"]
         rec.update(measured_s=step, measured_gib=got["peak_gib"], samples_per_s=row.batch / step)
         rec["tokens_per_s"] = got["tokens"] / step if got.get("tokens") else None
-        kept = ("alloc_retries", "reserved_gib", "host_phases")
+        kept = ("step_times", "alloc_retries", "reserved_gib", "host_phases")
         rec.update({k: got[k] for k in kept if k in got})
         rec["status"] = "ok"
     except torch.cuda.OutOfMemoryError as err:

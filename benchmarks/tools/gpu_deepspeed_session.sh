@@ -46,5 +46,5 @@ free -g | head -2
 echo "CUDA_HOME=${CUDA_HOME:-}"
 step 240 ds_build python3 -m benchmarks.zero.deepspeed_offload
 rows=${FIT_ROWS:-openvla-32,deepspeed-z2-offload-32}
-step 560 memory_fit python3 -m benchmarks.zero.memory_fit --rows "$rows" --compile --steps 1 \
+step 560 memory_fit python3 -m benchmarks.zero.memory_fit --rows "$rows" --compile --steps "${FIT_STEPS:-3}" \
   --row-timeout "${ROW_TIMEOUT:-280}" --host-limit "${HOST_LIMIT:-112}"

@@ -13,8 +13,9 @@
 # CUDA tests), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
 # with torch's kernel and in one pass, replayed in a worker thread beside a busy main thread), profile24,
 # profile32, fit (FIT_ROWS,
-# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps after FIT_WARMUP, default 1: a
-# deferred host step runs under the next step, so 2 keeps the first one's state allocation out), and
+# default openvla,openvla-24,openvla-32; FIT_STEPS timed steps (default 3) after FIT_WARMUP
+# (default 2: a deferred host step runs under the next step, so 2 keeps the first one's state
+# allocation out), and
 # before24: profile24 from the tree in .before (an earlier commit's parallax/ and benchmarks/,
 # `git archive REV parallax benchmarks | tar -x -C .before`, carried), for a before/after pair.
 set -u
@@ -46,6 +47,6 @@ for s in ${STEPS:-profile24 profile32}; do
       step 260 before24 env -C .before PYTHONPATH=. python3 -m benchmarks.tools.profile_rows --out "$logs/before24.txt" plan fit:openvla-24 --compile ;;
     fit)
       step 560 fit python3 -m benchmarks.zero.memory_fit --rows "${FIT_ROWS:-openvla,openvla-24,openvla-32}" \
-        --compile --steps "${FIT_STEPS:-2}" --warmup "${FIT_WARMUP:-1}" --row-timeout "${ROW_TIMEOUT:-200}" ;;
+        --compile --steps "${FIT_STEPS:-3}" --warmup "${FIT_WARMUP:-2}" --row-timeout "${ROW_TIMEOUT:-200}" ;;
   esac
 done

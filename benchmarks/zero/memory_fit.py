@@ -152,7 +152,7 @@ def child(row: Row, args) -> dict:
         rec.update(
             tokens_per_s=got["tokens"] / step, mfu=got["flops"] / step / PEAK_BF16_TFLOPS / 1e12
         )
-    for key in ("host_phases", "host_adamw", "alloc_retries", "reserved_gib"):
+    for key in ("step_times", "host_phases", "host_adamw", "alloc_retries", "reserved_gib"):
         if key in got:
             rec[key] = got[key]
     rec["host_gib"] = host_memory_gib()  # this row's process: its peak resident set
@@ -258,7 +258,7 @@ def table_row(rec: dict, refs: dict[str, tuple[float, str]] = UNCAPPED) -> list[
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", help="comma-separated row names (default: all)")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per row (after --warmup)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="(compiled: the second step recompiles)")
     p.add_argument("--host-limit", type=float, default=112.0, help="GiB of host RSS a row may use")
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take")
@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         notes = (
             "GPU GiB = torch.cuda.max_memory_allocated; host GiB = the row process's peak RSS "
             f"(VmHWM; killed past --host-limit {args.host_limit:g}); step = median of "
-            f"{args.steps} timed step(s) after {args.warmup} warm-up; MFU against "
+            f"{args.steps} timed step(s) after {args.warmup} warm-up, back to back, the batches "
+            "made a step ahead in a thread as parallax.train makes them; MFU against "
             f"{PEAK_BF16_TFLOPS:g} TFLOP/s; x uncapped = samples/s over parallax's uncapped "
             "samples/s of the workload: "
             + "; ".join(f"{k}: {v[0]:.4g} samples/s, {v[1]}" for k, v in refs.items())

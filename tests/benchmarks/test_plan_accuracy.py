@@ -78,3 +78,30 @@ def test_against_hand_compares_in_the_hand_rows_unit():
     rec = {"name": "siglip", "samples_per_s": HAND["siglip"][0] * 2, "tokens_per_s": 1.0}
     assert against_hand(rec) == 2.0
     assert math.isnan(against_hand({"name": "llava", "samples_per_s": 3.0}))
+
+
+def test_the_timed_steps_include_the_making_of_their_batches(tmp_path, monkeypatch):
+    """The batches come a step ahead from a thread, as ``parallax.train`` takes them, and the
+    timed steps run back to back: a collator slower than the step shows in every step's time
+    (made between untimed steps, it would not), so a deferred host step gets no gap to hide in."""
+    import time
+
+    import torch
+
+    from benchmarks.plan import accuracy
+    from parallax.recipe import resolve
+    from parallax.run import TrainConfig
+
+    made = accuracy._loader_and_builder
+
+    def slow(run, ctx):
+        loader, builder = made(run, ctx)
+        return loader, lambda samples: (time.sleep(0.1), builder(samples))[1]
+
+    monkeypatch.setattr(accuracy, "_loader_and_builder", slow)
+    run = resolve(
+        TrainConfig(model="tiny", global_batch_size=2, micro_batch_size=1, out=str(tmp_path))
+    )
+    got = accuracy.measure(run, torch.device("cpu"), steps=2, warmup=1)
+    assert len(got["step_times"]) == 2
+    assert min(got["step_times"]) >= 0.19  # two microbatches of 0.1 s each, made in the window
