@@ -202,9 +202,12 @@ def save(machine: Machine, path: str | Path) -> None:
 
 
 # The shipped defaults. H200: 788 TFLOP/s on an 8192^3 bf16 product, about 650 at a 7B block's
-# shapes (the GEMM share of a profiled step); 4.3 TB/s device copies; 55 GB/s pinned copies,
-# fused CPU AdamW at 0.24 s per 1e9 parameters and element-wise work at 55 GB/s on its 16-core
-# host (measured on the lent H200: benchmarks/zero/host_bound.py, memory_fit's host phases).
+# shapes (the GEMM share of a profiled step); 4.3 TB/s device copies; 55 GB/s pinned copies.
+# Its 16-core host, as the offload's worker runs there in a training step (memory_fit's host
+# phases of OpenVLA-7B under 24 and 32 GiB, commit f274ac8, 7.54e9 elements a step): the
+# upcast and torch's fused AdamW 1.87-1.99 s a step, the conversion for the upload 0.53-0.60 s,
+# so element-wise work at 79 GB/s and the fused AdamW at 0.18 s per 1e9 parameters (the rows
+# before them had timed the first step's moments being allocated: 55 GB/s and 0.24).
 H200 = Machine(
     name="h200-node (default)",
     gpu_memory_gib=139.8,
@@ -214,8 +217,8 @@ H200 = Machine(
     attention_tflops=420.0,
     hbm_gbs=4300.0,
     h2d_gbs=55.0,
-    host_adam_s=0.24,
-    host_gbs=55.0,
+    host_adam_s=0.18,
+    host_gbs=79.0,
     # torch._scaled_mm rowwise at OpenVLA-7B's decoder shapes ran 1.6-1.9x the bf16 GEMM on
     # the lent H200 (issue 39); 1.6, as the casts around it are not free. Not yet measured as
     # a whole step: see docs/fp8.md
