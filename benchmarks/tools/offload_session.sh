@@ -5,9 +5,7 @@
 #
 #   PARALLAX_COMMIT=<sha> bash benchmarks/tools/offload_session.sh OUT_DIR [SECONDS]
 #
-# Next: STEPS="probe fit" FIT_ROWS=openvla-32-one-pass,openvla-32,openvla FIT_WARMUP=2 (the probe
-# must print "graphs compiled since: 0"; --host-adamw one-pass against torch's kernel under 32 GiB),
-# then STEPS=fit FIT_ROWS=openvla-24-one-pass,openvla-24,openvla-32-host95,openvla FIT_WARMUP=2.
+# The next calls: benchmarks/NOTES.md, "Next GPU session, first".
 # STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
 # then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
 # CUDA tests), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
