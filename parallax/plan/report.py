@@ -8,7 +8,7 @@ import shlex
 from rich.table import Table
 
 from parallax.plan.memory import GIB
-from parallax.plan.search import Candidate, Result
+from parallax.plan.search import Candidate, Result, simplicity
 
 
 def gib(nbytes: float) -> str:
@@ -26,8 +26,18 @@ def why_slower(c: Candidate, first: Candidate) -> str:
     floor = max(0.01 * first.time.seconds, 1e-4)
     causes = [f"+{_seconds(d)} {k}" for d, k in deltas[:2] if d > floor]
     if extra <= floor or not causes:
-        return "as fast (a more involved layout)" if c.gpu >= first.gpu else "as fast"
+        return _tie(c, first)
     return ", ".join(causes)
+
+
+def _tie(c: Candidate, first: Candidate) -> str:
+    """Why a layout as fast as the first is not first: more involved, or (the first is more
+    involved but fits a smaller cap, where more memory must not choose slower) more memory."""
+    if simplicity(c.layout) > simplicity(first.layout):
+        return "as fast (a more involved layout)"
+    if c.gpu > first.gpu:
+        return "as fast (needs more GPU memory)"
+    return "as fast"
 
 
 def _seconds(s: float) -> str:

@@ -314,9 +314,12 @@ def first_choice(timed: list[Candidate]) -> Candidate:
     return chosen
 
 
+def simplicity(lay: Layout) -> tuple:
+    """Smaller is simpler: fewer ZeRO stages, no offload, no recomputation, no pipeline."""
+    return (lay.zero, lay.offload, bool(lay.checkpointing), lay.pp, lay.tp)
+
+
 def _preference(c: Candidate) -> tuple:
-    """Fastest first; within half a percent, the simpler layout (fewer ZeRO stages, no
-    offload, no recomputation, no pipeline), then the one that needs less memory."""
-    lay = c.layout
-    simpler = (lay.zero, lay.offload, bool(lay.checkpointing), lay.pp, lay.tp)
-    return (round(math.log(c.time.seconds) / math.log(TIE)), simpler, c.gpu)
+    """Fastest first; within half a percent, the simpler layout (:func:`simplicity`), then
+    the one that needs less memory."""
+    return (round(math.log(c.time.seconds) / math.log(TIE)), simplicity(c.layout), c.gpu)
