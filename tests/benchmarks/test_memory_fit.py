@@ -17,6 +17,7 @@ def test_smoke_row_runs_in_a_watched_child_and_writes_nothing(tmp_path):
                    "--out", str(tmp_path)])  # fmt: skip
     assert rec["status"] == "ok", rec
     assert rec["host_gib"] > 0.05 and math.isfinite(rec["step_s"]) and rec["samples_per_s"] > 0
+    assert rec["step_times"] == [rec["step_s"]]  # each timed step, recorded
     assert rec["predicted_gib"] > 0 and rec["layout"].startswith("tp1 pp1 dp1")
     assert _sizes() == before
 
