@@ -270,7 +270,8 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     the one launching that forward). Counted as free, it made offload the first choice where
     nothing needs it, by the GPU's optimizer step: OpenVLA-7B LoRA at batch 16 (0.313 s against
     0.314 without offload; offloaded LoRA has run host-bound) and SigLIP-large at batch 512
-    on one H200 (0.713 against 0.718; unclipped, full offload ran 0.86-1.46 s against 0.69-0.73).
+    on one H200 (0.713-0.716 against 0.718; unclipped, full offload ran 0.86-1.46 s against
+    0.69-0.73).
     """
     if not layout.offload:
         return 0.0

@@ -206,8 +206,9 @@ def save(machine: Machine, path: str | Path) -> None:
 # Its 16-core host, as the offload's worker runs there in a training step (memory_fit's host
 # phases of OpenVLA-7B under 24 and 32 GiB, commit f274ac8, 7.54e9 elements a step): the
 # upcast and torch's fused AdamW 1.87-1.99 s a step, the conversion for the upload 0.53-0.60 s,
-# so element-wise work at 79 GB/s and the fused AdamW at 0.18 s per 1e9 parameters (the rows
-# before them had timed the first step's moments being allocated: 55 GB/s and 0.24).
+# so element-wise work at 79 GB/s and the fused AdamW at 0.18 s per 1e9 parameters (the earlier
+# fit, 55 GB/s and 0.24, came from rows whose timed step held, we infer, the first host step,
+# which writes the moments for the first time).
 H200 = Machine(
     name="h200-node (default)",
     gpu_memory_gib=139.8,
