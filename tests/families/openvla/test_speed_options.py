@@ -16,10 +16,10 @@ from parallax.families.openvla.model import OpenVLA
 from parallax.pipeline import executor, p2p
 from parallax.recipe import resolve
 from parallax.tensor import full_tensor
-from parallax.testing import context, run_ranks
+from parallax.testing import assert_adam_close, context, run_ranks
 from parallax.train import checkpoints, parse_args
 from parallax.train.trainer import Trainer
-from tests.families.openvla.test_trainer import _cfg, _run, separate
+from tests.families.openvla.test_trainer import LR, _cfg, _run, separate
 
 BASE = dict(logits="all", fused_projections=False, pipeline_syncs=True)  # every option off
 
@@ -35,7 +35,7 @@ def _same(got, ref):
     assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
     assert weights.keys() == ref_weights.keys()
     for name, value in ref_weights.items():
-        assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        assert_adam_close(weights[name], value, LR, msg=name)
 
 
 def test_options_off_match_the_defaults(reference):

@@ -65,7 +65,12 @@ def _lora_case(ctx) -> None:
                 comm.all_reduce(got, ctx.tp_group)
             info = getattr(p, "tp_shard", None)
             got = got if info is None else unshard_tensor(got, info, ctx.tp_group)
-            assert_close(got, grads[name], rtol=1e-5, atol=1e-5 * grads[name].abs().max().item())
+            # an adapter's gradient sums terms over the features tp splits, and where they
+            # cancel the order of the sums shows: up to 2.1e-5 of the tensor's largest (one
+            # element of 64, on an AVX-512 CPU); a wrong split or a missing sum is off by the
+            # largest's order
+            atol = 1e-4 * grads[name].abs().max().item()
+            assert_close(got, grads[name], rtol=1e-5, atol=atol)
             seen.add(name)
         assert seen == grads.keys()
         kv = [n for n in seen if ".k_proj.lora_" in n or ".v_proj.lora_" in n]
