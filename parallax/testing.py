@@ -62,11 +62,11 @@ def assert_adam_close(got: torch.Tensor, want: torch.Tensor, lr: float, msg: str
     2.5e-5 (lr 2e-3), tp=2 against one process on an AVX-512 CPU. So all but one element in a
     thousand (at least one) agree to 1e-5 absolute and relative, and every one to 5 % of lr; a
     wrong split, reduction or step moves most elements by about ``lr``."""
+    assert got.shape == want.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     diff = (got.detach().float() - want.detach().float()).abs()
     loose = diff > 1e-5 + 1e-5 * want.detach().float().abs()
     allowed = max(1, want.numel() // 1000)
     worst = diff.max().item() if diff.numel() else 0.0
-    assert got.shape == want.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert int(loose.sum()) <= allowed, (
         f"{msg}: {int(loose.sum())} of {want.numel()} elements past 1e-5 (largest {worst:.3g})"
     )
