@@ -63,8 +63,9 @@ def assert_adam_close(got: torch.Tensor, want: torch.Tensor, lr: float, msg: str
     thousand (at least one) agree to 1e-5 absolute and relative, and every one to 5 % of lr; a
     wrong split, reduction or step moves most elements by about ``lr``."""
     assert got.shape == want.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got.detach().float() - want.detach().float()).abs()
-    loose = diff > 1e-5 + 1e-5 * want.detach().float().abs()
+    got, want = got.detach().float(), want.detach().float()
+    diff = (got - want).abs()
+    loose = diff > 1e-5 + 1e-5 * want.abs()
     allowed = max(1, want.numel() // 1000)
     worst = diff.max().item() if diff.numel() else 0.0
     assert int(loose.sum()) <= allowed, (

@@ -78,8 +78,8 @@ def test_scope_recomputes_its_blocks_and_gives_the_same_step(scope):
     assert ref_calls["vision"] == ref_calls["text"] > 0
     assert calls[scope] == 2 * ref_calls[scope] and calls[other] == ref_calls[other]
     assert_close(torch.tensor(history), torch.tensor(ref_history), rtol=1e-5, atol=1e-5)
-    for name, value in ref_weights.items():
-        assert_adam_close(weights[name], value, LR, msg=name)
+    for name, value in ref_weights.items():  # one process, the recomputation the same ops
+        assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_siglip_scope_picks_a_tower():
