@@ -104,4 +104,8 @@ def test_the_timed_steps_include_the_making_of_their_batches(tmp_path, monkeypat
     )
     got = accuracy.measure(run, torch.device("cpu"), steps=2, warmup=1)
     assert len(got["step_times"]) == 2
-    assert min(got["step_times"]) >= 0.19  # two microbatches of 0.1 s each, made in the window
+    # Four microbatches of 0.1 s each; the first may be made during the warm-up step, and the
+    # timer's edges wander by a few ms, so the window holds at least three of them (made between
+    # untimed steps it would hold none: the tiny step itself takes milliseconds).
+    assert sum(got["step_times"]) >= 0.3
+    assert min(got["step_times"]) >= 0.09
