@@ -10,7 +10,10 @@ names as the user's own input (see ``SETUPS``); ``<!-- test: file=NAME -->`` wri
 (a TOML config, say) to NAME for later blocks to use. Blocks that run nothing (a layout, the
 CI's own install and test steps) are checked to be just that, and not collected as runs.
 
-Shell commands: setting up the environment (``python -m venv``, activating it, ``pip
+Python commands (``python -m ...``, ``python script.py`` and torchrun's standalone form) run as
+processes forked from one warm interpreter (``tests/warm.py``: the same argv, directory and
+environment, torchrun's for each rank, without paying torch's import for each); anything else
+runs as a plain subprocess. Shell commands: setting up the environment (``python -m venv``, activating it, ``pip
 install``) and ``pytest`` are the CI's own steps and are not repeated; downloads (``hf``) need
 the network, and the ``setup=`` option makes a local stand-in for what they fetch; a benchmark
 without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training command runs
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -155,6 +160,14 @@ def workdirs(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def warm_server():
+    """One warm interpreter that forks each Python command's processes (``tests/warm.py``)."""
+    server = warm.Server(_env())
+    yield server
+    server.close()
+
+
 def _name(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
@@ -225,7 +238,7 @@ def test_the_blocks_that_run_nothing_only_show_files_or_install():
     IN_ORDER,
     ids=[f"{b[0].removesuffix('.md')}-line{b[1]}-{b[2]}" for b in IN_ORDER],
 )
-def test_block_runs(workdirs, doc, line, lang, code, opts):
+def test_block_runs(workdirs, warm_server, doc, line, lang, code, opts):
     work = workdirs(doc)
     if "file" in opts:  # a file later blocks use: written in file order, as a reader would
         (work / opts["file"]).write_text(code + "\n")
@@ -236,12 +249,14 @@ def test_block_runs(workdirs, doc, line, lang, code, opts):
     if lang == "python":
         (work / f"readme_line{line}.py").write_text(code + "\n")
     for what, argv in runs(line, lang, code, opts):
-        proc = subprocess.run(
-            argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-        assert proc.returncode == 0, (
-            f"{doc} line {line}: {what}\n{proc.stdout[-2000:]}\n" + (proc.stderr[-4000:])
-        )
+        if planned := warm.plan(argv):
+            code, out = warm_server.run(planned, work, _env(), TIMEOUT_S)
+        else:
+            proc = subprocess.run(
+                argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+            )
+            code, out = proc.returncode, proc.stdout[-2000:] + "\n" + proc.stderr
+        assert code == 0, f"{doc} line {line}: {what} (exit {code})\n{out[-6000:]}"
 
 
 def test_the_readme_is_short_and_links_every_doc():
