@@ -37,6 +37,7 @@ context (:meth:`RankMemory.needed`, from the machine profile).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
@@ -273,8 +274,16 @@ def _element_bytes(
 ) -> ElementBytes:
     """What the rank's elements cost by the stage's terms: the trainable ones by element size,
     ``share`` of them offloaded, and the frozen ones."""
+    return _element_bytes_of((c.t2, c.f2, c.t4, c.f4), stage, dp, overlap, share)
+
+
+@functools.lru_cache(maxsize=4096)  # a search asks the same few counts at every layout
+def _element_bytes_of(
+    counts: tuple[int, int, int, int], stage: ZeroStage, dp: int, overlap: bool, share: float
+) -> ElementBytes:
+    t2, f2, t4, f4 = counts
     total = ElementBytes()
-    for size, trainable, frozen in ((2, c.t2, c.f2), (4, c.t4, c.f4)):
+    for size, trainable, frozen in ((2, t2, f2), (4, t4, f4)):
         kept = stage.trainable_bytes(dp, size, overlap=overlap)
         if share:
             moved = stage.trainable_bytes(dp, size, overlap=overlap, offloaded=True)
