@@ -13,7 +13,9 @@ CI's own install and test steps) are checked to be just that, and not collected 
 Python commands (``python -m ...``, ``python script.py`` and torchrun's standalone form) run as
 processes forked from one warm interpreter (``tests/warm.py``: the same argv, directory and
 environment, torchrun's for each rank, without paying torch's import for each); anything else
-runs as a plain subprocess. Shell commands: setting up the environment (``python -m venv``, activating it, ``pip
+runs as a plain subprocess.
+
+Shell commands: setting up the environment (``python -m venv``, activating it, ``pip
 install``) and ``pytest`` are the CI's own steps and are not repeated; downloads (``hf``) need
 the network, and the ``setup=`` option makes a local stand-in for what they fetch; a benchmark
 without ``--smoke`` needs GPUs (each such line has its ``--smoke`` twin); a training command runs
