@@ -128,7 +128,10 @@ def _wait(pids: list[int], timeout: float) -> int:
         if failed or time.monotonic() > deadline:
             for pid in pids:
                 if pid not in codes:
-                    os.killpg(pid, signal.SIGKILL)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)  # the child and what it started
+                    except ProcessLookupError:  # not yet its own group leader
+                        os.kill(pid, signal.SIGKILL)
                     codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             return next((c for c in codes.values() if c != 0), 0) if failed else -9
         time.sleep(0.02)
