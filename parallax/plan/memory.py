@@ -156,9 +156,13 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     # a clipped one-pass step reads the host's sums in place and sends them up from there: only
     # sums kept on the GPU come down into an fp32 scratch and go up through the ring
     apart = not model.run.host_step_one_pass or layout.accumulate > 0
-    weights, gradients, optimizer, gathered, buffers, hosted, share = _states(
-        c, layout, overlap, apart
-    )
+    # what _states reads, the same at every micro-batch size, schedule and recompute choice
+    key = ("states", layout.tp, layout.pp, layout.chunks, pp_rank, layout.dp, layout.zero)
+    key += (layout.offload, layout.reshard_after_forward, overlap, apart)
+    if key not in model.cache:
+        model.cache[key] = _states(c, layout, overlap, apart)
+    weights, gradients, optimizer, gathered, buffers, hosted, share = model.cache[key]
+    hosted = dict(hosted)  # kept_on_gpu moves sums out of it: the cached one stays as made
     kept, kept_bytes = kept_on_gpu(c.order, layout, hosted)  # sums on the GPU, not the host
     gradients += kept_bytes
     activations, workspace = activation_bytes(model, layout, pp_rank)
