@@ -27,7 +27,6 @@ pipeline example, which takes ``--steps`` too (its 60 steps print a falling loss
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 import shutil
@@ -86,10 +85,7 @@ def commands(code: str) -> list[str]:
     return cmds
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PARALLAX_TIMEOUT_S="120")
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    return env
+_env = warm.command_env
 
 
 def _torchrun(nproc: int | None = None) -> list[str]:
@@ -160,14 +156,6 @@ def workdirs(tmp_path_factory):
         return made[doc]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def warm_server():
-    """One warm interpreter that forks each Python command's processes (``tests/warm.py``)."""
-    server = warm.Server(_env())
-    yield server
-    server.close()
 
 
 def _name(path: Path) -> str:

@@ -2,7 +2,6 @@
 torchrun's form gives its ranks a working process group; a failing rank or a timeout stops the
 rest instead of hanging."""
 
-import os
 import sys
 
 import pytest
@@ -28,20 +27,16 @@ sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
 """
 
 
-@pytest.fixture(scope="module")
-def server():
-    env = dict(os.environ, PYTHONPATH=str(warm.ROOT), OMP_NUM_THREADS="1")
-    s = warm.Server(env)
-    yield s, env
-    s.close()
+@pytest.fixture
+def server(warm_server):
+    return warm_server
 
 
 def _run(server, tmp_path, argv, timeout=60):
-    s, env = server
     (tmp_path / "a.py").write_text(SCRIPT)
     planned = warm.plan([sys.executable, *argv])
     assert planned is not None, argv
-    return s.run(planned, tmp_path, env, timeout)
+    return server.run(planned, tmp_path, warm.command_env(), timeout)
 
 
 def test_plan_takes_python_and_standalone_torchrun_only():

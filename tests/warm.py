@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "parallax.train.cli", "parallax.plan.cli")
 TORCHRUN = ("-m", "torch.distributed.run")
+
+
+def command_env() -> dict[str, str]:
+    """The environment of the commands tests run: this checkout importable, one torch thread a
+    process, collectives that give up after 120 s, and no torchrun above them."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PARALLAX_TIMEOUT_S="120")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    return env
 
 
 def plan(argv: list[str]) -> tuple[list[str], int] | None:
@@ -180,7 +189,7 @@ class Server:
 
     def run(self, planned, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
         words, ranks = planned
-        out = cwd / f".warm-{uuid.uuid4().hex}.log"
+        out = Path(tempfile.gettempdir()) / f"parallax-warm-{uuid.uuid4().hex}.log"
         req = dict(words=words, ranks=ranks, cwd=str(cwd), env=env, out=str(out), timeout=timeout)
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()

@@ -74,22 +74,22 @@ def test_one_table_with_ratios_against_the_faster_hf_row(tmp_path):
     assert by["parallax", "max=96"][col["x HF samples/s"]] == 30.0 / 11.0
 
 
-def test_the_dp2_row_runs_under_torchrun():
+def test_the_dp2_row_runs_under_torchrun(warm_server):
     """The multi-GPU row's code path (``torchrun --nproc-per-node 2``: dp 2 over ZeRO-1, the
     batch per GPU) runs on CPU, and its first loss is the one-process row's (the same samples
-    on each rank, mean over the global batch)."""
-    import os
+    on each rank, mean over the global batch). Its ranks are forked warm with torchrun's
+    environment (``tests/warm.py``)."""
     import re
-    import subprocess
     import sys
+
+    from tests import warm
 
     (one,) = main(FAST)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--standalone", "-m", "benchmarks.step.lora", *FAST]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = next(s for s in out.stdout.splitlines() if s.startswith("parallax opt dp2 batch 2"))
+    code, out = warm_server.run(warm.plan(cmd), warm.ROOT, warm.command_env(), 240)
+    assert code == 0, out[-2000:]
+    line = next(s for s in out.splitlines() if s.startswith("parallax opt dp2 batch 2"))
     assert "(ok," in line, line
     loss = float(re.search(r"loss 1 (\S+)", line).group(1))
     assert math.isclose(loss, one["first_loss"], rel_tol=1e-4), (loss, one["first_loss"])

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from parallax.recipe import resolve
+from tests import warm
 
 KEYS = {"step", "loss", "action_accuracy", "l1", "lr", "grad_norm", "tokens_per_s", "mfu"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -287,11 +288,13 @@ def test_bad_layout_fails_on_every_rank_and_rank_0_says_it(tmp_path):
     assert err.count("Traceback") == 1 and "ChildFailedError" in err  # torchrun's own
 
 
-def test_dry_run_under_torchrun_prints_the_plan_once():
-    proc = torchrun(2, "--dry-run", "--tp", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("parallax plan") == 1, proc.stdout
-    assert "tp2 pp1 dp1 = 2 ranks" in proc.stdout and "not under torchrun" not in proc.stdout
+def test_dry_run_under_torchrun_prints_the_plan_once(warm_server, tmp_path):
+    """Two ranks with torchrun's environment, forked warm (``tests/warm.py``)."""
+    planned = warm.plan(torchrun_cmd(2, "--dry-run", "--tp", "2"))
+    code, out = warm_server.run(planned, tmp_path, warm.command_env(), 120)
+    assert code == 0, out[-3000:]
+    assert out.count("parallax plan") == 1, out
+    assert "tp2 pp1 dp1 = 2 ranks" in out and "not under torchrun" not in out
 
 
 def test_bad_inputs_fail_before_training(tmp_path, capsys):
