@@ -37,22 +37,25 @@ def offload_host(
     return hosted
 
 
-def kept_on_gpu(order: Sequence, layout: Layout, hosted: dict[str, float]) -> tuple[float, float]:
-    """``(elements, device bytes)`` of the offloaded gradients this rank sums on the GPU
-    (``--gpu-accumulation``: whole buckets, the optimizer's own choice, ``order`` the buckets'
-    ``((element size, partial), elements)``); ``hosted`` loses their sums and gains their two
-    pinned landing buffers."""
+def kept_on_gpu(
+    order: Sequence, layout: Layout, hosted: dict[str, float]
+) -> tuple[float, float, dict[str, float]]:
+    """``(elements, device bytes, host parts)`` of the offloaded gradients this rank sums on the
+    GPU (``--gpu-accumulation``: whole buckets, the optimizer's own choice, ``order`` the
+    buckets' ``((element size, partial), elements)``): ``hosted`` without their sums and with
+    their two pinned landing buffers (a new dict; ``hosted`` is left as it is)."""
     if not (layout.offload and layout.accumulate):
-        return 0.0, 0.0
+        return 0.0, 0.0, hosted
     numels = [n for _, n in order]
     chosen = kept_buckets(
         numels, offloaded_buckets(numels, float(layout.offload)), layout.accumulate
     )
     if not chosen:
-        return 0.0, 0.0
+        return 0.0, 0.0, hosted
     dp = layout.dp
     sizes = {b: order[b][0][0] * numels[b] / dp for b in chosen}  # bytes of each sum
     device = sum(sizes.values())
+    hosted = dict(hosted)
     hosted[ACCUMULATION] = max(0.0, hosted.get(ACCUMULATION, 0.0) - device)
     hosted[PINNED] = hosted.get(PINNED, 0.0) + 2.0 * max(sizes.values())  # one each way
-    return sum(numels[b] for b in chosen) / dp, device
+    return sum(numels[b] for b in chosen) / dp, device, hosted

@@ -37,7 +37,6 @@ context (:meth:`RankMemory.needed`, from the machine profile).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL, bucket_numels
@@ -156,14 +155,14 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     # a clipped one-pass step reads the host's sums in place and sends them up from there: only
     # sums kept on the GPU come down into an fp32 scratch and go up through the ring
     apart = not model.run.host_step_one_pass or layout.accumulate > 0
-    # what _states reads, the same at every micro-batch size, schedule and recompute choice
-    key = ("states", layout.tp, layout.pp, layout.chunks, pp_rank, layout.dp, layout.zero)
-    key += (layout.offload, layout.reshard_after_forward, overlap, apart)
+    # ZeRO's terms read only these: the same at every micro-batch size, schedule and recompute
+    zero = (layout.dp, layout.zero, layout.offload, layout.reshard_after_forward, overlap, apart)
+    key = ("states", layout.tp, layout.pp, layout.chunks, pp_rank, *zero)
     if key not in model.cache:
-        model.cache[key] = _states(c, layout, overlap, apart)
+        model.cache[key] = _states(c, *zero)
     weights, gradients, optimizer, gathered, buffers, hosted, share = model.cache[key]
-    hosted = dict(hosted)  # kept_on_gpu moves sums out of it: the cached one stays as made
-    kept, kept_bytes = kept_on_gpu(c.order, layout, hosted)  # sums on the GPU, not the host
+    # sums on the GPU, not the host
+    kept, kept_bytes, hosted = kept_on_gpu(c.order, layout, hosted)
     gradients += kept_bytes
     activations, workspace = activation_bytes(model, layout, pp_rank)
     return RankMemory(
@@ -245,12 +244,15 @@ def _counts(blocks) -> _Counts:
     )
 
 
-def _states(c: _Counts, layout: Layout, overlap: bool, apart: bool = True) -> tuple:
+def _states(
+    c: _Counts, dp: int, zero: int, offload: float, reshard: bool, overlap: bool, apart: bool
+) -> tuple:
     """(weights, gradients, optimizer, gathered, buffers, host bytes by what they hold, share
-    offloaded) of ZeRO at this layout (the host's: :mod:`parallax.plan.host_memory`; ``apart``:
-    some bucket steps from a scratch and goes up through the ring)."""
-    dp, stage = layout.dp, stage_of(layout.zero)
-    share = offloaded_share([n for _, n in c.order], float(layout.offload))  # whole buckets
+    offloaded) of ZeRO ``zero`` at ``dp`` (the host's: :mod:`parallax.plan.host_memory`;
+    ``reshard``: stage 3 frees gathered weights after the forward; ``apart``: some bucket steps
+    from a scratch and goes up through the ring)."""
+    stage = stage_of(zero)
+    share = offloaded_share([n for _, n in c.order], float(offload))  # whole buckets
     held = _element_bytes(c, stage, dp, overlap, share)
     sixteen = c.buckets.get((2, False), 0)  # the largest bucket of 16-bit weights
     partial = max((n for (_, p), n in c.buckets.items() if p), default=0)
@@ -259,7 +261,7 @@ def _states(c: _Counts, layout: Layout, overlap: bool, apart: bool = True) -> tu
     if stage.shards_weights:  # a bucket never spans two units
         bucket = min(bucket, c.unit // (2 if c.t2 else 4))
         if dp > 1:
-            gathered = 2.0 * c.unit if layout.reshard_after_forward else float(c.full_bytes)
+            gathered = 2.0 * c.unit if reshard else float(c.full_bytes)
     if stage.reduces_each_pass:
         # pass buffers: the bucket filling, the one in flight, its reduced part
         buffers = 4.0 * min(PASS_BUFFERS * bucket, c.trainable) + 4.0 * bucket / dp
@@ -278,16 +280,8 @@ def _element_bytes(
 ) -> ElementBytes:
     """What the rank's elements cost by the stage's terms: the trainable ones by element size,
     ``share`` of them offloaded, and the frozen ones."""
-    return _element_bytes_of((c.t2, c.f2, c.t4, c.f4), stage, dp, overlap, share)
-
-
-@functools.lru_cache(maxsize=4096)  # a search asks the same few counts at every layout
-def _element_bytes_of(
-    counts: tuple[int, int, int, int], stage: ZeroStage, dp: int, overlap: bool, share: float
-) -> ElementBytes:
-    t2, f2, t4, f4 = counts
     total = ElementBytes()
-    for size, trainable, frozen in ((2, t2, f2), (4, t4, f4)):
+    for size, trainable, frozen in ((2, c.t2, c.f2), (4, c.t4, c.f4)):
         kept = stage.trainable_bytes(dp, size, overlap=overlap)
         if share:
             moved = stage.trainable_bytes(dp, size, overlap=overlap, offloaded=True)

@@ -47,12 +47,11 @@ class ElementBytes:
 
     # spelled out, not over fields(): the planner adds these some 10^6 times a search
     def __add__(self, other: ElementBytes) -> ElementBytes:
-        o = other
         return ElementBytes(
-            self.weights + o.weights,
-            self.gradients + o.gradients,
-            self.optimizer + o.optimizer,
-            self.host + o.host,
+            self.weights + other.weights,
+            self.gradients + other.gradients,
+            self.optimizer + other.optimizer,
+            self.host + other.host,
         )
 
     def __mul__(self, k: float) -> ElementBytes:
