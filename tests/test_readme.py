@@ -85,9 +85,6 @@ def commands(code: str) -> list[str]:
     return cmds
 
 
-_env = warm.command_env
-
-
 def _torchrun(nproc: int | None = None) -> list[str]:
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return run + ([f"--nproc-per-node={nproc}"] if nproc else [])
@@ -240,10 +237,15 @@ def test_block_runs(workdirs, warm_server, doc, line, lang, code, opts):
         (work / f"readme_line{line}.py").write_text(code + "\n")
     for what, argv in runs(line, lang, code, opts):
         if planned := warm.plan(argv):
-            code, out = warm_server.run(planned, work, _env(), TIMEOUT_S)
+            code, out = warm_server.run(planned, work, warm.command_env(), TIMEOUT_S)
         else:
             proc = subprocess.run(
-                argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+                argv,
+                cwd=work,
+                env=warm.command_env(),
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
             )
             code, out = proc.returncode, proc.stdout[-2000:] + "\n" + proc.stderr
         assert code == 0, f"{doc} line {line}: {what} (exit {code})\n{out[-6000:]}"

@@ -4,8 +4,6 @@ rest instead of hanging."""
 
 import sys
 
-import pytest
-
 from tests import warm
 
 SCRIPT = r"""
@@ -27,16 +25,11 @@ sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
 """
 
 
-@pytest.fixture
-def server(warm_server):
-    return warm_server
-
-
-def _run(server, tmp_path, argv, timeout=60):
+def _run(warm_server, tmp_path, argv, timeout=60):
     (tmp_path / "a.py").write_text(SCRIPT)
     planned = warm.plan([sys.executable, *argv])
     assert planned is not None, argv
-    return server.run(planned, tmp_path, warm.command_env(), timeout)
+    return warm_server.run(planned, tmp_path, warm.command_env(), timeout)
 
 
 def test_plan_takes_python_and_standalone_torchrun_only():
@@ -51,20 +44,20 @@ def test_plan_takes_python_and_standalone_torchrun_only():
     assert warm.plan(["ls"]) is None
 
 
-def test_exit_codes_and_output_are_the_commands(server, tmp_path):
-    assert _run(server, tmp_path, ["a.py", "0"]) == (0, "rank None of None ['0']\n")
-    code, out = _run(server, tmp_path, ["a.py", "5"])
+def test_exit_codes_and_output_are_the_commands(warm_server, tmp_path):
+    assert _run(warm_server, tmp_path, ["a.py", "0"]) == (0, "rank None of None ['0']\n")
+    code, out = _run(warm_server, tmp_path, ["a.py", "5"])
     assert code == 5 and "['5']" in out
 
 
-def test_torchrun_form_gives_ranks_a_process_group(server, tmp_path):
+def test_torchrun_form_gives_ranks_a_process_group(warm_server, tmp_path):
     run = ["-m", "torch.distributed.run", "--nproc-per-node=3", "a.py"]
-    code, out = _run(server, tmp_path, run)
+    code, out = _run(warm_server, tmp_path, run)
     assert code == 0 and out.count("sum 3") == 3, out
 
 
-def test_a_failing_rank_or_a_timeout_stops_the_rest(server, tmp_path):
+def test_a_failing_rank_or_a_timeout_stops_the_rest(warm_server, tmp_path):
     run = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "a.py"]
-    code, out = _run(server, tmp_path, [*run, "fail"])  # rank 0 waits at a barrier meanwhile
+    code, out = _run(warm_server, tmp_path, [*run, "fail"])  # rank 0 waits at a barrier meanwhile
     assert code == 3 and out.count("['fail']") == 2, out
-    assert _run(server, tmp_path, ["a.py", "sleep"], timeout=2)[0] == -9
+    assert _run(warm_server, tmp_path, ["a.py", "sleep"], timeout=2)[0] == -9

@@ -151,9 +151,10 @@ def serve() -> None:
     """The server's loop: one JSON request a line on stdin, one exit code a line on stdout."""
     import importlib
 
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a stray print of the server's own goes to stderr, not into the replies
     for name in PRELOAD:
         importlib.import_module(name)
-    reply = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
         req = json.loads(line)
         port, run_id = _free_port(), uuid.uuid4().hex
