@@ -48,7 +48,7 @@ class Row:
     finetune: str = "full"
     limit: float | None = None  # GiB: --gpu-memory-limit
     host: float | None = None  # GiB of host memory the planner may use (--host-memory)
-    host_adamw: str = "torch"  # --host-adamw: the offloaded clipped step's kernel
+    host_adamw: str = "auto"  # --host-adamw: the offloaded clipped step's kernel
 
 
 ROWS = (
@@ -111,7 +111,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
         flags["pad_to_multiple_of"] = args.pad_to_multiple_of  # (the others' text is fixed)
     if args.grad_clip is not None:
         flags["grad_clip"] = args.grad_clip
-    if row.host_adamw != "torch":
+    if row.host_adamw != "auto":
         flags["host_adamw"] = row.host_adamw
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
@@ -140,7 +140,7 @@ def described(best, run) -> str:
     fine-tuning run (clipped by default) turned it off."""
     pad = run.pad_to_multiple_of
     words = best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
-    if best.layout.offload and getattr(run, "host_adamw", "torch") != "torch":
+    if best.layout.offload and getattr(run, "host_adamw", "auto") != "auto":
         words += f", host AdamW {run.host_adamw}"
     return words + (", no clipping" if run.grad_clip == 0 and run.finetune == "full" else "")
 

@@ -109,9 +109,10 @@ class TrainConfig(
 
     @property
     def host_step_one_pass(self) -> bool:
-        """Whether offloaded buckets step in one pass on the host: ``--host-adamw one-pass``
-        with clipping (unclipped, each bucket steps in the backward with torch's kernel)."""
-        return bool(self.grad_clip) and self.host_adamw == "one-pass"
+        """Whether offloaded buckets of a run on GPUs (what the planner plans) step in one pass
+        on the host: ``--host-adamw one-pass`` or ``auto``, with clipping (unclipped, each
+        bucket steps in the backward with torch's kernel)."""
+        return bool(self.grad_clip) and self.host_adamw != "torch"
 
     def num_microbatches(self, dp: int) -> int:
         """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.models.compile import CHECKPOINT_SCOPES
-from parallax.optim.zero.stage import HOST_ADAMWS
+from parallax.optim.zero.stage import HOST_ADAMW_CHOICES
 from parallax.run.option import opt, within
 from parallax.run.options_layout import GPU_GIB
 
@@ -70,13 +70,13 @@ class MemoryOptions:
         metavar="F",
     )
     host_adamw: str = opt(
-        "torch",
+        "auto",
         "where --offload optimizer steps a clipped run on the host, its AdamW. torch: torch's "
         "fused CPU kernel between an upcast of the summed gradients and a conversion of the new "
         "weights (40 bytes an element); one-pass: one loop from the sums to the new weights (28 "
-        "bytes; on GPUs compiled for the CPU at start)",
+        "bytes; on GPUs compiled for the CPU at start); auto: one-pass on GPUs, torch on the CPU",
         MEMORY,
-        choices=HOST_ADAMWS,
+        choices=HOST_ADAMW_CHOICES,
     )
     gpu_memory_limit: float | None = opt(
         None,

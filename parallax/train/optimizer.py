@@ -10,6 +10,7 @@ import logging
 import torch
 
 from parallax.optim import ZeroOptimizer
+from parallax.optim.zero.stage import host_adamw_kernel
 from parallax.run import param_groups as groups
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
     named = [(n, p) for n, p in trainer._named_parameters() if p.requires_grad]
     passes = trainer.recipe.objective.backward_passes(trainer.num_microbatches)
     run = trainer.run
-    if run.host_adamw != "torch" and (run.offload == "none" or not run.host_step_one_pass):
+    if run.host_adamw == "one-pass" and (run.offload == "none" or not run.host_step_one_pass):
         why = "nothing is offloaded" if run.offload == "none" else "unclipped, the backward steps"
         log.warning("--host-adamw %s changes nothing here: %s", run.host_adamw, why)
     kwargs = {}
@@ -36,7 +37,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         offload=trainer.run.offload == "optimizer",
         offload_fraction=trainer.run.offload_fraction,
         gpu_accumulation=trainer.run.gpu_accumulation,
-        host_adamw=trainer.run.host_adamw,
+        host_adamw=host_adamw_kernel(run.host_adamw, trainer.ctx.device.type),
         # nothing clips after the backward: the host steps each bucket during it
         step_in_backward=not trainer.run.grad_clip,
         overlap=trainer.run.overlap_grad_reduce,

@@ -140,12 +140,13 @@ def test_the_one_pass_host_adamw_costs_its_measured_share_of_the_fused_kernel():
     mach = H200.with_(gpus_per_node=1, gpu_memory_gib=32.0)
     lay = Layout(micro_batch_size=8, zero=2, offload=1.0, checkpointing=True)
     got = {}
-    for extra in ([], ["--host-adamw", "one-pass"], ["--grad-clip", "0"],
+    for extra in ([], ["--host-adamw", "torch"], ["--host-adamw", "one-pass"], ["--grad-clip", "0"],
                   ["--grad-clip", "0", "--host-adamw", "one-pass"]):  # fmt: skip
         model = Workload(resolve(parse_args(base + extra)))
         got[" ".join(extra)] = step_time(model, lay, mach, plan_memory(model, lay)).offload
-    torch_s, one_s = got[""], got["--host-adamw one-pass"]
+    torch_s, one_s = got["--host-adamw torch"], got["--host-adamw one-pass"]
     assert 0 < one_s < torch_s
+    assert got[""] == one_s  # the default (auto) plans the one-pass step a GPU run takes
     share = 7.5e9  # (about: every trainable element is stepped on the host)
     around = 2 * (4 + 2) * share / (mach.host_gbs * 1e9)  # the upcast and the conversion
     fused = mach.host_adam_s * share / 1e9

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from parallax import ParallelContext
+from parallax.optim.zero.stage import host_adamw_kernel
 from parallax.recipe import resolve
 from parallax.train import parse_args
 from parallax.train.cli import run
@@ -41,3 +42,14 @@ def test_the_offloads_host_bytes_and_their_ratio_to_the_floor_are_in_the_metrics
     plain = _rows(tmp_path / "plain", ["--zero", "2", "--host-adamw", "one-pass"])
     assert "--host-adamw one-pass changes nothing here: nothing is offloaded" in caplog.text
     assert all(r["offload_host_gib"] is None and r["offload_host_ratio"] is None for r in plain)
+
+
+def test_auto_steps_the_host_in_one_pass_on_gpus_and_with_torchs_kernel_on_the_cpu():
+    """``--host-adamw auto`` (the default) is the compiled one-pass kernel where a run is on
+    GPUs (faster there, docs/zero.md) and torch's kernel in a CPU run, where the one-pass loop
+    would run as eager ops; an explicit choice is kept either way."""
+    assert parse_args([]).host_adamw == "auto"
+    assert host_adamw_kernel("auto", "cuda") == "one-pass"
+    assert host_adamw_kernel("auto", "cpu") == "torch"
+    for choice in ("torch", "one-pass"):
+        assert host_adamw_kernel(choice, "cuda") == host_adamw_kernel(choice, "cpu") == choice

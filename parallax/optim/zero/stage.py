@@ -23,6 +23,17 @@ ACCUMULATION = "accumulation"  # the host part above that floor: the passes' gra
 # the offloaded clipped step's AdamW: torch's fused CPU kernel between an upcast and a conversion
 # (40 bytes an element), or one pass from the summed gradient to the new weights (28)
 HOST_ADAMWS = ("torch", "one-pass")
+# --host-adamw's choices: "auto" is one-pass on GPUs (compiled for the host's CPU at start;
+# measured faster in the run, docs/zero.md) and torch's kernel in a CPU run (eager there)
+HOST_ADAMW_CHOICES = ("auto", *HOST_ADAMWS)
+
+
+def host_adamw_kernel(choice: str, device_type: str) -> str:
+    """The host AdamW that ``--host-adamw choice`` runs on a ``device_type`` run."""
+    if choice != "auto":
+        return choice
+    return "one-pass" if device_type == "cuda" else "torch"
+
 
 # Where a bucket's fp32 reduced gradient (this rank's chunk) lives between the reduction and the
 # optimizer step (:meth:`ZeroStage.grad_home`)
