@@ -4,11 +4,14 @@ tensors hold (the optimizer's memory report, and the frozen weights outside it),
 preset at several layouts, precisions and ZeRO stages, and with LoRA (on a bf16 and
 on an NF4 base: the quantized weights are buffers, whole on every dp rank)."""
 
+import dataclasses
+
 import pytest
 
 import parallax.models.vlm as vlm
 from parallax.data import BatchLoader, SyntheticTask
 from parallax.families.openvla.batches import BatchBuilder, text_tokenizer
+from parallax.optim.zero.stage import host_adamw_kernel
 from parallax.plan.layout import Layout
 from parallax.plan.memory import rank_memory
 from parallax.plan.workload import Workload
@@ -58,7 +61,10 @@ def _sizes(model: str, tp: int, pp: int, dp: int, options: dict) -> tuple[float,
     outside = [p for c in trainer.chunks for p in c.parameters() if not p.requires_grad]
     frozen = 0 if stage == 3 else sum(p.numel() * p.element_size() for p in outside)
     frozen += sum(q.nbytes() for c in trainer.chunks for _, q in quantized_weights(c))  # whole
-    mem = rank_memory(Workload(cfg), Layout.of(cfg, dp), ctx.pp_rank, cfg.overlap_grad_reduce)
+    # the planner plans a GPU's run, whose offloaded step (--host-adamw auto) is the one-pass
+    # kernel; this CPU run steps with torch's, and its scratch: planned as the kernel that ran
+    ran = dataclasses.replace(cfg, host_adamw=host_adamw_kernel(cfg.host_adamw, ctx.device.type))
+    mem = rank_memory(Workload(ran), Layout.of(cfg, dp), ctx.pp_rank, cfg.overlap_grad_reduce)
     staging = mem.buffers if stage == 1 else 0.0  # ZeRO-2/3's pass buffers live in a pass
     predicted = mem.weights + mem.gradients + mem.optimizer + staging
     host = getattr(report, "host_bytes", 0)
