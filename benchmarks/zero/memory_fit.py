@@ -63,6 +63,9 @@ ROWS = (
     Row("lora-16", "openvla-7b", 16, finetune="lora", limit=16.0),
     # uncapped, planned: the same invocation's reference for its workload's ratio
     Row("openvla", "openvla-7b", 256),
+    # planned with torch's host kernel, the uncapped choice is ZeRO-1 at micro-batch 8 (the
+    # reference of the rows before 2026-12-06; with the one-pass kernel an offload-0.5 layout ties)
+    Row("openvla-torch", "openvla-7b", 256, host_adamw="torch"),
     Row("llava", "llava-v1.6-vicuna-7b", 32),
     Row("lora", "openvla-7b", 16, finetune="lora"),
 )

@@ -46,6 +46,14 @@ class Candidate:
     host: float  # bytes one node's host needs
     global_batch: int
     time: StepTime | None = None
+    # bytes the layout needs before the GPU's room was filled with gradient sums
+    # (:meth:`Searcher._filled`, which grows ``gpu`` to the cap): it fits every cap from here
+    least_gpu: float | None = None
+
+    @property
+    def fits_from(self) -> float:
+        """The least GPU cap this layout (with fewer sums on the GPU where filled) fits."""
+        return self.gpu if self.least_gpu is None else self.least_gpu
 
     @property
     def samples_per_s(self) -> float:
@@ -208,12 +216,12 @@ class Searcher:
             return c
         whole = self._evaluate(dataclasses.replace(c.layout, accumulate=1.0))
         if whole.gpu - c.gpu <= room:
-            return whole
+            return dataclasses.replace(whole, least_gpu=c.gpu)
         share = room / (whole.gpu - c.gpu)
         if share < 0.01:
             return c
         part = self._evaluate(dataclasses.replace(c.layout, accumulate=round(share, 3) - 0.001))
-        return part if part.gpu <= self.usable_gpu else c
+        return dataclasses.replace(part, least_gpu=c.gpu) if part.gpu <= self.usable_gpu else c
 
     def _evaluate(self, layout: Layout) -> Candidate:
         memory = tuple(plan_memory(self.model, layout, self.model.run.overlap_grad_reduce))
@@ -226,7 +234,7 @@ class Searcher:
 
     def timed(self, c: Candidate, exact: bool = True) -> Candidate:
         t = step_time(self.model, c.layout, self.machine, list(c.memory), exact)
-        return Candidate(c.layout, c.memory, c.gpu, c.host, c.global_batch, t)
+        return dataclasses.replace(c, time=t)
 
 
 def search(
@@ -300,12 +308,14 @@ def first_choice(timed: list[Candidate]) -> Candidate:
     memory choose a slower one (up to :data:`TIE`): a simpler layout that only fits the larger
     cap wins the tie against a faster one that fit the smaller cap. Only the fastest's tie
     bucket matters (a choice is in its cap's fastest bucket, never faster than this one), and
-    a candidate fits every cap from its GPU need up (the host need does not change with it)."""
+    a candidate fits every cap from its GPU need up (the host need does not change with it; a
+    layout filled with gradient sums fits from its need without them, with fewer sums and no
+    faster: taken at its time here, it is never passed over for a slower simpler one)."""
     bucket = min(_preference(c)[0] for c in timed)
-    group = sorted((c for c in timed if _preference(c)[0] == bucket), key=lambda c: c.gpu)
+    group = sorted((c for c in timed if _preference(c)[0] == bucket), key=lambda c: c.fits_from)
     chosen: Candidate | None = None
     for k, c in enumerate(group):
-        if k + 1 < len(group) and group[k + 1].gpu == c.gpu:
+        if k + 1 < len(group) and group[k + 1].fits_from == c.fits_from:
             continue  # the candidates of one need fit together
         under = min(group[: k + 1], key=_preference)  # the choice under a cap of c's need
         if chosen is None or under.time.seconds < chosen.time.seconds:

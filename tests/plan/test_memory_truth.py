@@ -11,7 +11,6 @@ padding, which the planner leaves out, is zero here. The buckets the planner pac
 its counts into, and the ones it offloads, are the optimizer's own too (at a small bucket size,
 where there are several)."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -112,8 +111,7 @@ def _planned(tp: int, dp: int, stage, dtype, overlap, share, frozen, kept=0.0) -
     """The planner's bytes of pipeline rank 0 at this layout."""
     counted = _counted(dtype, frozen)
     hand = toy([0.0], [None])  # a one-block model's run, schedule and activations
-    run = dataclasses.replace(hand.run, host_adamw="torch")  # (ZeroOptimizer's default kernel)
-    model = Workload(run, hand.blocks, hand.estimates, lambda tp: [counted])
+    model = Workload(hand.run, hand.blocks, hand.estimates, lambda tp: [counted])
     layout = Layout(tp=tp, dp=dp, zero=stage, offload=share, accumulate=kept)
     mem = rank_memory(model, layout, 0, overlap)
     return dict(

@@ -44,10 +44,14 @@ def toy(
     batch: int = 8,
     tp: bool = False,
     grad_clip: float = 1.0,
+    host_adamw: str = "torch",
 ) -> Workload:
     """Blocks of ``FLOPS`` and ``PARAMS`` each; block ``i`` keeps ``saved[i]`` bytes a sample
-    (split by tp), or 1 kB when its ``scopes[i]`` recomputes."""
-    flags = TrainConfig(precision="bf16", global_batch_size=batch, grad_clip=grad_clip)
+    (split by tp), or 1 kB when its ``scopes[i]`` recomputes. An offloaded clipped step is
+    torch's kernel's unless ``host_adamw`` says otherwise (the hand-worked costs are its)."""
+    flags = TrainConfig(
+        precision="bf16", global_batch_size=batch, grad_clip=grad_clip, host_adamw=host_adamw
+    )
     run = Run(**flags.core_options(), recipe=ToyRecipe(tp), model_name="toy", model_config=None)
     n = len(saved)
     blocks = [StageBlock(f"b{i}", FLOPS) for i in range(n)]
