@@ -7,6 +7,8 @@ larger cap used to win a tie (half a percent) against a faster one that fit the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from parallax.plan.cost import StepTime
@@ -59,3 +61,15 @@ def test_a_simpler_layout_that_needs_more_memory_does_not_win_a_tie_against_a_fa
     assert first_choice([simpler, faster]) is faster
     cheaper = _candidate(1.002, gpu=10.0, zero=1)  # a tie, simpler and smaller: it wins
     assert first_choice([simpler, faster, cheaper]) is cheaper
+
+
+def test_a_layout_filled_with_sums_counts_from_its_need_without_them():
+    """The search fills an offloaded layout's spare GPU memory with gradient sums, so its need
+    grows to the cap; it fit the smaller caps with fewer sums, and a simpler layout that needs
+    more than that does not win the tie against it (it did from 135 GiB, where ZeRO-1 fits)."""
+    simpler = _candidate(1.002, gpu=39.0, zero=1)
+    filled = dataclasses.replace(_candidate(1.000, gpu=40.0, zero=2), least_gpu=20.0)
+    assert filled.fits_from == 20.0 and simpler.fits_from == 39.0
+    assert first_choice([simpler, filled]) is filled
+    unfilled = _candidate(1.000, gpu=40.0, zero=2)  # (needing 40 GiB itself: the simpler wins)
+    assert first_choice([simpler, unfilled]) is simpler
