@@ -37,7 +37,10 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         offload=trainer.run.offload == "optimizer",
         offload_fraction=trainer.run.offload_fraction,
         gpu_accumulation=trainer.run.gpu_accumulation,
-        host_adamw=host_adamw_kernel(run.host_adamw, trainer.ctx.device.type),
+        # (unclipped, the backward steps each bucket with torch's kernel: nothing to compile)
+        host_adamw=host_adamw_kernel(run.host_adamw, trainer.ctx.device.type)
+        if run.host_step_one_pass
+        else "torch",
         # nothing clips after the backward: the host steps each bucket during it
         step_in_backward=not trainer.run.grad_clip,
         overlap=trainer.run.overlap_grad_reduce,

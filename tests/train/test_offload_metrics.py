@@ -12,6 +12,7 @@ from parallax.optim.zero.stage import host_adamw_kernel
 from parallax.recipe import resolve
 from parallax.train import parse_args
 from parallax.train.cli import run
+from parallax.train.trainer import Trainer
 
 RUN = ["--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "2", "--log-interval", "1"]
 
@@ -53,3 +54,14 @@ def test_auto_steps_the_host_in_one_pass_on_gpus_and_with_torchs_kernel_on_the_c
     assert host_adamw_kernel("auto", "cpu") == "torch"
     for choice in ("torch", "one-pass"):
         assert host_adamw_kernel(choice, "cuda") == host_adamw_kernel(choice, "cpu") == choice
+
+
+def test_an_unclipped_run_steps_with_torchs_kernel_and_a_clipped_one_with_its_choice():
+    """Unclipped, each bucket steps in the backward with torch's kernel: the one-pass kernel is
+    not built (on GPUs it would compile for nothing); clipped, ``one-pass`` is."""
+    base = ["--zero", "2", "--offload", "optimizer", "--host-adamw", "one-pass", *RUN]
+    for clip, built in (("0", False), ("1", True)):
+        trainer = Trainer(
+            resolve(parse_args([*base, "--grad-clip", clip])), ParallelContext.local()
+        )
+        assert (trainer.optimizer.host.one_pass is not None) is built, clip
