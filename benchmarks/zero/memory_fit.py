@@ -20,7 +20,8 @@ kernel) unless its name ends in ``-torch`` or ``-one-pass``; each record says wh
 Every row runs in a process of its own, watched: its host RSS over ``--host-limit`` GiB (the H200
 host has 125) ends it, reported as not fitting the host. The ratio's reference is the same
 invocation's uncapped row of the workload (``openvla``, ``llava``, ``lora``: the same data) where
-it ran, else parallax's uncapped best in RESULTS.md (``UNCAPPED``, whose data may differ).
+it ran, else on an H200 parallax's uncapped best in RESULTS.md (``UNCAPPED``, whose data may
+differ); on another card without an uncapped row, no ratio.
 MFU: the family's model FLOPs (``Recipe.flops``: 6 x parameters x tokens for what trains, plus
 attention) per step over the step time and 989 TFLOP/s.
 """
@@ -229,10 +230,11 @@ def workload(rec: dict) -> str:
     return "openvla" if rec["name"].startswith(PEERS) else rec["name"].split("-")[0]
 
 
-def references(records: list[dict]) -> dict[str, tuple[float, str]]:
-    """Each workload's uncapped samples/s: this invocation's uncapped row where it ran, else
-    parallax's best in RESULTS.md (``UNCAPPED``, which may have had other data)."""
-    refs = dict(UNCAPPED)
+def references(records: list[dict], hardware: str = "1x NVIDIA H200") -> dict[str, tuple]:
+    """Each workload's uncapped samples/s: this invocation's uncapped row where it ran, else,
+    on an H200 (``hardware``), parallax's best there in RESULTS.md (``UNCAPPED``, which may have
+    had other data); on another card no ratio rather than one against another card."""
+    refs = dict(UNCAPPED) if "H200" in hardware else {}
     for rec in records:
         if rec.get("limit") is None and rec.get("samples_per_s") and rec["name"] in UNCAPPED:
             refs[rec["name"]] = (rec["samples_per_s"], "this invocation's uncapped row")
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         records.append(rec)
         print(json.dumps(rec), flush=True)
     title = "memory_fit: 7B training under a GPU memory cap on one GPU"
-    refs = references(records)
+    refs = references(records, info["hardware"])
     table = [table_row(r, refs) for r in records]
     print_table(title, COLUMNS, table)
     if not (args.smoke or args.no_write):
@@ -321,7 +323,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "made a step ahead in a thread as parallax.train makes them; MFU against "
             f"{PEAK_BF16_TFLOPS:g} TFLOP/s; x uncapped = samples/s over parallax's uncapped "
             "samples/s of the workload: "
-            + "; ".join(f"{k}: {v[0]:.4g} samples/s, {v[1]}" for k, v in refs.items())
+            + (
+                "; ".join(f"{k}: {v[0]:.4g} samples/s, {v[1]}" for k, v in refs.items())
+                or "none on this card (no uncapped row ran; the H200's figures are not this card's)"
+            )
         )
         append_results(title, COLUMNS, table, notes, records, info)
     return records

@@ -38,3 +38,7 @@ def test_the_ratio_is_against_this_invocations_uncapped_row_where_it_ran():
     refs = references([capped, uncapped])
     assert refs["llava"][0] == 4.0 and refs["openvla"] == UNCAPPED["openvla"]
     assert table_row(capped, refs)[-2] == 0.5 and table_row(uncapped, refs)[-2] == 1.0
+    # on another card RESULTS.md's H200 figures are no reference: no ratio without a row of its own
+    other = references([capped], "1x NVIDIA H100 80GB HBM3")
+    assert other == {} and math.isnan(table_row(capped, other)[-2])
+    assert references([capped, uncapped], "1x NVIDIA H100 80GB HBM3")["llava"][0] == 4.0
