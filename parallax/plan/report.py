@@ -7,8 +7,9 @@ import shlex
 
 from rich.table import Table
 
+from parallax.plan.choice import Candidate, simplicity
 from parallax.plan.memory import GIB
-from parallax.plan.search import Candidate, Result, simplicity
+from parallax.plan.search import Result
 
 
 def gib(nbytes: float) -> str:

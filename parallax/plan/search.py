@@ -15,49 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from parallax.dims import ParallelDims
-from parallax.plan.cost import StepTime, step_time
+from parallax.plan.choice import TIE, Candidate, first_choice, preference
+from parallax.plan.cost import step_time
 from parallax.plan.layout import OPTION_NAMES, Layout
 from parallax.plan.machine import Machine
-from parallax.plan.memory import GIB, RankMemory, node_host_bytes, plan_memory
+from parallax.plan.memory import GIB, node_host_bytes, plan_memory
 from parallax.plan.workload import Workload
 from parallax.run import TrainConfig
 from parallax.run.option import needs_problems, problems
 from parallax.run.rules import RULES
 
 MARGIN = 0.03  # of the GPU's and the host's memory, kept free
-TIE = 1.005  # step times this close are a tie: the simpler layout goes first
 # GPU bytes that summing gradients on the GPU leaves free beside the margin: the allocator's
 # rounding and a capped card's fragmentation
 FILL_RESERVE = 0.5 * GIB
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A layout, its memory per pipeline rank and (once timed) its predicted step."""
-
-    layout: Layout
-    memory: tuple[RankMemory, ...]
-    gpu: float  # bytes the busiest rank's card needs
-    host: float  # bytes one node's host needs
-    global_batch: int
-    time: StepTime | None = None
-    # bytes the layout needs before the GPU's room was filled with gradient sums
-    # (:meth:`Searcher._filled`, which grows ``gpu`` to the cap): it fits every cap from here
-    least_gpu: float | None = None
-
-    @property
-    def fits_from(self) -> float:
-        """The least GPU cap this layout (with fewer sums on the GPU where filled) fits."""
-        return self.gpu if self.least_gpu is None else self.least_gpu
-
-    @property
-    def samples_per_s(self) -> float:
-        return 0.0 if self.time is None else self.global_batch / self.time.seconds
 
 
 @dataclass
@@ -282,9 +257,10 @@ def search(
 
 
 def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]:
-    """The ``top`` best by :func:`_preference`, the first one :func:`first_choice`,
-    simulating a pipeline only while its bound (the time of a pipeline without idling) can still
-    beat the slowest of those kept (so every candidate of the fastest's tie bucket is timed)."""
+    """The ``top`` best by :func:`~parallax.plan.choice.preference`, the first one
+    :func:`~parallax.plan.choice.first_choice`, simulating a pipeline only while its bound (the
+    time of a pipeline without idling) can still beat the slowest of those kept (so every
+    candidate of the fastest's tie bucket is timed)."""
     bounds = [(s.timed(c, exact=False).time.seconds, i) for i, c in enumerate(fitting)]
     heapq.heapify(bounds)
     best: list[Candidate] = []
@@ -295,41 +271,8 @@ def _fastest(s: Searcher, fitting: list[Candidate], top: int) -> list[Candidate]
             break
         timed = s.timed(fitting[i])
         timed_all.append(timed)
-        best = sorted([*best, timed], key=_preference)[:top]
+        best = sorted([*best, timed], key=preference)[:top]
     if not best:
         return best
     first = first_choice(timed_all)
     return [first, *(c for c in best if c is not first)][:top]
-
-
-def first_choice(timed: list[Candidate]) -> Candidate:
-    """The first choice: the fastest of the choices :func:`_preference` makes under every
-    smaller memory cap. Preferring a simpler layout within a tie could otherwise make more
-    memory choose a slower one (up to :data:`TIE`): a simpler layout that only fits the larger
-    cap wins the tie against a faster one that fit the smaller cap. Only the fastest's tie
-    bucket matters (a choice is in its cap's fastest bucket, never faster than this one), and
-    a candidate fits every cap from its GPU need up (the host need does not change with it; a
-    layout filled with gradient sums fits from its need without them, with fewer sums and no
-    faster: taken at its time here, it is never passed over for a slower simpler one)."""
-    bucket = min(_preference(c)[0] for c in timed)
-    group = sorted((c for c in timed if _preference(c)[0] == bucket), key=lambda c: c.fits_from)
-    chosen: Candidate | None = None
-    for k, c in enumerate(group):
-        if k + 1 < len(group) and group[k + 1].fits_from == c.fits_from:
-            continue  # the candidates of one need fit together
-        under = min(group[: k + 1], key=_preference)  # the choice under a cap of c's need
-        if chosen is None or under.time.seconds < chosen.time.seconds:
-            chosen = under
-    assert chosen is not None
-    return chosen
-
-
-def simplicity(lay: Layout) -> tuple:
-    """Smaller is simpler: fewer ZeRO stages, no offload, no recomputation, no pipeline."""
-    return (lay.zero, lay.offload, bool(lay.checkpointing), lay.pp, lay.tp)
-
-
-def _preference(c: Candidate) -> tuple:
-    """Fastest first; within half a percent, the simpler layout (:func:`simplicity`), then
-    the one that needs less memory."""
-    return (round(math.log(c.time.seconds) / math.log(TIE)), simplicity(c.layout), c.gpu)

@@ -11,10 +11,11 @@ import dataclasses
 
 import pytest
 
+from parallax.plan.choice import Candidate, first_choice
 from parallax.plan.cost import StepTime
 from parallax.plan.layout import Layout
 from parallax.plan.machine import H200
-from parallax.plan.search import Candidate, first_choice, search
+from parallax.plan.search import search
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.recipe.flags import parse_args

@@ -1,9 +1,9 @@
 """What the planner's table says of a layout as fast as the first choice."""
 
+from parallax.plan.choice import Candidate
 from parallax.plan.cost import StepTime
 from parallax.plan.layout import Layout
 from parallax.plan.report import why_slower
-from parallax.plan.search import Candidate
 
 
 def _candidate(layout: Layout, seconds: float, gib: float) -> Candidate:
