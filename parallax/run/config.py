@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallax.data import check_batch_sizes
+from parallax.optim.zero.stage import host_adamw_kernel
 from parallax.run.options_layout import (
     INTERCONNECTS,
     LAYOUTS,
@@ -107,12 +108,17 @@ class TrainConfig(
             return False
         return True if self.checkpoint_scope == "all" else self.checkpoint_scope
 
+    def host_kernel(self, device_type: str = "cuda") -> str:
+        """The host AdamW an offloaded bucket steps with on a ``device_type`` run: torch's where
+        unclipped (each bucket steps in the backward), else ``--host-adamw`` (``auto``: one
+        pass on GPUs, torch's kernel on the CPU)."""
+        return host_adamw_kernel(self.host_adamw, device_type) if self.grad_clip else "torch"
+
     @property
     def host_step_one_pass(self) -> bool:
         """Whether offloaded buckets of a run on GPUs (what the planner plans) step in one pass
-        on the host: ``--host-adamw one-pass`` or ``auto``, with clipping (unclipped, each
-        bucket steps in the backward with torch's kernel)."""
-        return bool(self.grad_clip) and self.host_adamw != "torch"
+        on the host."""
+        return self.host_kernel("cuda") == "one-pass"
 
     def num_microbatches(self, dp: int) -> int:
         """Microbatches each dp rank runs per step (the pipeline's m); checks the batch sizes."""

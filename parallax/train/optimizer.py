@@ -10,7 +10,6 @@ import logging
 import torch
 
 from parallax.optim import ZeroOptimizer
-from parallax.optim.zero.stage import host_adamw_kernel
 from parallax.run import param_groups as groups
 
 log = logging.getLogger(__name__)
@@ -37,10 +36,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         offload=trainer.run.offload == "optimizer",
         offload_fraction=trainer.run.offload_fraction,
         gpu_accumulation=trainer.run.gpu_accumulation,
-        # (unclipped, the backward steps each bucket with torch's kernel: nothing to compile)
-        host_adamw=host_adamw_kernel(run.host_adamw, trainer.ctx.device.type)
-        if run.host_step_one_pass
-        else "torch",
+        host_adamw=run.host_kernel(trainer.ctx.device.type),  # (unclipped: nothing to compile)
         # nothing clips after the backward: the host steps each bucket during it
         step_in_backward=not trainer.run.grad_clip,
         overlap=trainer.run.overlap_grad_reduce,
