@@ -49,6 +49,7 @@ class Row:
     limit: float | None = None  # GiB: --gpu-memory-limit
     host: float | None = None  # GiB of host memory the planner may use (--host-memory)
     host_adamw: str = "auto"  # --host-adamw: the offloaded clipped step's kernel
+    host_masters: str = "auto"  # --host-masters: the offloaded bf16 masters whole or split
 
 
 ROWS = (
@@ -113,6 +114,8 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
         flags["grad_clip"] = args.grad_clip
     if row.host_adamw != "auto":
         flags["host_adamw"] = row.host_adamw
+    if row.host_masters != "auto":
+        flags["host_masters"] = row.host_masters
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
     card = 1.0  # GiB: the CPU smoke plans the tiny presets for a small card
@@ -142,6 +145,8 @@ def described(best, run) -> str:
     words = best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
     if best.layout.offload and getattr(run, "host_adamw", "auto") != "auto":
         words += f", host AdamW {run.host_adamw}"
+    if best.layout.offload and getattr(run, "host_masters", "auto") != "auto":
+        words += f", host masters {run.host_masters}"
     return words + (", no clipping" if run.grad_clip == 0 and run.finetune == "full" else "")
 
 
@@ -205,6 +210,7 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     if host is not None:  # seconds per step in each host phase of the offloaded optimizer
         out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
         out["host_adamw"] = "one-pass" if host.one_pass is not None else "torch"  # (as it ran)
+        out["host_masters"] = "split" if host.flat.split else "full"
     return out
 
 

@@ -8,7 +8,7 @@
 # The next calls: benchmarks/NOTES.md, "Next GPU session, first".
 # STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
 # then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
-# CUDA tests), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
+# CUDA tests; cuda_split: the split masters' alone), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
 # with torch's kernel and in one pass, replayed in a worker thread beside a busy main thread), profile24,
 # profile32, fit (FIT_ROWS,
 # default openvla,openvla-24,openvla-32; FIT_STEPS timed steps (default 3) after FIT_WARMUP
@@ -38,7 +38,9 @@ for s in ${STEPS:-profile24 profile32}; do
       step 150 probe_pinned env PROBE_BLOCKS=8 PROBE_PINNED=1 python3 -m benchmarks.zero.one_pass_adamw ;;
     cuda_tests)
       step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py \
-        tests/optim/test_host_adamw_cuda.py tests/optim/test_pinned.py ;;
+        tests/optim/test_host_adamw_cuda.py tests/optim/test_pinned.py tests/optim/test_split_masters.py ;;
+    cuda_split)  # split masters' kernels compiled, and the weights brought down, on the GPU
+      step 200 cuda_split python3 -m pytest -q -x tests/optim/test_split_masters.py tests/optim/test_host_adamw_cuda.py ;;
     profile24|profile32)
       step 260 "$s" python3 -m benchmarks.tools.profile_rows --out "$logs/$s.txt" plan "fit:openvla-${s#profile}" --compile ;;
     before24)

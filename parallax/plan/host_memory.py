@@ -16,24 +16,35 @@ SCRATCH, PINNED = "step scratch", "pinned upload staging"  # host bytes beside t
 
 
 def offload_host(
-    stage: ZeroStage, dp: int, share: float, t2: int, t4: int, bucket: int, apart: bool = True
+    stage: ZeroStage,
+    dp: int,
+    share: float,
+    t2: int,
+    t4: int,
+    bucket: int,
+    apart: bool = True,
+    split: bool = False,
 ) -> dict[str, float]:
     """Host bytes by what they hold for ``share`` of ``t2`` 16-bit and ``t4`` 32-bit trainable
     elements offloaded at ``dp`` (``bucket``: the largest bucket's elements; :data:`PINNED`: the
     staging, which only a run on GPUs makes; without ``apart``, a one-pass step that writes the
-    weights over the sums, neither it nor the scratch)."""
+    weights over the sums, neither it nor the scratch; ``split``: ``--host-masters split``, the
+    16-bit elements' masters as low halves and two landing buffers for the weights)."""
     hosted: dict[str, float] = {}
     if not share:
         return hosted
     for size, n in ((2, t2), (4, t4)):
-        for name, each in stage.host_parts(dp, size).items():
+        for name, each in stage.host_parts(dp, size, split=split).items():
             hosted[name] = hosted.get(name, 0.0) + each * share * n
+    if split and t2:
+        hosted[PINNED] = 2 * 2.0 * bucket / dp  # the weights coming down, two buckets
     if not apart:
         return hosted
     width = 2 if t2 else 4
     staged = share * (2.0 * t2 + 4.0 * t4) / dp  # one pass of offloaded gradients
     hosted[SCRATCH] = 4.0 * bucket / dp  # the fp32 gradient of the bucket being stepped
-    hosted[PINNED] = max(min(staged, STAGING_BYTES), width * bucket / dp)  # the ring
+    ring = max(min(staged, STAGING_BYTES), width * bucket / dp)
+    hosted[PINNED] = hosted.get(PINNED, 0.0) + ring
     return hosted
 
 

@@ -155,8 +155,10 @@ def rank_memory(model: Workload, layout: Layout, pp_rank: int, overlap: bool = T
     # a clipped one-pass step reads the host's sums in place and sends them up from there: only
     # sums kept on the GPU come down into an fp32 scratch and go up through the ring
     apart = not model.run.host_step_one_pass or layout.accumulate > 0
+    split = model.run.host_masters_split  # (16-bit masters as low halves on the host)
     # ZeRO's terms read only these: the same at every micro-batch size, schedule and recompute
     zero = (layout.dp, layout.zero, layout.offload, layout.reshard_after_forward, overlap, apart)
+    zero += (split,)
     key = ("states", layout.tp, layout.pp, layout.chunks, pp_rank, *zero)
     if key not in model.cache:
         model.cache[key] = _states(c, *zero)
@@ -245,12 +247,19 @@ def _counts(blocks) -> _Counts:
 
 
 def _states(
-    c: _Counts, dp: int, zero: int, offload: float, reshard: bool, overlap: bool, apart: bool
+    c: _Counts,
+    dp: int,
+    zero: int,
+    offload: float,
+    reshard: bool,
+    overlap: bool,
+    apart: bool,
+    split: bool,
 ) -> tuple:
     """(weights, gradients, optimizer, gathered, buffers, host bytes by what they hold, share
     offloaded) of ZeRO ``zero`` at ``dp`` (the host's: :mod:`parallax.plan.host_memory`;
     ``reshard``: stage 3 frees gathered weights after the forward; ``apart``: some bucket steps
-    from a scratch and goes up through the ring)."""
+    from a scratch and goes up through the ring; ``split``: ``--host-masters split``)."""
     stage = stage_of(zero)
     share = offloaded_share([n for _, n in c.order], float(offload))  # whole buckets
     held = _element_bytes(c, stage, dp, overlap, share)
@@ -270,7 +279,7 @@ def _states(
         # partial over tp; one for dp = 1's step of 16-bit buckets
         reduced = max(sixteen if dp > 1 else 0, partial)
         buffers = 2 * 4.0 * reduced + (4.0 * sixteen if dp == 1 else 0.0)
-    hosted = offload_host(stage, dp, share, c.t2, c.t4, bucket, apart)
+    hosted = offload_host(stage, dp, share, c.t2, c.t4, bucket, apart, split)
     weights = held.weights + c.quantized
     return weights, held.gradients, held.optimizer, gathered, buffers, hosted, share
 

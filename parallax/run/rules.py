@@ -109,6 +109,12 @@ def _zero(cfg: Any) -> str | None:
             f"--offload {cfg.offload} steps each bucket on the host as its reduction completes: "
             f"it needs --zero 2 or 3 (got --zero {cfg.zero})"
         )
+    if cfg.host_masters == "split" and (cfg.grad_clip == 0 or cfg.host_adamw == "torch"):
+        return (
+            "--host-masters split keeps offloaded masters that only the one-pass host AdamW "
+            "steps, in a clipped run: it needs --grad-clip above 0 and --host-adamw one-pass "
+            "(or auto, on a GPU)"
+        )
     if cfg.zero == 3 and cfg.cuda_graphs:
         return (
             "--cuda-graphs cannot replay blocks under --zero 3: a CUDA graph reads each weight "

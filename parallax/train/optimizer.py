@@ -23,6 +23,9 @@ def build_optimizer(trainer) -> ZeroOptimizer:
     if run.host_adamw == "one-pass" and (run.offload == "none" or not run.host_step_one_pass):
         why = "nothing is offloaded" if run.offload == "none" else "unclipped, the backward steps"
         log.warning("--host-adamw %s changes nothing here: %s", run.host_adamw, why)
+    masters = run.host_masters_kind(trainer.ctx.device.type)
+    if run.host_masters == "split" and masters != "split":
+        log.warning("--host-masters split changes nothing here: the one-pass AdamW does not step")
     kwargs = {}
     if trainer.ctx.device.type == "cuda":
         kwargs["fused"] = True  # one kernel for the whole fp32 shard (offloaded: the CPU's)
@@ -37,6 +40,7 @@ def build_optimizer(trainer) -> ZeroOptimizer:
         offload_fraction=trainer.run.offload_fraction,
         gpu_accumulation=trainer.run.gpu_accumulation,
         host_adamw=run.host_kernel(trainer.ctx.device.type),  # (unclipped: nothing to compile)
+        host_masters=masters,
         # nothing clips after the backward: the host steps each bucket during it
         step_in_backward=not trainer.run.grad_clip,
         overlap=trainer.run.overlap_grad_reduce,

@@ -104,3 +104,38 @@ def test_the_option_is_checked_before_any_collective(monkeypatch):
     with pytest.raises(ValueError, match="one-pass"):
         ZeroOptimizer(params, torch.optim.SGD, ctx, stage=2, offload=True,
                       host_adamw="one-pass", lr=0.1)  # fmt: skip
+
+
+@pytest.mark.parametrize("out", [False, True])
+def test_a_split_master_steps_as_the_whole_one(out):
+    """Held as its bf16 weight and low half (--host-masters split), a master steps to the
+    whole one's values (but where a tie moved it one ulp), in place over the sums or into
+    another buffer; its new low half and weight are written, the key tensor never read."""
+    from parallax.optim.zero.buffers.master_halves import join, low_half
+
+    torch.manual_seed(1)
+    start = torch.randn(1000)
+    whole = start.clone().requires_grad_()
+    key = torch.full((1000,), float("nan"), requires_grad=True)  # (its state's key alone)
+    weight, low = start.bfloat16(), low_half(start)
+    start = join(weight, low)  # (the whole master starts where the split one reads back)
+    with torch.no_grad():
+        whole.copy_(start)
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    a, b = torch.optim.AdamW([whole], **hyper), torch.optim.AdamW([key], **hyper)
+    kernel = HostAdamW(compiled=False)
+    for _ in range(3):
+        sums = (torch.randn(1000) * 1e-2).to(torch.float32 if out else torch.bfloat16)
+        dest = torch.empty(1000, dtype=torch.bfloat16) if out else None
+        split_sums, whole_sums = sums.clone(), sums.clone()
+        whole_dest = None if dest is None else torch.empty_like(dest)
+        with torch.no_grad():
+            kernel.step(a, [(whole, whole_sums, whole_dest, 0)], 0.5)
+            kernel.step(b, [(key, split_sums, dest, 0, (weight, low))], 0.5)
+        new = split_sums if dest is None else dest
+        weight = new.clone()  # (the weights go up; the next step brings them down)
+        assert_close(join(weight, low), whole.detach(), rtol=1e-6, atol=1e-9)
+        theirs = whole_sums if whole_dest is None else whole_dest
+        assert_close(weight.float(), theirs.float(), rtol=2**-7, atol=0)  # (a bf16 ulp)
+    assert torch.isnan(key).all()
+    assert_close(b.state[key]["exp_avg_sq"], a.state[whole]["exp_avg_sq"], rtol=1e-6, atol=0)

@@ -92,3 +92,53 @@ def test_the_compiled_kernel_lets_other_threads_run():
         stop.set()
         side.join()
     assert during > 0.3 * alone, (during, alone)  # (held, the thread got about a tenth)
+
+
+def _split_pieces(out: bool):
+    """Pieces of split masters (--host-masters split) as the offload hands them over: the
+    weights (brought down) and low halves viewed out of flat buffers, at offset 0 and elsewhere."""
+    from parallax.optim.zero.buffers.master_halves import low_half
+
+    total = 2 * sum(SIZES) + 9
+    masters = torch.randn(total)  # (n,) fp32
+    weights, lows = masters.bfloat16(), low_half(masters)
+    sums = (torch.randn(total) * 1e-3).to(torch.float32 if out else torch.bfloat16)
+    staging = torch.zeros(total, dtype=torch.bfloat16)
+    key = torch.full((total,), float("nan"))
+    pieces, off = [], 0
+    for n in SIZES * 2:
+        lo = 0 if off == 0 else off + 3
+        halves = (weights[lo : lo + n], lows[lo : lo + n])
+        dest = staging[lo : lo + n] if out else None
+        pieces.append((torch.nn.Parameter(key[lo : lo + n]), sums[lo : lo + n], dest, 0, halves))
+        off += n
+    return pieces
+
+
+@pytest.mark.parametrize("out", [False, True])
+def test_split_masters_compile_once_and_step_as_eager(out):
+    from torch._dynamo.utils import counters
+
+    threads = max(1, torch.get_num_threads() - 1)
+    kernel = HostAdamW(compiled=True)
+    assert kernel.prepare([], [], threads, ["out" if out else "in_place"])
+    prepared = counters["stats"]["unique_graphs"]
+    mine, ref = _split_pieces(out), _split_pieces(out)
+    with torch.no_grad():
+        for a, b in zip(mine, ref):
+            for x, y in zip([a[1], *a[4]], [b[1], *b[4]]):
+                y.copy_(x)
+    opt = torch.optim.AdamW([p[0] for p in mine], lr=1e-3, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW([p[0] for p in ref], lr=1e-3, weight_decay=0.1)
+    worker = ThreadPoolExecutor(1, initializer=lambda: torch.set_num_threads(threads))
+    eager = HostAdamW(compiled=False)
+    worker.submit(torch.no_grad()(kernel.step), opt, mine, 0.7).result()
+    eager.step(opt_ref, ref, 0.7)
+    worker.shutdown()
+    assert counters["stats"]["unique_graphs"] == prepared  # nothing compiled in the worker
+    from parallax.optim.zero.buffers.master_halves import join
+
+    for a, b in zip(mine, ref):  # (fused apart: fp32 rounding, as the whole masters' kernels)
+        new, theirs = (a[2] if out else a[1]), (b[2] if out else b[1])
+        assert_close(join(new, a[4][1]), join(theirs, b[4][1]), rtol=1e-5, atol=1e-7)
+        assert_close(new.float(), theirs.float(), rtol=2**-7, atol=0)  # (a bf16 ulp)

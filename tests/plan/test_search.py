@@ -165,10 +165,27 @@ def test_a_one_pass_step_holds_no_scratch_nor_ring_unless_sums_are_kept_on_the_g
     lay = Layout(micro_batch_size=8, zero=2, offload=1.0, checkpointing=True)
     parts = {}
     for adamw in ("torch", "one-pass"):
-        model = Workload(resolve(parse_args([*base, "--host-adamw", adamw])))
+        args = [*base, "--host-adamw", adamw, "--host-masters", "full"]
+        model = Workload(resolve(parse_args(args)))
         for share in (0.0, 0.3):
             rank = plan_memory(model, dataclasses.replace(lay, accumulate=share))[0]
             parts[adamw, share] = dict(rank.host_parts)
     assert SCRATCH in parts["torch", 0.0] and PINNED in parts["torch", 0.0]
     assert SCRATCH not in parts["one-pass", 0.0] and PINNED not in parts["one-pass", 0.0]
     assert parts["one-pass", 0.3] == parts["torch", 0.3]  # (kept sums: scratch and ring again)
+
+
+def test_split_masters_hold_two_bytes_a_bf16_element_less_and_two_landing_buffers():
+    base = ["--model", "openvla-7b", "--global-batch-size", "256", "--precision", "bf16"]
+    lay = Layout(micro_batch_size=8, zero=3, offload=1.0, checkpointing=True)
+    ranks = {}
+    for masters in ("full", "split", "auto"):
+        model = Workload(resolve(parse_args([*base, "--host-masters", masters])))
+        ranks[masters] = plan_memory(model, lay)[0]
+    full, split = dict(ranks["full"].host_parts), dict(ranks["split"].host_parts)
+    offloaded = ranks["split"].offloaded  # (this rank's offloaded elements, all bf16 here)
+    key = "masters and moments"
+    assert full[key] - split[key] == pytest.approx(2 * offloaded, rel=1e-9)
+    assert PINNED in split and PINNED not in full  # (one pass: no ring; the landing buffers)
+    assert ranks["auto"].host_parts == ranks["split"].host_parts  # (clipped, one pass on GPUs)
+    assert ranks["split"].host < 92 * 2**30 < ranks["full"].host

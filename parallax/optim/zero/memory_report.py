@@ -155,7 +155,8 @@ def measure(
     for t, held in inner.state.items():
         states[id(t) in hosted] += [v for v in held.values() if isinstance(v, torch.Tensor)]
     masters, grads, store = flat.master_flat, flat.grad_shard_flat, flat.store
-    on_host = [t for t in (flat.host_master_flat,) if t is not None]
+    whole, halves = flat.host_master_flat, flat.host_low_flat
+    on_host = [t for t in (whole, halves) if t is not None]
     on_host += host.host_tensors() if host is not None else []
     return MemoryReport(
         numel=sum(p.numel() for p in params),
@@ -173,6 +174,6 @@ def measure(
         peak_gathered_bytes=weights.gathers.peak_bytes if weights is not None else 0,
         pass_peak_bytes=getattr(reducer, "peak_bytes", 0),
         host_bytes=tensor_bytes(on_host) + tensor_bytes(states[True]),
-        host_numel=0 if flat.host_master_flat is None else flat.host_master_flat.numel(),
+        host_numel=sum(t.numel() for t in (whole, halves) if t is not None),
         kept_bytes=tensor_bytes(host.kept.values()) if host is not None else 0,
     )

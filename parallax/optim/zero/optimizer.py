@@ -30,7 +30,7 @@ from parallax.optim.zero.memory_report import MemoryReport, measure
 from parallax.optim.zero.norms import clip_coefficient, global_grad_norm
 from parallax.optim.zero.offload.host_adamw import check_supported
 from parallax.optim.zero.offload.host_kernels import host_options
-from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets
+from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets, split_buckets
 from parallax.optim.zero.stage import stage_of
 from parallax.optim.zero.state_io import StateIO
 from parallax.optim.zero.torch_contract import OptimizerFacade, narrowed
@@ -58,7 +58,10 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     share of the offloaded elements whose gradients are summed over the passes on the device,
     not the host (less host memory, one trip down instead of one a pass). ``host_adamw``: how
     a bucket is stepped in ``step()`` (``"torch"``: the optimizer's own step; ``"one-pass"``:
-    torch's AdamW only, from the summed gradient to the new weights in one loop). See
+    torch's AdamW only, from the summed gradient to the new weights in one loop).
+    ``host_masters``: ``"split"`` keeps the offloaded bf16 buckets' masters on the host as their
+    low 16 bits alone (:mod:`~parallax.optim.zero.buffers.master_halves`; with
+    ``host_adamw="one-pass"``, stepped in ``step()``). See
     :mod:`parallax.optim.zero.offload.host_steps`.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
@@ -92,6 +95,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         offload_fraction: float = 1.0,
         gpu_accumulation: float = 0.0,
         host_adamw: str = "torch",
+        host_masters: str = "full",
         step_in_backward: bool = False,
         overlap: bool = True,
         backward_passes_per_step: int = 1,
@@ -103,6 +107,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
         modules = self.stage.check_modules(modules)
         self.stage.check_offload(offload, offload_fraction, gpu_accumulation, host_adamw)
+        self.stage.check_host_masters(host_masters, offload, host_adamw, step_in_backward)
         if offload and host_adamw == "one-pass":  # (on every rank, before any collective)
             check_supported(optimizer_class, [optimizer_kwargs])
         if offload:
@@ -118,8 +123,10 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         hosted = offloaded_buckets(numels, offload_fraction) if offload else []
         kept = kept_buckets(numels, hosted, gpu_accumulation)
         homes = self._grad_homes()
+        dtypes = [self.layout.dtypes[b.buffer] for b in self.layout.buckets]
+        split = split_buckets(dtypes, hosted) if host_masters == "split" else []
         self.flat = FlatBuffers(
-            self.params, self.layout, ctx.dp_rank, self.device, homes, self.stage, hosted
+            self.params, self.layout, ctx.dp_rank, self.device, homes, self.stage, hosted, split
         )
         self._adopt(wrap_pieces(optimizer_class, self.flat, got, optimizer_kwargs))
         # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute

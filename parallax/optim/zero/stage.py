@@ -28,6 +28,13 @@ HOST_ADAMWS = ("torch", "one-pass")
 HOST_ADAMW_CHOICES = ("auto", *HOST_ADAMWS)
 
 
+# where the host keeps an offloaded bf16 master: whole (fp32), or split, its low 16 bits alone
+# beside the model's bf16 weight (buffers/master_halves.py; 2 bytes an element less), which the
+# one-pass kernel alone steps; "auto": split wherever that kernel steps
+HOST_MASTERS = ("full", "split")
+HOST_MASTERS_CHOICES = ("auto", *HOST_MASTERS)
+
+
 def host_adamw_kernel(choice: str, device_type: str) -> str:
     """The host AdamW that ``--host-adamw choice`` runs on a ``device_type`` run."""
     if choice != "auto":
@@ -161,6 +168,18 @@ class ZeroStage(IntEnum):
         if host_adamw not in HOST_ADAMWS:
             raise ValueError(f"host_adamw must be one of {HOST_ADAMWS}, got {host_adamw!r}")
 
+    @staticmethod
+    def check_host_masters(host_masters: str, offload: bool, host_adamw: str, early: bool) -> None:
+        """Split masters need what steps them: the offload's one-pass AdamW, in ``step()``."""
+        if host_masters not in HOST_MASTERS:
+            raise ValueError(f"host_masters must be one of {HOST_MASTERS}, got {host_masters!r}")
+        if host_masters == "split" and (not offload or host_adamw != "one-pass" or early):
+            raise ValueError(
+                "host_masters='split' keeps offloaded masters that the one-pass host AdamW "
+                "steps in step(): it needs offload, host_adamw='one-pass' and no "
+                "step_in_backward (clipping on)"
+            )
+
     def trainable_bytes(
         self,
         dp: int,
@@ -195,12 +214,18 @@ class ZeroStage(IntEnum):
         return ElementBytes(weights, gradients, optimizer=master + state_bytes / dp)
 
     def host_parts(
-        self, dp: int, element_size: int, state_bytes: float = ADAMW_STATE_BYTES
+        self,
+        dp: int,
+        element_size: int,
+        state_bytes: float = ADAMW_STATE_BYTES,
+        split: bool = False,
     ) -> dict[str, float]:
         """What one offloaded element of ``element_size`` bytes costs the host of a rank of
         ``dp``, by what it is: the fp32 master and the optimizer's state (the floor), and the
-        gradient's accumulator in the model's dtype (its passes summed there)."""
-        return {"masters and moments": (4 + state_bytes) / dp, ACCUMULATION: element_size / dp}
+        gradient's accumulator in the model's dtype (its passes summed there). ``split``
+        (``--host-masters split``): a 16-bit element's master is its low half, 2 bytes."""
+        master = 2 if split and element_size == 2 else 4
+        return {"masters and moments": (master + state_bytes) / dp, ACCUMULATION: element_size / dp}
 
     def frozen_bytes(self, dp: int, element_size: int) -> ElementBytes:
         """What one frozen element costs a rank: its weight, 1/dp of it at stage 3."""

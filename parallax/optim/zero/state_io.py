@@ -141,12 +141,12 @@ class StateIO:
             "keys": keys,
         }
 
-    def _full(self, i: int, source: Callable[[torch.Tensor], torch.Tensor], dtype):
+    def _full(self, i: int, source: Callable[..., torch.Tensor], dtype):
         """The full logical tensor of one per-element state of parameter ``i`` (collective)."""
         p = self.params[i]
         flat = torch.zeros(p.numel(), dtype=dtype, device=self.device)  # (numel on this tp rank,)
         for pc, t in self.flat.pieces_of[i]:
-            flat[pc.start : pc.start + pc.numel] = source(t)
+            flat[pc.start : pc.start + pc.numel] = source(pc, t)
         comm.all_reduce(flat, self.ctx.dp_group)  # each element is owned by exactly one dp rank
         info = getattr(p, "tp_shard", None)
         local = flat.view(p.shape)
@@ -164,14 +164,14 @@ class StateIO:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         kinds, state = self.kinds(), self.inner.state
         for i, name in enumerate(self.names):
-            yield f"{name}.master", self._full(i, lambda t: t, torch.float32)
+            yield f"{name}.master", self._full(i, self.flat.master_values, torch.float32)
             for key, (kind, dtype) in sorted(kinds.get(i, {}).items()):
                 if kind == "scalar":
                     yield f"{name}.{key}", self._scalar(i, key)
                 else:
                     yield (
                         f"{name}.{key}",
-                        self._full(i, lambda t, k=key: state[t][k], getattr(torch, dtype)),
+                        self._full(i, lambda _, t, k=key: state[t][k], getattr(torch, dtype)),
                     )
 
     def _check_meta(self, meta: dict[str, Any]) -> None:
@@ -240,7 +240,7 @@ class StateIO:
         for pc, t in pieces:
             part = flat[pc.start : pc.start + pc.numel]
             if key == "master":
-                t.copy_(part)
+                self.flat.set_master(pc, t, part)
                 if sharded:  # fp32 -> the model's dtype, in the shard
                     shard = self.flat.own_param(pc.bucket)
                     shard[pc.chunk_offset : pc.chunk_offset + pc.numel].copy_(part)

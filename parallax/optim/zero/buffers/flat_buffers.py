@@ -25,6 +25,7 @@ import torch
 from parallax import comm
 from parallax.comm import Group
 from parallax.optim.zero.buffers.homes import INPLACE, SHARD, STAGED, check_homes
+from parallax.optim.zero.buffers.master_halves import join, low_half
 from parallax.optim.zero.buffers.packing import FlatLayout, Piece
 from parallax.optim.zero.stage import ZeroStage
 from parallax.optim.zero.weights.shards import ShardedStore
@@ -41,6 +42,7 @@ class FlatBuffers:
         homes: Sequence[str],
         stage: ZeroStage = ZeroStage.SHARD_STATE,
         offload: Collection[int] = (),
+        split: Collection[int] = (),
     ) -> None:
         check_homes(layout, homes, stage)
         self.params, self.layout, self.dp_rank, self.homes = params, layout, dp_rank, homes
@@ -48,6 +50,11 @@ class FlatBuffers:
         self.store = ShardedStore(params, layout, dp_rank, device) if stage.shards_weights else None
         self._model_views(device)
         self.offload = set(offload)  # buckets whose masters live in host memory
+        # offloaded bf16 buckets whose masters the host keeps as low halves (master_halves)
+        self.split = set(split)
+        if not self.split <= self.offload:
+            raise ValueError("only offloaded buckets can keep their masters split")
+        self.lows: dict[int, torch.Tensor] = {}  # split bucket -> its masters' low halves
         self._allocate_chunks(device)
         self.masters: list[torch.Tensor] = []  # per bucket: this rank's fp32 master chunk
         self.grad_outs: list[torch.Tensor | None] = []  # per bucket: where its reduced chunk lands
@@ -99,10 +106,15 @@ class FlatBuffers:
         separate = sum(b.chunk for b in on_device if layout.dtypes[b.buffer] != torch.float32)
         shard = sum(b.chunk for b in on_device if homes[b.index] == SHARD)
         staged = [b.chunk for b, home in zip(buckets, homes) if home == STAGED]
-        hosted = sum(b.chunk for b in buckets if b.index in self.offload)
+        hosted = sum(b.chunk for b in buckets if b.index in self.offload - self.split)
+        halves = [b.chunk for b in buckets if b.index in self.split]
         # offloaded: no reduced gradient on the device either; not pinned: only the host's
         # worker reads them (the new weights go up through the offload's staging)
         self.host_master_flat = torch.zeros(hosted) if hosted else None
+        self.host_low_flat = torch.zeros(sum(halves), dtype=torch.int16) if halves else None
+        # split buckets' masters as the wrapped optimizer sees them: views of one NaN (no
+        # memory) that key their state and are never read (their values: master_values)
+        self.split_keys = torch.full((1,), float("nan")).expand(max(halves)) if halves else None
         self.master_flat = torch.zeros(separate, device=device) if separate else None
         self.grad_shard_flat = torch.zeros(shard, device=device) if shard else None
         # (largest staged chunk,) fp32: a staged bucket's gradient while it is stepped
@@ -111,11 +123,20 @@ class FlatBuffers:
     def _place_chunks(self) -> None:
         """Each bucket's master chunk and the home of its reduced gradient (module docstring)."""
         full_grads = self.stage.full_grad_buffer
-        offset = shard_offset = host_offset = 0
+        offset = shard_offset = host_offset = low_offset = 0
         for b, home in zip(self.layout.buckets, self.homes):
             mine = self.own_param(b.index)
             grad = None  # STAGED: no home between steps; offloaded: on the host when stepped
-            if b.index in self.offload:
+            if b.index in self.split:
+                if mine.dtype != torch.bfloat16:
+                    raise ValueError(
+                        f"split masters need bf16 weights, bucket {b.index}: {mine.dtype}"
+                    )
+                master = self.split_keys[: b.chunk]
+                # (zeros: each master starts as its weight, exactly)
+                self.lows[b.index] = self.host_low_flat[low_offset : low_offset + b.chunk]
+                low_offset += b.chunk
+            elif b.index in self.offload:
                 master = self.host_master_flat[host_offset : host_offset + b.chunk]
                 master.copy_(mine)
                 host_offset += b.chunk
@@ -204,8 +225,29 @@ class FlatBuffers:
         """Copy the parameters' current values into the separate fp32 masters."""
         for b, master in enumerate(self.masters):
             mine = self.own_param(b)
-            if master.data_ptr() != mine.data_ptr():
+            if b in self.split:
+                self.lows[b].zero_()  # (the master is the weight)
+            elif master.data_ptr() != mine.data_ptr():
                 master.copy_(mine)
+
+    def master_values(self, pc: Piece, master: torch.Tensor) -> torch.Tensor:
+        """Piece ``pc``'s fp32 master values (``master``: its tensor in :attr:`piece_params`),
+        joined from the weight and the low half where its bucket's masters are split."""
+        if pc.bucket not in self.split:
+            return master
+        span = slice(pc.chunk_offset, pc.chunk_offset + pc.numel)
+        weight = self.own_param(pc.bucket)[span].cpu()  # (numel,) bf16
+        return join(weight, self.lows[pc.bucket][span])
+
+    @torch.no_grad()
+    def set_master(self, pc: Piece, master: torch.Tensor, values: torch.Tensor) -> None:
+        """Piece ``pc``'s master set to fp32 ``values`` (its weight is the caller's: rounded
+        from them); split, its low half alone."""
+        if pc.bucket not in self.split:
+            master.copy_(values)
+            return
+        span = slice(pc.chunk_offset, pc.chunk_offset + pc.numel)
+        self.lows[pc.bucket][span].copy_(low_half(values.to("cpu", torch.float32)))
 
     @torch.no_grad()
     def gather_params(

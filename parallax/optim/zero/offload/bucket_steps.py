@@ -26,6 +26,7 @@ from parallax.optim.zero.offload.downloads import Downloads
 from parallax.optim.zero.offload.host_adamw import HostAdamW, check_supported
 from parallax.optim.zero.offload.host_kernels import host_threads
 from parallax.optim.zero.offload.uploads import Uploads
+from parallax.optim.zero.offload.weights_down import WeightsDown
 from parallax.optim.zero.torch_contract import grad_scale, takes_grad_scale
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,11 @@ class BucketSteps:
         device = sums.device
         most = max(flat.layout.buckets[b].chunk for b in buckets)
         self.up, self.down = Uploads(sums.flats, most, device), Downloads(self.kept, device)
+        self.split = [b for b in buckets if b in flat.split]  # masters held as low halves
+        self.weights = WeightsDown(flat, self.split, self.up.stream)
         self.scratch = torch.empty(0)  # fp32: the gradient being stepped (grown to the need)
+        if self.split and not one_pass:
+            raise ValueError("split masters are stepped by the one-pass host AdamW alone")
         self.one_pass = self._one_pass(device.type == "cuda") if one_pass else None
         self.reset()
 
@@ -68,10 +73,15 @@ class BucketSteps:
         layout = self.flat.layout
         dtypes = {b: layout.dtypes[layout.buckets[b].buffer] for b in self.buckets}
         kernel = HostAdamW(compiled=on_device)
-        in_place = {dtypes[b] for b in self.buckets if b not in self.kept}
-        out = {dtypes[b] for b in self.kept}
-        if kernel.prepare(in_place, out, host_threads()):
+        whole = [b for b in self.buckets if b not in self.flat.split]
+        in_place = {dtypes[b] for b in whole if b not in self.kept}
+        out = {dtypes[b] for b in whole if b in self.kept}
+        split = {"out" if b in self.kept else "in_place" for b in self.split}
+        if kernel.prepare(in_place, out, host_threads(), sorted(split)):
             return kernel
+        if self.split:  # (no kernel of torch's steps a split master)
+            log.warning("--host-masters split: torch cannot compile its step here; it runs eager")
+            return HostAdamW(compiled=False)
         log.warning("--host-adamw one-pass: torch cannot compile it here; torch's kernel steps")
         return None
 
@@ -79,10 +89,11 @@ class BucketSteps:
         """A new step: no bucket stepped, no weights written."""
         self.stepped = dict.fromkeys(self.buckets, False)
         self.written: dict[int, tuple[torch.Tensor, list | None]] = {}  # bucket -> its weights
+        self.weights.reset()
 
     def buffers(self) -> list[torch.Tensor]:
-        """The host buffers besides the sums: the scratch and the rings."""
-        return [self.scratch, *self.up.buffers(), *self.down.buffers()]
+        """The host buffers besides the sums: the scratch, the rings and the landing buffers."""
+        return [self.scratch, *self.up.buffers(), *self.down.buffers(), *self.weights.buffers()]
 
     def gradient(self, b: int, then: int | None = None) -> torch.Tensor:
         """Bucket ``b``'s summed fp32 gradient, in the scratch buffer (a kept bucket's brought
@@ -137,35 +148,49 @@ class BucketSteps:
     def _step_one_pass(self, b: int, live: list[int], scale: float, seconds) -> None:
         """Step bucket ``b``'s ``live`` pieces in one pass each: the accumulator read in its
         dtype and overwritten with the new weights, which go up from there (a kept bucket:
-        from its landing copy into staging); the rest of the chunk gets its masters' values."""
-        mine, master = self.flat.own_param(b), self.flat.masters[b]
+        from its landing copy into staging); the rest of the chunk gets its masters' values.
+        Split masters are read from the weights brought down and their low halves."""
+        mine = self.flat.own_param(b)
         if b in self.kept:
             grad = self._scratch(self.kept[b].numel())  # (bucket/dp,) fp32
             self.down.into(b, grad, self._next_kept(b))
         else:
             grad = self.acc[b]  # (bucket/dp,) host, the model's dtype
+        if b in self.flat.split:  # (bucket/dp,) bf16 weights: the masters' top halves
+            master, low = self.weights.get(b, self._next(b, self.split)), self.flat.lows[b]
+        else:
+            master, low = self.flat.masters[b], None
         dest, ticket = self.up.stage(mine, None if b in self.kept else grad, seconds)
         pieces, done = self.flat.pieces, 0
         todo = []
         for k in sorted(live, key=lambda k: pieces[k].chunk_offset):
             lo, n = pieces[k].chunk_offset, pieces[k].numel
             out = None if dest is grad else dest[lo : lo + n]
-            todo.append((self.flat.piece_params[k], grad[lo : lo + n], out, self.piece_groups[k]))
+            piece = (self.flat.piece_params[k], grad[lo : lo + n], out, self.piece_groups[k])
+            halves = () if low is None else ((master[lo : lo + n], low[lo : lo + n]),)
+            todo.append(piece + halves)
             dest[done:lo].copy_(master[done:lo])  # (a frozen piece, padding: as they were)
             done = lo + n
         dest[done:].copy_(master[done:])
         self.one_pass.step(self.inner, todo, scale)
         self.written[b] = (dest, ticket)
 
-    def _next_kept(self, b: int) -> int | None:
-        """The kept bucket ``step()`` steps after ``b`` (it goes down the layout), if any."""
-        later = (c for c in reversed(self.buckets) if c < b and c in self.kept)
+    def _next(self, b: int, among) -> int | None:
+        """The bucket of ``among`` that ``step()`` steps after ``b`` (it goes down the
+        layout), if any."""
+        later = (c for c in reversed(self.buckets) if c < b and c in among)
         return next((c for c in later if not self.stepped[c]), None)
+
+    def _next_kept(self, b: int) -> int | None:
+        """The kept bucket ``step()`` steps after ``b``, if any."""
+        return self._next(b, self.kept)
 
     def upload(self, b: int, seconds: defaultdict) -> None:
         """Bucket ``b``'s new weights into the model (its shard at ZeRO-3)."""
         if b in self.written:  # written by the one-pass step
             dest, ticket = self.written.pop(b)
             self.up.send_staged(b, self.flat.own_param(b), dest, ticket)
+            return
+        if b in self.flat.split:  # nothing of this rank's chunk stepped: its weights stand
             return
         self.up.send(b, self.flat.own_param(b), self.flat.masters[b], seconds)

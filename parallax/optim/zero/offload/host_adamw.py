@@ -39,10 +39,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from parallax.optim.zero.buffers.master_halves import join, low_half
+
 Kernel = Callable[..., None]
 EXAMPLE = 1 << 20  # elements of the examples compiled on: each thread's share is well past
 # inductor's least chunk for a parallel loop (512-4096 elements) on hundreds of cores
-OFFSETS = (3, 5, 7)  # the examples' nonzero storage offsets: distinct, past the 0/1 specialization
+OFFSETS = (3, 5, 7, 9)  # the examples' nonzero storage offsets: distinct, past 0/1
 
 
 def _update(g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor):
@@ -67,6 +69,24 @@ def _step_in_place(g, p, m, v, h) -> None:
     """Update, then the new weights over the gradient ``g`` (its buffer goes up next)."""
     _update(g, p, m, v, h)
     g.copy_(p)
+
+
+def _split_out(g, w, low, m, v, out, h) -> None:
+    """Update the master held as bf16 weight ``w`` and int16 low half ``low``
+    (:mod:`~parallax.optim.zero.buffers.master_halves`); the new weights into ``out``, the new
+    low halves over ``low``."""
+    p = join(w, low)  # (n,) fp32
+    _update(g, p, m, v, h)
+    out.copy_(p)
+    low.copy_(low_half(p))
+
+
+def _split_in_place(g, w, low, m, v, h) -> None:
+    """As :func:`_split_out`, the new weights over the gradient ``g``."""
+    p = join(w, low)  # (n,) fp32
+    _update(g, p, m, v, h)
+    g.copy_(p)
+    low.copy_(low_half(p))
 
 
 def supports(optimizer_class: type, groups: Sequence[dict]) -> bool:
@@ -103,17 +123,27 @@ def compile_options() -> dict[str, bool]:
 
 class HostAdamW:
     """The one-pass step's kernels, eager or compiled for the CPU (``compiled``; compile errors
-    turn it off: :attr:`ok` then False and the caller keeps torch's fused kernel)."""
+    turn it off: :attr:`ok` then False and the caller keeps torch's fused kernel, or with split
+    masters the eager kernels)."""
 
     def __init__(self, compiled: bool) -> None:
         self.compiled, self.ok = compiled, True
         self.out: Kernel = _step_out
         self.in_place: Kernel = _step_in_place
+        self.split_out: Kernel = _split_out
+        self.split_in_place: Kernel = _split_in_place
 
     @torch.no_grad()
-    def prepare(self, in_place: Sequence[torch.dtype], out: Sequence[torch.dtype], threads: int):
+    def prepare(
+        self,
+        in_place: Sequence[torch.dtype],
+        out: Sequence[torch.dtype],
+        threads: int,
+        split: Sequence[str] = (),
+    ) -> bool:
         """Compile the kernels now, on the calling (main) thread, for gradients of the dtypes
-        ``in_place`` stepped in place and fp32 ones written out to ``out`` dtypes, for a
+        ``in_place`` stepped in place and fp32 ones written out to ``out`` dtypes, and for split
+        masters' steps (``split``: ``"in_place"``, bf16 sums, and ``"out"``, fp32 ones), for a
         thread that runs ``threads`` (the worker: the compiler guards on the count); whether
         they work. Compiled here, before the model's compile, not in the worker beside it:
         nothing compiles while the steps run."""
@@ -121,43 +151,38 @@ class HostAdamW:
             return True
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        h = _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0)
         try:
-            options = compile_options()
-            compiled_out = torch.compile(_step_out, dynamic=True, fullgraph=True, options=options)
-            compiled_in_place = torch.compile(
-                _step_in_place, dynamic=True, fullgraph=True, options=options
-            )
+            made = {name: _compiled(fn) for name, fn in KERNELS.items()}
             for dtype in in_place:
-                for g, p, m, v, _ in examples(dtype, None):
-                    compiled_in_place(g, p, m, v, _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0))
+                for args in examples(dtype, None):
+                    made["in_place"](*args[:4], h)
             for dtype in out:
-                for g, p, m, v, o in examples(torch.float32, dtype):
-                    compiled_out(g, p, m, v, o, _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0))
+                for args in examples(torch.float32, dtype):
+                    made["out"](*args, h)
+            for kind in split:
+                sums = torch.bfloat16 if kind == "in_place" else torch.float32
+                for args in split_examples(sums, kind == "out"):
+                    made[f"split_{kind}"](*args, h)
         except Exception:  # noqa: BLE001 (no compiler, an unsupported torch: torch's kernel)
             self.ok = False
             return False
         finally:
             torch.set_num_threads(before)
-        self.out, self.in_place = compiled_out, compiled_in_place
+        for name, fn in made.items():
+            setattr(self, name, fn)
         return True
 
     @torch.no_grad()
-    def step(
-        self,
-        inner: torch.optim.Optimizer,
-        pieces: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
-        scale: float,
-    ) -> None:
-        """Step each ``(master, grad, out, group)`` of ``pieces``: the master (fp32) on its
-        gradient times ``scale``, in group ``group`` of ``inner``; the new weights into ``out``,
-        or over ``grad`` where ``out`` is None."""
-        for master, grad, out, j in pieces:
-            group, state = inner.param_groups[j], inner.state[master]
-            if not state:  # as torch's AdamW starts a parameter
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["step"] += 1
+    def step(self, inner: torch.optim.Optimizer, pieces: Sequence[tuple], scale: float) -> None:
+        """Step each ``(master, grad, out, group[, halves])`` of ``pieces``: the master (fp32)
+        on its gradient times ``scale``, in group ``group`` of ``inner``; the new weights into
+        ``out``, or over ``grad`` where ``out`` is None. With ``halves`` = ``(weight, low)``
+        the master is held split (:mod:`~parallax.optim.zero.buffers.master_halves`): read from
+        them and its new low half written over ``low``; ``master`` only keys the state."""
+        for master, grad, out, j, *halves in pieces:
+            state = _state(inner, master)
+            group = inner.param_groups[j]
             beta1, beta2 = group["betas"]
             h = _scalars(
                 group["lr"], group["weight_decay"], beta1, beta2, group["eps"],
@@ -165,12 +190,43 @@ class HostAdamW:
             )  # fmt: skip
             # plain tensors over the same memory, as compiled for (not a Parameter, whose sizes
             # the compiler takes as fixed, nor a view, whose base it guards on too)
-            p, g, m, v = master.detach(), grad.detach(), state["exp_avg"], state["exp_avg_sq"]
+            g, m, v = grad.detach(), state["exp_avg"], state["exp_avg_sq"]
+            o = None if out is None else out.detach()
             small = master.numel() < 2  # (eager: a compiled loop is built for sizes of 2 up)
-            if out is None:
-                (_step_in_place if small else self.in_place)(g, p, m, v, h)
+            if halves:
+                w, low = (t.detach() for t in halves[0])
+                if o is None:
+                    (_split_in_place if small else self.split_in_place)(g, w, low, m, v, h)
+                else:
+                    (_split_out if small else self.split_out)(g, w, low, m, v, o, h)
+            elif o is None:
+                (_step_in_place if small else self.in_place)(g, master.detach(), m, v, h)
             else:
-                (_step_out if small else self.out)(g, p, m, v, out.detach(), h)
+                (_step_out if small else self.out)(g, master.detach(), m, v, o, h)
+
+
+KERNELS = {
+    "in_place": _step_in_place,
+    "out": _step_out,
+    "split_in_place": _split_in_place,
+    "split_out": _split_out,
+}
+
+
+def _compiled(fn: Kernel) -> Kernel:
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options())
+
+
+def _state(inner: torch.optim.Optimizer, master: torch.Tensor) -> dict:
+    """``master``'s AdamW state in ``inner``, started as torch's AdamW starts it (fp32 moments
+    of its shape), its step counted."""
+    state = inner.state[master]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros(master.shape)
+        state["exp_avg_sq"] = torch.zeros(master.shape)
+    state["step"] += 1
+    return state
 
 
 def _scalars(lr, wd, beta1, beta2, eps, step: float, scale: float) -> torch.Tensor:
@@ -183,12 +239,25 @@ def _scalars(lr, wd, beta1, beta2, eps, step: float, scale: float) -> torch.Tens
     return torch.tensor(values, dtype=torch.float32)  # (8,)
 
 
+def _views(dtypes: Sequence[torch.dtype]):
+    """Tensors of :data:`EXAMPLE` elements of ``dtypes``, viewed at each combination of offset 0
+    and a distinct other offset (plain tensors: no base), as the offload's pieces are."""
+    n = EXAMPLE
+    for offsets in itertools.product(*[(0, k) for k in OFFSETS[: len(dtypes)]]):
+        yield [torch.zeros(k + n, dtype=dt)[k:].detach() for k, dt in zip(offsets, dtypes)]
+
+
 def examples(dtype: torch.dtype, out: torch.dtype | None):
     """The calls to compile on: a gradient of ``dtype``, fp32 master and fresh moments (and an
-    ``out`` buffer), of :data:`EXAMPLE` elements, the gradient, master and ``out`` viewed at
-    each combination of offset 0 and a distinct other offset, as the offload's pieces are."""
-    n, count = EXAMPLE, 2 if out is None else 3
-    dtypes = (dtype, torch.float32, out)[:count]
-    for offsets in itertools.product(*[(0, k) for k in OFFSETS[:count]]):
-        g, p, *o = (torch.zeros(k + n, dtype=dt)[k:].detach() for k, dt in zip(offsets, dtypes))
-        yield g, p, torch.zeros(n), torch.zeros(n), (o[0] if o else None)
+    ``out`` buffer), the gradient, master and ``out`` at each combination of offsets."""
+    for g, p, *o in _views((dtype, torch.float32, out)[: 2 if out is None else 3]):
+        yield g, p, torch.zeros(EXAMPLE), torch.zeros(EXAMPLE), (o[0] if o else None)
+
+
+def split_examples(dtype: torch.dtype, out: bool):
+    """The calls of a split master's step to compile on: a gradient of ``dtype``, the bf16
+    weight and int16 low half, fresh moments (and a bf16 ``out``), the views at each
+    combination of offsets."""
+    views = (dtype, torch.bfloat16, torch.int16) + ((torch.bfloat16,) if out else ())
+    for g, w, low, *o in _views(views):
+        yield (g, w, low, torch.zeros(EXAMPLE), torch.zeros(EXAMPLE), *o)

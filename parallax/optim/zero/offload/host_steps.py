@@ -75,6 +75,8 @@ class HostSteps:
         self.outer, self.inner = inner, private_copy(inner)
         self.flat, self.layout, self.device = flat, flat.layout, device
         self.early, self.has, self.dp, self.dp_group = early, has, ctx.dp_size, ctx.dp_group
+        if early and flat.split:
+            raise ValueError("split masters are stepped in step(), not during the backward")
         self.buckets = sorted(self.flat.offload)  # the offloaded ones, in the layout's order
         self.hosted = frozenset(self.buckets)
         self.counted = counted

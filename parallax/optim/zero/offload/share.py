@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from parallax.optim.zero.buffers.master_halves import can_split
+
 
 def offloaded_buckets(numels: Sequence[int], fraction: float) -> list[int]:
     """The buckets to offload (positions in ``numels``, each bucket's elements in layout
@@ -44,3 +46,10 @@ def kept_buckets(numels: Sequence[int], hosted: Sequence[int], fraction: float) 
         out.append(b)
         held += numels[b]
     return sorted(out)
+
+
+def split_buckets(dtypes: Sequence, hosted: Sequence[int]) -> list[int]:
+    """Of the offloaded buckets ``hosted``, those whose masters ``--host-masters split`` keeps
+    as low halves: the bf16 ones (``dtypes``: each bucket's; a bf16 weight is the top half of
+    its fp32 master, an fp16 or fp32 one is not)."""
+    return [b for b in hosted if can_split(dtypes[b])]
