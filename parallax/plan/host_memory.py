@@ -12,7 +12,8 @@ from parallax.optim.zero.offload.upload_ring import STAGING_BYTES
 from parallax.optim.zero.stage import ACCUMULATION, ZeroStage
 from parallax.plan.layout import Layout
 
-SCRATCH, PINNED = "step scratch", "pinned upload staging"  # host bytes beside the stage's terms
+SCRATCH, PINNED = "step scratch", "pinned staging"  # host bytes beside the stage's terms: the
+# step's fp32 gradient, and the page-locked buffers of the copies up and down
 
 
 def offload_host(

@@ -60,4 +60,4 @@ def test_the_offloads_host_memory_is_said_against_its_floor(monkeypatch):
     print_plan(run, file=out)
     text = " ".join(out.getvalue().split())
     assert f"{rank.host_ratio:.2f}x the floor of 12 B" in text, text
-    assert "masters and moments" in text and "pinned upload staging" in text
+    assert "masters and moments" in text and "pinned staging" in text
