@@ -211,6 +211,8 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
         out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
         out["host_adamw"] = "one-pass" if host.one_pass is not None else "torch"  # (as it ran)
         out["host_masters"] = "split" if host.flat.split else "full"
+        one = host.one_pass  # compiled for the CPU, or eager where torch could not compile it
+        out["host_kernel_compiled"] = bool(one is not None and one.compiled and one.ok)
     return out
 
 

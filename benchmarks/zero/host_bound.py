@@ -24,6 +24,7 @@ the gradients are clipped (everything after the last pass: upcast, AdamW, conver
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -53,18 +54,47 @@ def adamw_seconds(n: int, fused: bool) -> float:
     return timed(opt.step)
 
 
+def _prepared(kernel: HostAdamW, name: str, in_place: list, split: list) -> bool:
+    """``kernel.prepare`` for bf16 sums stepped in place, its seconds printed (the compile a
+    run pays at its start)."""
+    start = time.perf_counter()
+    ok = kernel.prepare(in_place, [], torch.get_num_threads(), split)
+    print(f"one-pass kernel ({name} masters): prepared in {time.perf_counter() - start:.1f} s, "
+          f"{'compiled' if kernel.compiled and ok else 'eager'}")  # fmt: skip
+    return ok
+
+
 def one_pass_seconds(n: int, compiled: bool) -> float | None:
     """The one-pass host AdamW (``--host-adamw one-pass``, ``compiled`` for the CPU
     or eager) over ``n`` elements in weight-matrix pieces: bf16 gradient in, bf16 weights out, in
     place."""
     kernel = HostAdamW(compiled=compiled)
-    if not kernel.prepare([torch.bfloat16], [], torch.get_num_threads()):
+    if not _prepared(kernel, "whole", [torch.bfloat16], []):
         return None
     piece = BUCKET // 16
     masters = [torch.zeros(min(piece, n - s)) for s in range(0, n, piece)]
     grads = [torch.full(m.shape, 1e-3, dtype=torch.bfloat16) for m in masters]
     inner = torch.optim.AdamW([m.requires_grad_() for m in masters], lr=1e-5, weight_decay=0.0)
     pieces = [(m, g, None, 0) for m, g in zip(masters, grads)]
+    return timed(lambda: kernel.step(inner, pieces, 1.0))
+
+
+def split_seconds(n: int, compiled: bool) -> float | None:
+    """The same step with split masters (``--host-masters split``): each master read from its
+    bf16 weight (brought down) and int16 low half, both written anew; bf16 gradient in place."""
+    from parallax.optim.zero.buffers.master_halves import low_half
+
+    kernel = HostAdamW(compiled=compiled)
+    if not _prepared(kernel, "split", [], ["in_place"]):
+        return None
+    piece = BUCKET // 16
+    sizes = [min(piece, n - s) for s in range(0, n, piece)]
+    keys = [torch.zeros(1).expand(k) for k in sizes]  # (the state's keys, as the offload's)
+    weights = [torch.full((k,), 0.5, dtype=torch.bfloat16) for k in sizes]
+    lows = [low_half(w.float()) for w in weights]
+    grads = [torch.full((k,), 1e-3, dtype=torch.bfloat16) for k in sizes]
+    inner = torch.optim.AdamW(keys, lr=1e-5, weight_decay=0.0)
+    pieces = [(k, g, None, 0, (w, lo)) for k, g, w, lo in zip(keys, grads, weights, lows)]
     return timed(lambda: kernel.step(inner, pieces, 1.0))
 
 
@@ -101,6 +131,9 @@ def host_phases(n: int, compiled: bool = True) -> dict[str, tuple[float, int]]:
     one = one_pass_seconds(n, compiled)
     if one is not None:  # the three phases above in one: bf16 grad in, bf16 weights out
         out["adamw one pass (bf16 in, bf16 out)"] = (one, 28)
+    split = split_seconds(n, compiled)
+    if split is not None:  # ... the master joined from its weight and low half, split again
+        out["adamw one pass, split masters (bf16 weight and int16 low half)"] = (split, 26)
     return out
 
 

@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 from parallax.optim import ZeroOptimizer
 from parallax.optim.zero.buffers.master_halves import join, low_half
+from parallax.optim.zero.memory_report import tensor_bytes
 from parallax.testing import context, run_ranks
 from tests.optim.common import OPTIMIZERS, batch, build, groups, local_rows
 
@@ -102,9 +103,8 @@ def _resumed(ctx, meta, tensors, masters: str, stage: int) -> dict[str, torch.Te
 
 
 def _pairs(on_gpu: bool = False) -> list[dict]:
-    ctx = context()
-    if on_gpu:  # (the weights come down through the landing buffers, the kernels compiled)
-        ctx = replace(ctx, device=torch.device("cuda", 0))
+    # on the GPU the weights come down through the landing buffers, the kernels compiled
+    ctx = replace(context(), device=torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
     out = []
     for stage, on_gpu in [(2, 0.0), (3, 0.6)]:
         got = {}
@@ -115,7 +115,7 @@ def _pairs(on_gpu: bool = False) -> list[dict]:
                 weights=_weights(model, opt), norms=norms, state=_state(opt),
                 meta=opt.state_meta(), host=report.host_bytes, numel=report.host_numel,
                 halves=opt.flat.host_low_flat, keys=opt.flat.split_keys,
-                landing=sum(t.numel() for t in opt.host.steps.weights.buffers()),
+                landing=tensor_bytes(opt.host.steps.weights.buffers()),
             )  # fmt: skip
             _train(model, opt, ctx, 2, start=3, always=True)  # (as the resumed runs)
             got[masters]["later"] = _weights(model, opt)
@@ -165,8 +165,9 @@ def test_the_host_keeps_two_bytes_an_element_less(pairs):
             full, split = got["full"], got["split"]
             n = split["halves"].numel()  # this rank's offloaded bf16 elements
             assert full["numel"] == split["numel"] > 0 and n == full["numel"]
-            # the halves' 2 bytes for the masters' 4, less the landing buffers (GPUs: bf16)
-            assert full["host"] - split["host"] == 2 * n - 2 * split["landing"]
+            # the halves' 2 bytes for the masters' 4, less the landing buffers (GPUs: bf16,
+            # page-aligned, registered with the driver)
+            assert full["host"] - split["host"] == 2 * n - split["landing"]
             # the masters the optimizer's state is keyed by: views of one NaN, never written
             assert split["keys"].untyped_storage().nbytes() == 4 and split["keys"].isnan().all()
 

@@ -33,9 +33,10 @@ def low_half(master: torch.Tensor) -> torch.Tensor:
     """The int16 low halves of fp32 ``master`` (n,) that :func:`join` reads back with the bf16
     weights ``master`` rounds to; at a tie that rounded down, one ulp nearer the weight."""
     bits = master.view(torch.int32)  # (n,) int32
-    low = bits.to(torch.int16)  # (n,) int16: the low 16 bits (the conversion wraps)
+    low = ((bits & 0xFFFF) ^ 0x8000) - 0x8000  # (n,) int32: the low 16 bits, signed
     down = (low == TIE) & ((bits & (1 << 16)) == 0)  # a tie rounded to an even top half
-    return torch.where(down, BELOW_TIE, low)
+    # (in int16's range: the conversion is exact, whether a vector unit wraps or saturates)
+    return torch.where(down, BELOW_TIE, low).to(torch.int16)
 
 
 def can_split(dtype: torch.dtype) -> bool:
