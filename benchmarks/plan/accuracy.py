@@ -49,7 +49,7 @@ class Row:
     limit: float | None = None  # GiB: --gpu-memory-limit
     host: float | None = None  # GiB of host memory the planner may use (--host-memory)
     host_adamw: str = "auto"  # --host-adamw: the offloaded clipped step's kernel
-    host_masters: str = "auto"  # --host-masters: the offloaded bf16 masters whole or split
+    host_masters: str = "full"  # --host-masters: the offloaded bf16 masters whole or split
 
 
 ROWS = (
@@ -114,7 +114,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
         flags["grad_clip"] = args.grad_clip
     if row.host_adamw != "auto":
         flags["host_adamw"] = row.host_adamw
-    if row.host_masters != "auto":
+    if row.host_masters != "full":
         flags["host_masters"] = row.host_masters
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
@@ -145,7 +145,7 @@ def described(best, run) -> str:
     words = best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
     if best.layout.offload and getattr(run, "host_adamw", "auto") != "auto":
         words += f", host AdamW {run.host_adamw}"
-    if best.layout.offload and getattr(run, "host_masters", "auto") != "auto":
+    if best.layout.offload and getattr(run, "host_masters", "full") != "full":
         words += f", host masters {run.host_masters}"
     return words + (", no clipping" if run.grad_clip == 0 and run.finetune == "full" else "")
 

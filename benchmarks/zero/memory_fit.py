@@ -16,9 +16,9 @@ ZeRO-2 and ZeRO-3 with ``offload_optimizer: cpu`` (its CPU Adam; issue 42,
 ``--peer-micro-batch`` (a DeepSpeed row that cannot import or build records the error as its
 status); LLaVA-NeXT-7B full fine-tuning under 24 GiB; OpenVLA-7B LoRA at batch 16 under 16 GiB.
 A row runs ``--host-adamw auto`` (the default since 2026-12-06: one-pass on GPUs; before, torch's
-kernel) unless its name ends in ``-torch`` or ``-one-pass``, and ``--host-masters auto`` (split
-where the one-pass kernel steps: 2 bytes of host memory an element less) unless it ends in
-``-full``; each record says which ran.
+kernel) unless its name ends in ``-torch`` or ``-one-pass``, and whole fp32 masters on the host
+unless it ends in ``-split`` (``--host-masters split``: 2 bytes of host memory a parameter less);
+each record says which ran.
 Every row runs in a process of its own, watched: its host RSS over ``--host-limit`` GiB (the H200
 host has 125) ends it, reported as not fitting the host. The ratio's reference is the same
 invocation's uncapped row of the workload (``openvla``, ``llava``, ``lora``: the same data) where
@@ -55,9 +55,9 @@ ROWS = (
     Row("openvla-32-host95", "openvla-7b", 256, limit=32.0, host=95.0),  # host memory's target
     Row("openvla-32-one-pass", "openvla-7b", 256, limit=32.0, host_adamw="one-pass"),
     Row("openvla-24-one-pass", "openvla-7b", 256, limit=24.0, host_adamw="one-pass"),
-    # whole fp32 masters on the host (the default to 2026-12-06; since then split, 2 bytes less)
-    Row("openvla-32-full", "openvla-7b", 256, limit=32.0, host_masters="full"),
-    Row("openvla-24-full", "openvla-7b", 256, limit=24.0, host_masters="full"),
+    # the masters split on the host (--host-masters split: 2 bytes a parameter less)
+    Row("openvla-32-split", "openvla-7b", 256, limit=32.0, host_masters="split"),
+    Row("openvla-24-split", "openvla-7b", 256, limit=24.0, host_masters="split"),
     Row("openvla-32-torch", "openvla-7b", 256, limit=32.0, host_adamw="torch"),  # (the default
     Row("openvla-24-torch", "openvla-7b", 256, limit=24.0, host_adamw="torch"),  # to 2026-12-06)
     Row("fsdp2-offload-32", "openvla-7b", 256, limit=32.0),  # the peers

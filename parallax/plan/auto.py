@@ -97,7 +97,7 @@ def choose(run: Run, detect: Detect = detect_device) -> Run:
     if why := ruled_out(result, model, world, per_node, fixed):
         raise ValueError(f"--layout auto: {why}")
     if not result.ranked:
-        why = report.nothing_fits(result, world, run.finetune == "lora")
+        why = report.nothing_fits(result, world, run.finetune == "lora", run.host_masters_split)
         raise ValueError(f"--layout auto: {why}")
     best = result.ranked[0]
     if int(os.environ.get("RANK", 0)) == 0:

@@ -105,7 +105,8 @@ def plan(
     console.print(_header(run, model, machine, gpus, nodes, opts.margin), highlight=False)
     console.print(note, highlight=False)
     if not result.ranked:
-        console.print(nothing_fits(result, gpus, run.finetune == "lora"), highlight=False)
+        lora, split = run.finetune == "lora", run.host_masters_split
+        console.print(nothing_fits(result, gpus, lora, split), highlight=False)
         return result, None
     console.print(f"searched {result.searched} layouts, {result.fitting} fit", highlight=False)
     console.print(layouts_table(result))

@@ -37,6 +37,10 @@ OVERLAP_TAX = 0.3
 # --host-adamw one-pass against torch's fused CPU AdamW alone, the same 28 bytes an element: 0.399
 # against 0.338 s per 1e9 on the H200 host, 15 threads (benchmarks/RESULTS.md, run 5c30c5c4c420)
 ONE_PASS_OVER_FUSED = 0.399 / 0.338
+# --host-masters split's host step against the same step with whole masters, in the run (the
+# worker's seconds a step on one H100 host, OpenVLA-7B under 24 GiB: 8.28 against 4.64 s;
+# benchmarks/RESULTS.md, run of 2026-12-06 at dce1ab5, the first kernel of the two halves)
+SPLIT_OVER_WHOLE = 8.28 / 4.64
 HOOK_S = 30e-6  # ZeRO-3's Python hooks around one unit's use (gather, release, reduce)
 
 
@@ -248,7 +252,8 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     converted for the upload, whose copies run beside the next bucket's step; with
     ``--host-adamw one-pass`` one loop does all three (28 bytes an element, as many as torch's
     fused kernel moves alone; the profile's ``host_one_pass_s`` where calibrated, else
-    :data:`ONE_PASS_OVER_FUSED` times the fused kernel's). When nothing
+    :data:`ONE_PASS_OVER_FUSED` times the fused kernel's; with split masters
+    :data:`SPLIT_OVER_WHOLE` times that, as measured). When nothing
     clips, the worker steps each bucket during the last backward, but there it shares the
     host's cores with the thread launching that backward: SigLIP-large at batch 512, fully
     offloaded and unclipped, waited 0.16-0.76 s a step for a host step of 0.23 s at the
@@ -290,6 +295,7 @@ def _offload(model: Workload, layout, machine, memory, passes, compute) -> float
     if model.run.host_step_one_pass:
         one_pass = machine.host_one_pass_s or ONE_PASS_OVER_FUSED * machine.host_adam_s
         step = one_pass * node * share / 1e9
+        step *= SPLIT_OVER_WHOLE if model.run.host_masters_split else 1.0
     if layout.zero == 3 or layout.dp == 1:  # the step runs on under the next first forward
         step = _hidden(step, first_forward)
     return max(0.0, under) + step

@@ -100,9 +100,9 @@ def _pairs(argv: list[str]) -> list[tuple[str, ...]]:
     return out
 
 
-def nothing_fits(result: Result, world: int, lora: bool = False) -> str:
+def nothing_fits(result: Result, world: int, lora: bool = False, split: bool = True) -> str:
     """Why no layout fits, with the nearest ones and what would help (``lora``: the run
-    trains adapters already)."""
+    trains adapters already; ``split``: its offloaded masters are split already)."""
     if not result.closest:
         reasons = "; ".join(f"{n} layouts: {p}" for p, n in result.problems.items())
         return f"no layout of {world} GPUs is valid for this run ({reasons or 'none searched'})"
@@ -123,5 +123,7 @@ def nothing_fits(result: Result, world: int, lora: bool = False) -> str:
             helps.append("--finetune lora")
     if host_short:
         helps.append("more host memory per node (--host-memory), or nodes with fewer GPUs each")
+        if c.layout.offload and not split:
+            helps.append("--host-masters split (2 bytes a parameter less, a slower host step)")
     lines.append("What would help: " + "; ".join(helps) + ".")
     return " ".join(lines)

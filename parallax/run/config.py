@@ -116,19 +116,17 @@ class TrainConfig(
 
     def host_masters_kind(self, device_type: str = "cuda") -> str:
         """Where this run on a ``device_type`` keeps its offloaded bf16 masters on the host:
-        split wherever the one-pass AdamW steps them, unless ``--host-masters full`` (an
-        explicit ``split`` elsewhere: the rules refuse what they can tell, e.g. an unclipped
-        run; a CPU run's torch kernel keeps them whole, and the trainer says so)."""
+        split where ``--host-masters split`` asks and the one-pass AdamW steps them (the rules
+        refuse what they can tell apart, e.g. an unclipped run; a CPU run's default torch
+        kernel keeps them whole, and the trainer says so)."""
         stepped = self.offload == "optimizer" and self.host_kernel(device_type) == "one-pass"
-        return "split" if stepped and self.host_masters != "full" else "full"
+        return "split" if stepped and self.host_masters == "split" else "full"
 
     @property
     def host_masters_split(self) -> bool:
         """Whether a run on GPUs (what the planner plans), where it offloads, keeps its bf16
         masters split on the host."""
-        if self.host_masters != "auto":
-            return self.host_masters == "split"
-        return self.host_step_one_pass
+        return self.host_masters == "split" and self.host_step_one_pass
 
     @property
     def host_step_one_pass(self) -> bool:

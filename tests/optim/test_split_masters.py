@@ -204,7 +204,7 @@ def _reloaded() -> bool:
     with torch.no_grad():  # weights written behind the optimizer's back reach the masters
         model.head.weight.fill_(0.5)
     opt.reload_master_weights()
-    master = dict(opt.state_tensors())["head.weight.master"]
+    master = dict(opt.state_tensors())["head.weight.master"].cpu()
     return torch.equal(master, torch.full((4, 8), 0.5))
 
 

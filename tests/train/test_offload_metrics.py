@@ -75,7 +75,8 @@ def test_an_unclipped_run_steps_with_torchs_kernel_and_a_clipped_one_with_its_ch
 def test_split_masters_hold_two_bytes_less_and_train_alike(tmp_path, caplog):
     """``--host-masters split`` (bf16 weights: the masters' top halves) holds 10 bytes of
     masters and moments an offloaded parameter, not 12, for the same losses (to a master moved
-    by one fp32 ulp at a tie); ``auto`` splits wherever the one-pass AdamW steps."""
+    by one fp32 ulp at a tie); it is asked for (full by default), and takes effect where the
+    one-pass AdamW steps."""
     base = ["--zero", "2", "--offload", "optimizer", "--host-adamw", "one-pass"]
     base += ["--precision", "bf16"]
     whole = _rows(tmp_path / "full", [*base, "--host-masters", "full"])
@@ -85,10 +86,11 @@ def test_split_masters_hold_two_bytes_less_and_train_alike(tmp_path, caplog):
         assert w["offload_host_ratio"] == pytest.approx(14 / 12, rel=1e-3), w
         assert s["offload_host_ratio"] == pytest.approx(12 / 12, rel=1e-3), s
         assert s["loss"] == pytest.approx(w["loss"], rel=1e-3)
-    assert parse_args(["--grad-clip", "1"]).host_masters_kind("cuda") == "full"  # no offload
-    offloaded = ["--offload", "optimizer", "--zero", "2", "--grad-clip", "1"]
+    split = ["--host-masters", "split", "--grad-clip", "1"]
+    assert parse_args(split).host_masters_kind("cuda") == "full"  # (nothing offloaded)
+    offloaded = ["--offload", "optimizer", "--zero", "2", *split]
     assert parse_args(offloaded).host_masters_kind("cuda") == "split"
     assert parse_args(offloaded).host_masters_kind("cpu") == "full"  # (torch's kernel there)
-    assert parse_args([*offloaded, "--host-masters", "full"]).host_masters_kind("cuda") == "full"
+    assert parse_args(offloaded[:4]).host_masters_kind("cuda") == "full"  # (the default)
     with pytest.raises(ValueError, match="--host-masters split"):
         resolve(parse_args([*offloaded, "--host-masters", "split", "--grad-clip", "0"]))

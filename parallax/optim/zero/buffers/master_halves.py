@@ -19,24 +19,22 @@ from __future__ import annotations
 
 import torch
 
-TIE = -(1 << 15)  # 0x8000 as int16: the low bits of a master halfway between two weights
-BELOW_TIE = (1 << 15) - 1  # 0x7fff: one fp32 ulp nearer the weight
+BELOW_TIE = (1 << 15) - 1  # 0x7fff: a tie rounded down, one fp32 ulp nearer the weight
 
 
 def join(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 masters of bf16 ``weight`` and int16 ``low`` (their low halves), (n,) each."""
-    high = weight.view(torch.int16).to(torch.int32) << 16  # (n,) int32: the top half's bits
+    high = weight.float().view(torch.int32)  # (n,) int32: the weight's bits shifted up 16
     return (high + low.to(torch.int32)).view(torch.float32)  # (n,) fp32
 
 
 def low_half(master: torch.Tensor) -> torch.Tensor:
     """The int16 low halves of fp32 ``master`` (n,) that :func:`join` reads back with the bf16
     weights ``master`` rounds to; at a tie that rounded down, one ulp nearer the weight."""
-    bits = master.view(torch.int32)  # (n,) int32
-    low = ((bits & 0xFFFF) ^ 0x8000) - 0x8000  # (n,) int32: the low 16 bits, signed
-    down = (low == TIE) & ((bits & (1 << 16)) == 0)  # a tie rounded to an even top half
+    high = master.bfloat16().float().view(torch.int32)  # (n,) int32: its weight's bits
+    low = master.view(torch.int32) - high  # (n,) int32 in [-2^15, 2^15]: 2^15 a tie rounded down
     # (in int16's range: the conversion is exact, whether a vector unit wraps or saturates)
-    return torch.where(down, BELOW_TIE, low).to(torch.int16)
+    return low.clamp_max(BELOW_TIE).to(torch.int16)
 
 
 def can_split(dtype: torch.dtype) -> bool:
