@@ -40,7 +40,7 @@ for s in ${STEPS:-profile24 profile32}; do
       step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py \
         tests/optim/test_host_adamw_cuda.py tests/optim/test_pinned.py tests/optim/test_split_masters.py ;;
     cuda_split)  # split masters' kernels compiled, and the weights brought down, on the GPU
-      step 200 cuda_split python3 -m pytest -q -x -k "cuda or split" tests/optim/test_split_masters.py tests/optim/test_host_adamw_cuda.py ;;
+      step 200 cuda_split python3 -m pytest -q -x -k "cuda or split" tests/optim/test_host_adamw_cuda.py tests/optim/test_split_masters.py ;;
     profile24|profile32)
       step 260 "$s" python3 -m benchmarks.tools.profile_rows --out "$logs/$s.txt" plan "fit:openvla-${s#profile}" --compile ;;
     before24)

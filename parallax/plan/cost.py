@@ -39,7 +39,7 @@ OVERLAP_TAX = 0.3
 ONE_PASS_OVER_FUSED = 0.399 / 0.338
 # --host-masters split's host step against the same step with whole masters, in the run (the
 # worker's seconds a step on one H100 host, OpenVLA-7B under 24 GiB: 8.28 against 4.64 s;
-# benchmarks/RESULTS.md, run of 2026-12-06 at dce1ab5, the first kernel of the two halves)
+# benchmarks/RESULTS.md, run f365a2c7fa32)
 SPLIT_OVER_WHOLE = 8.28 / 4.64
 HOOK_S = 30e-6  # ZeRO-3's Python hooks around one unit's use (gather, release, reduce)
 

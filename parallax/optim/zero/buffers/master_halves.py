@@ -10,6 +10,11 @@ down to an even top half reads back 2^16 too low. There the master is moved one 
 towards the weight (low bits 0x7fff) as it is split: its weight stays the same, and it reads
 back exactly from then on. Every other master goes to the host and back unchanged.
 
+All of it is integer work on the bit patterns: a shorter form that finds the weight's bits by
+rounding the master to bf16 and back is exact eagerly, but compiled for the CPU it lost the low
+halves (torch's compiler may keep such a round trip in fp32 and drop the rounding; on one H100
+host the clip norm of a tiny model drifted 1e-3 in three steps: tests/optim/test_split_masters.py).
+
 The host then holds 2 bytes of master an element instead of 4 (OpenVLA-7B: 14 GiB less), and
 each step brings the weights down (2 bytes an element over the link, beside the uploads going
 the other way) to join them with their low halves: :mod:`~parallax.optim.zero.offload.weights_down`.
@@ -19,22 +24,24 @@ from __future__ import annotations
 
 import torch
 
-BELOW_TIE = (1 << 15) - 1  # 0x7fff: a tie rounded down, one fp32 ulp nearer the weight
+TIE = -(1 << 15)  # 0x8000 as int16: the low bits of a master halfway between two weights
+BELOW_TIE = (1 << 15) - 1  # 0x7fff: one fp32 ulp nearer the weight
 
 
 def join(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 masters of bf16 ``weight`` and int16 ``low`` (their low halves), (n,) each."""
-    high = weight.float().view(torch.int32)  # (n,) int32: the weight's bits shifted up 16
+    high = weight.view(torch.int16).to(torch.int32) << 16  # (n,) int32: the top half's bits
     return (high + low.to(torch.int32)).view(torch.float32)  # (n,) fp32
 
 
 def low_half(master: torch.Tensor) -> torch.Tensor:
     """The int16 low halves of fp32 ``master`` (n,) that :func:`join` reads back with the bf16
     weights ``master`` rounds to; at a tie that rounded down, one ulp nearer the weight."""
-    high = master.bfloat16().float().view(torch.int32)  # (n,) int32: its weight's bits
-    low = master.view(torch.int32) - high  # (n,) int32 in [-2^15, 2^15]: 2^15 a tie rounded down
+    bits = master.view(torch.int32)  # (n,) int32
+    low = ((bits & 0xFFFF) ^ 0x8000) - 0x8000  # (n,) int32: the low 16 bits, signed
+    down = (low == TIE) & ((bits & (1 << 16)) == 0)  # a tie rounded to an even top half
     # (in int16's range: the conversion is exact, whether a vector unit wraps or saturates)
-    return low.clamp_max(BELOW_TIE).to(torch.int16)
+    return torch.where(down, BELOW_TIE, low).to(torch.int16)
 
 
 def can_split(dtype: torch.dtype) -> bool:
