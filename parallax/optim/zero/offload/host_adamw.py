@@ -154,16 +154,8 @@ class HostAdamW:
         h = _scalars(1e-3, 0.0, 0.9, 0.9, 1e-8, 1, 1.0)
         try:
             made = {name: _compiled(fn) for name, fn in KERNELS.items()}
-            for dtype in in_place:
-                for args in examples(dtype, None):
-                    made["in_place"](*args[:4], h)
-            for dtype in out:
-                for args in examples(torch.float32, dtype):
-                    made["out"](*args, h)
-            for kind in split:
-                sums = torch.bfloat16 if kind == "in_place" else torch.float32
-                for args in split_examples(sums, kind == "out"):
-                    made[f"split_{kind}"](*args, h)
+            with _room_to_compile():
+                self._compile_examples(made, in_place, out, split, h)
         except Exception:  # noqa: BLE001 (no compiler, an unsupported torch: torch's kernel)
             self.ok = False
             return False
@@ -172,6 +164,20 @@ class HostAdamW:
         for name, fn in made.items():
             setattr(self, name, fn)
         return True
+
+    @staticmethod
+    def _compile_examples(made: dict, in_place, out, split, h: torch.Tensor) -> None:
+        """Call each compiled kernel of ``made`` on the examples :meth:`prepare` names."""
+        for dtype in in_place:
+            for args in examples(dtype, None):
+                made["in_place"](*args[:4], h)
+        for dtype in out:
+            for args in examples(torch.float32, dtype):
+                made["out"](*args, h)
+        for kind in split:
+            sums = torch.bfloat16 if kind == "in_place" else torch.float32
+            for args in split_examples(sums, kind == "out"):
+                made[f"split_{kind}"](*args, h)
 
     @torch.no_grad()
     def step(self, inner: torch.optim.Optimizer, pieces: Sequence[tuple], scale: float) -> None:
@@ -211,6 +217,16 @@ KERNELS = {
     "split_in_place": _split_in_place,
     "split_out": _split_out,
 }
+
+
+def _room_to_compile():
+    """A context in which the compiler keeps a kernel's every specialization: the examples of
+    a split master's step that writes elsewhere are 16 (four views, each at offset 0 or not),
+    past dynamo's default of 8 a function, after which it runs the rest eagerly, silently."""
+    import torch._dynamo.config as config  # (loaded when compiling)
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), 64)})
 
 
 def _compiled(fn: Kernel) -> Kernel:
