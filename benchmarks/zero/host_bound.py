@@ -82,6 +82,7 @@ def one_pass_seconds(n: int, compiled: bool) -> float | None:
 def split_seconds(n: int, compiled: bool) -> float | None:
     """The same step with split masters (``--host-masters split``): each master read from its
     bf16 weight (brought down) and int16 low half, both written anew; bf16 gradient in place."""
+    from parallax.optim.zero.buffers.flat_buffers import LOW_PAD
     from parallax.optim.zero.buffers.master_halves import low_half
 
     kernel = HostAdamW(compiled=compiled)
@@ -91,7 +92,8 @@ def split_seconds(n: int, compiled: bool) -> float | None:
     sizes = [min(piece, n - s) for s in range(0, n, piece)]
     keys = [torch.zeros(1).expand(k) for k in sizes]  # (the state's keys, as the offload's)
     weights = [torch.full((k,), 0.5, dtype=torch.bfloat16) for k in sizes]
-    lows = [low_half(w.float()) for w in weights]
+    pad = torch.zeros(2, LOW_PAD, dtype=torch.uint8)  # (the planes' pieces are never at 0 or 1)
+    lows = [torch.cat([pad, low_half(w.float())], 1)[:, LOW_PAD:] for w in weights]
     grads = [torch.full((k,), 1e-3, dtype=torch.bfloat16) for k in sizes]
     inner = torch.optim.AdamW(keys, lr=1e-5, weight_decay=0.0)
     pieces = [(k, g, None, 0, (w, lo)) for k, g, w, lo in zip(keys, grads, weights, lows)]

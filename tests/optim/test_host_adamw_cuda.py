@@ -101,14 +101,15 @@ def _split_pieces(out: bool):
 
     total = 2 * sum(SIZES) + 9
     masters = torch.randn(total)  # (n,) fp32
-    weights, lows = masters.bfloat16(), low_half(masters)
+    weights = masters.bfloat16()
+    lows = torch.cat([torch.zeros(2, 8, dtype=torch.uint8), low_half(masters)], 1)  # (2, 8 + n)
     sums = (torch.randn(total) * 1e-3).to(torch.float32 if out else torch.bfloat16)
     staging = torch.zeros(total, dtype=torch.bfloat16)
     key = torch.full((total,), float("nan"))
     pieces, off = [], 0
     for n in SIZES * 2:
         lo = 0 if off == 0 else off + 3
-        halves = (weights[lo : lo + n], lows[lo : lo + n])
+        halves = (weights[lo : lo + n], lows[:, lo + 8 : lo + 8 + n])  # (planes: past 1)
         dest = staging[lo : lo + n] if out else None
         pieces.append((torch.nn.Parameter(key[lo : lo + n]), sums[lo : lo + n], dest, 0, halves))
         off += n

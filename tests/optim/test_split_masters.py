@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from parallax.optim import ZeroOptimizer
+from parallax.optim.zero.buffers.flat_buffers import LOW_PAD
 from parallax.optim.zero.buffers.master_halves import join, low_half
 from parallax.optim.zero.memory_report import tensor_bytes
 from parallax.testing import context, run_ranks
@@ -163,11 +164,12 @@ def test_the_host_keeps_two_bytes_an_element_less(pairs):
     for rank in pairs:
         for got in rank:
             full, split = got["full"], got["split"]
-            n = split["halves"].numel()  # this rank's offloaded bf16 elements
-            assert full["numel"] == split["numel"] > 0 and n == full["numel"]
-            # the halves' 2 bytes for the masters' 4, less the landing buffers (GPUs: bf16,
-            # page-aligned, registered with the driver)
-            assert full["host"] - split["host"] == 2 * n - split["landing"]
+            n = full["numel"]  # this rank's offloaded elements, all bf16 here
+            assert split["numel"] == n > 0 and split["halves"].shape == (2, n + LOW_PAD)
+            # the halves' 2 bytes (two byte planes, padded) for the masters' 4, less the landing
+            # buffers (GPUs: bf16, page-aligned, registered with the driver)
+            less = 4 * n - split["halves"].numel() - split["landing"]
+            assert full["host"] - split["host"] == less
             # the masters the optimizer's state is keyed by: views of one NaN, never written
             assert split["keys"].untyped_storage().nbytes() == 4 and split["keys"].isnan().all()
 

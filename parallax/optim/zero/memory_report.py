@@ -174,6 +174,6 @@ def measure(
         peak_gathered_bytes=weights.gathers.peak_bytes if weights is not None else 0,
         pass_peak_bytes=getattr(reducer, "peak_bytes", 0),
         host_bytes=tensor_bytes(on_host) + tensor_bytes(states[True]),
-        host_numel=sum(t.numel() for t in (whole, halves) if t is not None),
+        host_numel=flat.host_numel,
         kept_bytes=tensor_bytes(host.kept.values()) if host is not None else 0,
     )

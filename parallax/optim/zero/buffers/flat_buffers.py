@@ -30,6 +30,8 @@ from parallax.optim.zero.buffers.packing import FlatLayout, Piece
 from parallax.optim.zero.stage import ZeroStage
 from parallax.optim.zero.weights.shards import ShardedStore
 
+LOW_PAD = 8  # bytes before the first low half in each plane
+
 
 class FlatBuffers:
     @torch.no_grad()
@@ -111,7 +113,10 @@ class FlatBuffers:
         # offloaded: no reduced gradient on the device either; not pinned: only the host's
         # worker reads them (the new weights go up through the offload's staging)
         self.host_master_flat = torch.zeros(hosted) if hosted else None
-        self.host_low_flat = torch.zeros(sum(halves), dtype=torch.int16) if halves else None
+        # (2, pad + elements) uint8: the low halves' byte planes, no piece at offset 0 or 1 (the
+        # compiled host step is built for offsets past those: master_halves, HostAdamW)
+        planes = (2, LOW_PAD + sum(halves))
+        self.host_low_flat = torch.zeros(planes, dtype=torch.uint8) if halves else None
         # split buckets' masters as the wrapped optimizer sees them: views of one NaN (no
         # memory) that key their state and are never read (their values: master_values)
         self.split_keys = torch.full((1,), float("nan")).expand(max(halves)) if halves else None
@@ -123,7 +128,8 @@ class FlatBuffers:
     def _place_chunks(self) -> None:
         """Each bucket's master chunk and the home of its reduced gradient (module docstring)."""
         full_grads = self.stage.full_grad_buffer
-        offset = shard_offset = host_offset = low_offset = 0
+        offset = shard_offset = host_offset = 0
+        low_offset = LOW_PAD
         for b, home in zip(self.layout.buckets, self.homes):
             mine = self.own_param(b.index)
             grad = None  # STAGED: no home between steps; offloaded: on the host when stepped
@@ -134,7 +140,7 @@ class FlatBuffers:
                     )
                 master = self.split_keys[: b.chunk]
                 # (zeros: each master starts as its weight, exactly)
-                self.lows[b.index] = self.host_low_flat[low_offset : low_offset + b.chunk]
+                self.lows[b.index] = self.host_low_flat[:, low_offset : low_offset + b.chunk]
                 low_offset += b.chunk
             elif b.index in self.offload:
                 master = self.host_master_flat[host_offset : host_offset + b.chunk]
@@ -230,6 +236,11 @@ class FlatBuffers:
             elif master.data_ptr() != mine.data_ptr():
                 master.copy_(mine)
 
+    @property
+    def host_numel(self) -> int:
+        """The elements whose masters live on the host (whole or split)."""
+        return sum(b.chunk for b in self.layout.buckets if b.index in self.offload)
+
     def master_values(self, pc: Piece, master: torch.Tensor) -> torch.Tensor:
         """Piece ``pc``'s fp32 master values (``master``: its tensor in :attr:`piece_params`),
         joined from the weight and the low half where its bucket's masters are split."""
@@ -237,7 +248,7 @@ class FlatBuffers:
             return master
         span = slice(pc.chunk_offset, pc.chunk_offset + pc.numel)
         weight = self.own_param(pc.bucket)[span].cpu()  # (numel,) bf16
-        return join(weight, self.lows[pc.bucket][span])
+        return join(weight, self.lows[pc.bucket][:, span])
 
     @torch.no_grad()
     def set_master(self, pc: Piece, master: torch.Tensor, values: torch.Tensor) -> None:
@@ -247,7 +258,7 @@ class FlatBuffers:
             master.copy_(values)
             return
         span = slice(pc.chunk_offset, pc.chunk_offset + pc.numel)
-        self.lows[pc.bucket][span].copy_(low_half(values.to("cpu", torch.float32)))
+        self.lows[pc.bucket][:, span].copy_(low_half(values.to("cpu", torch.float32)))
 
     @torch.no_grad()
     def gather_params(

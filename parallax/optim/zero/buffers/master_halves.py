@@ -10,10 +10,13 @@ down to an even top half reads back 2^16 too low. There the master is moved one 
 towards the weight (low bits 0x7fff) as it is split: its weight stays the same, and it reads
 back exactly from then on. Every other master goes to the host and back unchanged.
 
-All of it is integer work on the bit patterns: a shorter form that finds the weight's bits by
-rounding the master to bf16 and back is exact eagerly, but compiled for the CPU it lost the low
-halves (torch's compiler may keep such a round trip in fp32 and drop the rounding; on one H100
-host the clip norm of a tiny model drifted 1e-3 in three steps: tests/optim/test_split_masters.py).
+The low halves are held as two planes of bytes (the low byte, the high one): int16 loads and
+stores keep the compiled CPU loop scalar, bytes and int32 vectorize. The split is integer work
+on the master's bits: a shorter form that found the weight's bits by rounding the master to
+bf16 and back was exact eagerly, but compiled for the CPU it lost the low halves (torch's
+compiler may keep such a round trip in fp32 and drop the rounding; on one H100 host the clip
+norm of a tiny model drifted 1e-3 in three steps: tests/optim/test_split_masters.py). Reading
+the weight's bits through its upcast to fp32 is exact (a load, not a rounding).
 
 The host then holds 2 bytes of master an element instead of 4 (OpenVLA-7B: 14 GiB less), and
 each step brings the weights down (2 bytes an element over the link, beside the uploads going
@@ -24,24 +27,46 @@ from __future__ import annotations
 
 import torch
 
-TIE = -(1 << 15)  # 0x8000 as int16: the low bits of a master halfway between two weights
+TIE = -(1 << 15)  # the low bits 0x8000, signed: a master halfway between two weights
 BELOW_TIE = (1 << 15) - 1  # 0x7fff: one fp32 ulp nearer the weight
 
 
 def join(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The fp32 masters of bf16 ``weight`` and int16 ``low`` (their low halves), (n,) each."""
-    high = weight.view(torch.int16).to(torch.int32) << 16  # (n,) int32: the top half's bits
-    return (high + low.to(torch.int32)).view(torch.float32)  # (n,) fp32
+    """The fp32 masters of bf16 ``weight`` (n,) and ``low`` (2, n) uint8, their low halves
+    (:func:`low_half`)."""
+    return join_planes(weight, low[0], low[1].view(torch.int8))
 
 
-def low_half(master: torch.Tensor) -> torch.Tensor:
-    """The int16 low halves of fp32 ``master`` (n,) that :func:`join` reads back with the bf16
-    weights ``master`` rounds to; at a tie that rounded down, one ulp nearer the weight."""
+def join_planes(weight: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """:func:`join` from the low halves' two byte planes, uint8 ``lo`` and int8 ``hi`` (n,)."""
+    high = weight.float().view(torch.int32)  # (n,) int32: the weight's bits shifted up 16
+    signed = hi.to(torch.int32) * 256 + lo.to(torch.int32)  # (n,) int32: the low bits, signed
+    return (high + signed).view(torch.float32)  # (n,) fp32
+
+
+def signed_low(master: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of fp32 ``master`` (n,) as a signed int32 that :func:`join` adds to its
+    weight's; at a tie that rounded down, one ulp nearer the weight."""
     bits = master.view(torch.int32)  # (n,) int32
     low = ((bits & 0xFFFF) ^ 0x8000) - 0x8000  # (n,) int32: the low 16 bits, signed
     down = (low == TIE) & ((bits & (1 << 16)) == 0)  # a tie rounded to an even top half
-    # (in int16's range: the conversion is exact, whether a vector unit wraps or saturates)
-    return torch.where(down, BELOW_TIE, low).to(torch.int16)
+    return torch.where(down, BELOW_TIE, low)
+
+
+def split_into(master: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Write fp32 ``master``'s low half (:func:`signed_low`) into its byte planes ``lo`` (uint8)
+    and ``hi`` (int8), (n,) each; the conversions are exact (in range)."""
+    low = signed_low(master)
+    lo.copy_((low & 0xFF).to(torch.uint8))
+    hi.copy_((low >> 8).to(torch.int8))
+
+
+def low_half(master: torch.Tensor) -> torch.Tensor:
+    """The low halves of fp32 ``master`` (n,): (2, n) uint8, the low byte over the high one
+    (two planes of bytes: a compiled CPU loop vectorizes them, not int16)."""
+    out = torch.empty((2, master.numel()), dtype=torch.uint8)  # (2, n)
+    split_into(master, out[0], out[1].view(torch.int8))
+    return out
 
 
 def can_split(dtype: torch.dtype) -> bool:

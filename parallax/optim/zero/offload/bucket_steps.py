@@ -167,7 +167,7 @@ class BucketSteps:
             lo, n = pieces[k].chunk_offset, pieces[k].numel
             out = None if dest is grad else dest[lo : lo + n]
             piece = (self.flat.piece_params[k], grad[lo : lo + n], out, self.piece_groups[k])
-            halves = () if low is None else ((master[lo : lo + n], low[lo : lo + n]),)
+            halves = () if low is None else ((master[lo : lo + n], low[:, lo : lo + n]),)
             todo.append(piece + halves)
             dest[done:lo].copy_(master[done:lo])  # (a frozen piece, padding: as they were)
             done = lo + n

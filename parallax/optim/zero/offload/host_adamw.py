@@ -39,12 +39,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from parallax.optim.zero.buffers.master_halves import join, low_half
+from parallax.optim.zero.buffers.master_halves import join_planes, split_into
 
 Kernel = Callable[..., None]
 EXAMPLE = 1 << 20  # elements of the examples compiled on: each thread's share is well past
 # inductor's least chunk for a parallel loop (512-4096 elements) on hundreds of cores
-OFFSETS = (3, 5, 7, 9)  # the examples' nonzero storage offsets: distinct, past 0/1
+OFFSETS = (3, 5, 7, 11, 13)  # the examples' nonzero storage offsets: distinct, past 0/1
 
 
 def _update(g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: torch.Tensor):
@@ -71,22 +71,22 @@ def _step_in_place(g, p, m, v, h) -> None:
     g.copy_(p)
 
 
-def _split_out(g, w, low, m, v, out, h) -> None:
-    """Update the master held as bf16 weight ``w`` and int16 low half ``low``
-    (:mod:`~parallax.optim.zero.buffers.master_halves`); the new weights into ``out``, the new
-    low halves over ``low``."""
-    p = join(w, low)  # (n,) fp32
+def _split_out(g, w, lo, hi, m, v, out, h) -> None:
+    """Update the master held as bf16 weight ``w`` and the byte planes ``lo``, ``hi`` of its
+    low half (:mod:`~parallax.optim.zero.buffers.master_halves`); the new weights into ``out``,
+    the new low halves over ``lo`` and ``hi``."""
+    p = join_planes(w, lo, hi)  # (n,) fp32
     _update(g, p, m, v, h)
     out.copy_(p)
-    low.copy_(low_half(p))
+    split_into(p, lo, hi)
 
 
-def _split_in_place(g, w, low, m, v, h) -> None:
+def _split_in_place(g, w, lo, hi, m, v, h) -> None:
     """As :func:`_split_out`, the new weights over the gradient ``g``."""
-    p = join(w, low)  # (n,) fp32
+    p = join_planes(w, lo, hi)  # (n,) fp32
     _update(g, p, m, v, h)
     g.copy_(p)
-    low.copy_(low_half(p))
+    split_into(p, lo, hi)
 
 
 def supports(optimizer_class: type, groups: Sequence[dict]) -> bool:
@@ -184,8 +184,9 @@ class HostAdamW:
         """Step each ``(master, grad, out, group[, halves])`` of ``pieces``: the master (fp32)
         on its gradient times ``scale``, in group ``group`` of ``inner``; the new weights into
         ``out``, or over ``grad`` where ``out`` is None. With ``halves`` = ``(weight, low)``
-        the master is held split (:mod:`~parallax.optim.zero.buffers.master_halves`): read from
-        them and its new low half written over ``low``; ``master`` only keys the state."""
+        the master is held split (:mod:`~parallax.optim.zero.buffers.master_halves`; ``low``
+        (2, n) uint8): read from them and its new low half written over ``low``; ``master``
+        only keys the state."""
         for master, grad, out, j, *halves in pieces:
             state = _state(inner, master)
             group = inner.param_groups[j]
@@ -200,11 +201,12 @@ class HostAdamW:
             o = None if out is None else out.detach()
             small = master.numel() < 2  # (eager: a compiled loop is built for sizes of 2 up)
             if halves:
-                w, low = (t.detach() for t in halves[0])
+                w, low = halves[0]  # (n,) bf16, (2, n) uint8: the low halves' byte planes
+                w, lo, hi = w.detach(), low[0].detach(), low[1].view(torch.int8).detach()
                 if o is None:
-                    (_split_in_place if small else self.split_in_place)(g, w, low, m, v, h)
+                    (_split_in_place if small else self.split_in_place)(g, w, lo, hi, m, v, h)
                 else:
-                    (_split_out if small else self.split_out)(g, w, low, m, v, o, h)
+                    (_split_out if small else self.split_out)(g, w, lo, hi, m, v, o, h)
             elif o is None:
                 (_step_in_place if small else self.in_place)(g, master.detach(), m, v, h)
             else:
@@ -220,9 +222,10 @@ KERNELS = {
 
 
 def _room_to_compile():
-    """A context in which the compiler keeps a kernel's every specialization: the examples of
-    a split master's step that writes elsewhere are 16 (four views, each at offset 0 or not),
-    past dynamo's default of 8 a function, after which it runs the rest eagerly, silently."""
+    """A context in which the compiler keeps a kernel's every specialization, were there more
+    than dynamo's default of 8 a function (after which it runs the rest eagerly, silently): a
+    whole master's step that writes elsewhere has 8 examples, a split one's 8, more views
+    would double them."""
     import torch._dynamo.config as config  # (loaded when compiling)
 
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -272,8 +275,11 @@ def examples(dtype: torch.dtype, out: torch.dtype | None):
 
 def split_examples(dtype: torch.dtype, out: bool):
     """The calls of a split master's step to compile on: a gradient of ``dtype``, the bf16
-    weight and int16 low half, fresh moments (and a bf16 ``out``), the views at each
-    combination of offsets."""
-    views = (dtype, torch.bfloat16, torch.int16) + ((torch.bfloat16,) if out else ())
-    for g, w, low, *o in _views(views):
-        yield (g, w, low, torch.zeros(EXAMPLE), torch.zeros(EXAMPLE), *o)
+    weight, fresh moments (and a bf16 ``out``) at each combination of offsets, and the low
+    halves' byte planes at distinct offsets past 1 (FlatBuffers pads them: never at 0 or 1)."""
+    views = (dtype, torch.bfloat16) + ((torch.bfloat16,) if out else ())
+    n, (k, j) = EXAMPLE, OFFSETS[-2:]
+    for g, w, *o in _views(views):
+        lo = torch.zeros(k + n, dtype=torch.uint8)[k:].detach()  # (n,) the low bytes
+        hi = torch.zeros(j + n, dtype=torch.int8)[j:].detach()  # (n,) the high ones, signed
+        yield (g, w, lo, hi, torch.zeros(n), torch.zeros(n), *o)
