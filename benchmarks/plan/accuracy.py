@@ -29,10 +29,10 @@ from benchmarks.tools.common import append_results, env_info, median, print_tabl
 from parallax.context import ParallelContext
 from parallax.families.llava_next.synthetic import SyntheticVQA
 from parallax.plan.device import detect, device_profile
+from parallax.plan.host_fallback import search_run
 from parallax.plan.machine import GIB, load
 from parallax.plan.machine import default_for as default_machine
-from parallax.plan.search import Searcher, option_problems, search
-from parallax.plan.workload import Workload
+from parallax.plan.search import Searcher, option_problems
 from parallax.recipe import registry, resolve
 from parallax.run import TrainConfig
 from parallax.train.memory_limit import cap_gpu_memory, default_allocator
@@ -49,7 +49,7 @@ class Row:
     limit: float | None = None  # GiB: --gpu-memory-limit
     host: float | None = None  # GiB of host memory the planner may use (--host-memory)
     host_adamw: str = "auto"  # --host-adamw: the offloaded clipped step's kernel
-    host_masters: str = "full"  # --host-masters: the offloaded bf16 masters whole or split
+    host_masters: str = "auto"  # --host-masters: the offloaded bf16 masters whole or split
 
 
 ROWS = (
@@ -114,7 +114,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
         flags["grad_clip"] = args.grad_clip
     if row.host_adamw != "auto":
         flags["host_adamw"] = row.host_adamw
-    if row.host_masters != "full":
+    if row.host_masters != "auto":
         flags["host_masters"] = row.host_masters
     cfg = TrainConfig(precision=precision, compile=args.compile, out=args.out, **flags)
     run = resolve(cfg)
@@ -129,8 +129,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
         machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)
     if row.host is not None:
         machine = machine.with_(host_memory_gib=row.host)
-    model = Workload(run)
-    result = search(model, machine, 1, top=1)
+    run, model, result = search_run(run, machine, 1, {}, top=1)  # (as --layout auto searches)
     if result.ranked:
         return run, result.ranked[0], True
     if not (closest and result.closest):
@@ -145,7 +144,7 @@ def described(best, run) -> str:
     words = best.layout.describe() + (f", text padded to {pad}" if pad > 1 else "")
     if best.layout.offload and getattr(run, "host_adamw", "auto") != "auto":
         words += f", host AdamW {run.host_adamw}"
-    if best.layout.offload and getattr(run, "host_masters", "full") != "full":
+    if best.layout.offload and getattr(run, "host_masters", "auto") == "split":
         words += f", host masters {run.host_masters}"
     return words + (", no clipping" if run.grad_clip == 0 and run.finetune == "full" else "")
 

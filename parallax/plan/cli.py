@@ -20,12 +20,13 @@ from rich.console import Console
 from parallax.plan import calibrate
 from parallax.plan.device import Detect, Device, base_profile
 from parallax.plan.device import detect as detect_device
+from parallax.plan.host_fallback import SPLIT_WORDS, search_run
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import DEFAULTS, LINKS, Machine, target
 from parallax.plan.options import PlanOptions, parse_plan, world
 from parallax.plan.report import command, layouts_table, nothing_fits
 from parallax.plan.ruled_out import ruled_out
-from parallax.plan.search import Result, search
+from parallax.plan.search import Result
 from parallax.plan.workload import Workload
 from parallax.recipe import resolve
 from parallax.recipe.flags import option_classes, parse_args, train_parser
@@ -98,8 +99,11 @@ def plan(
     if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
         note += f"; --gpu-memory-limit {limit:g} GiB as its memory"
-    model = Workload(run)
-    result = search(model, machine, gpus, fixed, top=opts.top, margin=opts.margin)
+    auto_masters = run.host_masters == "auto"
+    run, model, result = search_run(run, machine, gpus, fixed, top=opts.top, margin=opts.margin)
+    if auto_masters and run.host_masters == "split":  # (the command says so)
+        train_argv = [*train_argv, "--host-masters", "split"]
+        note += f"; {SPLIT_WORDS}"
     if why := ruled_out(result, model, gpus, per_node, fixed):
         raise ValueError(why)
     console.print(_header(run, model, machine, gpus, nodes, opts.margin), highlight=False)

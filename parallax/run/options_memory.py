@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax.models.compile import CHECKPOINT_SCOPES
-from parallax.optim.zero.stage import HOST_ADAMW_CHOICES, HOST_MASTERS
+from parallax.optim.zero.stage import HOST_ADAMW_CHOICES, HOST_MASTERS_CHOICES
 from parallax.run.option import opt, within
 from parallax.run.options_layout import GPU_GIB
 
@@ -79,15 +79,16 @@ class MemoryOptions:
         choices=HOST_ADAMW_CHOICES,
     )
     host_masters: str = opt(
-        "full",
+        "auto",
         "where --offload optimizer keeps an offloaded bf16 weight's fp32 master: full (4 bytes "
         "an element in host memory), or split: its low 16 bits alone (2 bytes; OpenVLA-7B: 14 "
         "GiB less), joined each step with the bf16 weight brought down from the GPU, which is "
         "the master's top half (exact, but that a master halfway between two bf16 values may "
         "move one fp32 ulp), at the price of a slower host step. split needs the one-pass host "
-        "AdamW (a clipped run on a GPU, or --host-adamw one-pass)",
+        "AdamW (a clipped run on a GPU, or --host-adamw one-pass). auto: full, unless the "
+        "planner (--layout auto, parallax.plan) finds no layout whose host memory fits them",
         MEMORY,
-        choices=HOST_MASTERS,
+        choices=HOST_MASTERS_CHOICES,
     )
     gpu_memory_limit: float | None = opt(
         None,

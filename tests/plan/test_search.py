@@ -190,3 +190,35 @@ def test_split_masters_hold_two_bytes_a_bf16_element_less_and_two_landing_buffer
     assert PINNED in split and PINNED not in full  # (one pass: no ring; the landing buffers)
     assert ranks["default"].host_parts == ranks["full"].host_parts  # (split: asked for)
     assert ranks["split"].host < 92 * 2**30 < ranks["full"].host
+
+
+def test_whole_masters_that_no_host_fits_are_planned_split_unless_the_run_says_full(caplog):
+    """``--host-masters auto`` (the default): whole masters where the host has room, split
+    where no layout's host memory fits them (OpenVLA-7B on one 24 GB card of a 92 GiB host),
+    said and in the command; ``--host-masters full`` keeps them whole and names the way out."""
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from parallax.plan import auto, cli
+
+    run = ["--model", "openvla-7b", "--global-batch-size", "256", "--compile", "--top", "1"]
+    run += ["--machine", "h100", "--gpu-memory", "24", "--gpus", "1"]
+    said = {}
+    for host, masters in (("125", []), ("92", []), ("92", ["--host-masters", "full"])):
+        out = io.StringIO()
+        _, line = cli.plan([*run, "--host-memory", host, *masters], Console(file=out, width=300))
+        said[host, bool(masters)] = (line, " ".join(out.getvalue().split()))
+    assert "--host-masters" not in said["125", False][0]  # room for whole masters
+    line, text = said["92", False]
+    assert "--host-masters split" in line and "planned with --host-masters split" in text
+    line, text = said["92", True]
+    assert line is None and "What would help" in text and "--host-masters split" in text
+    flags = ["--layout", "auto", *run[:5], "--precision", "bf16", "--machine", "h100"]
+    flags += ["--gpu-memory", "24"]
+    cfg = resolve(parse_args([*flags, "--host-memory", "92"]))
+    with caplog.at_level(logging.INFO, logger="parallax.train"):
+        chosen = auto.choose(cfg)
+    assert chosen.host_masters == "split" and chosen.host_masters_kind("cuda") == "split"
+    assert "planned with --host-masters split" in caplog.text
