@@ -28,9 +28,7 @@ from parallax.optim.zero.buffers.homes import grad_homes
 from parallax.optim.zero.buffers.packing import DEFAULT_BUCKET_NUMEL
 from parallax.optim.zero.memory_report import MemoryReport, measure
 from parallax.optim.zero.norms import clip_coefficient, global_grad_norm
-from parallax.optim.zero.offload.host_adamw import check_supported
-from parallax.optim.zero.offload.host_kernels import host_options
-from parallax.optim.zero.offload.share import kept_buckets, offloaded_buckets, split_buckets
+from parallax.optim.zero.offload.options import OffloadOptions
 from parallax.optim.zero.stage import stage_of
 from parallax.optim.zero.state_io import StateIO
 from parallax.optim.zero.torch_contract import OptimizerFacade, narrowed
@@ -49,20 +47,9 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     (stage 3): see :mod:`parallax.optim.zero.weights.unit_gathers`. At stages 2 and 3 ``overlap``
     does not apply: every pass is reduced as it ends.
 
-    ``offload`` (stages 2 and 3): the fp32 masters and the optimizer's state live in host
-    memory and each bucket is stepped there once its ``backward_passes_per_step``-th pass is
-    reduced; ``step_in_backward``: right then, during the backward (nothing may clip the
-    gradients after it), else in ``step()``. ``offload_fraction``: the share of the elements
-    offloaded, the first buckets reduced (the last layers: their host steps have the most
-    backward left to hide under); the others stay on the device. ``gpu_accumulation``: the
-    share of the offloaded elements whose gradients are summed over the passes on the device,
-    not the host (less host memory, one trip down instead of one a pass). ``host_adamw``: how
-    a bucket is stepped in ``step()`` (``"torch"``: the optimizer's own step; ``"one-pass"``:
-    torch's AdamW only, from the summed gradient to the new weights in one loop).
-    ``host_masters``: ``"split"`` keeps the offloaded bf16 buckets' masters on the host as their
-    low 16 bits alone (:mod:`~parallax.optim.zero.buffers.master_halves`; with
-    ``host_adamw="one-pass"``, stepped in ``step()``). See
-    :mod:`parallax.optim.zero.offload.host_steps`.
+    ``offload`` (stages 2 and 3: the fp32 masters and the optimizer's state in host memory),
+    ``offload_fraction``, ``gpu_accumulation``, ``host_adamw``, ``host_masters`` and
+    ``step_in_backward``: :mod:`parallax.optim.zero.offload.options` says what each means.
 
     ``params``: parameters, param-group dicts, or ``(name, param)`` pairs (``named_parameters()``)
     or groups of them; names key the saved state. Parameters with ``requires_grad=False`` are
@@ -106,12 +93,10 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
     ) -> None:
         self.ctx, self.overlap, self.stage = ctx, overlap, stage_of(stage)
         modules = self.stage.check_modules(modules)
-        self.stage.check_offload(offload, offload_fraction, gpu_accumulation, host_adamw)
-        self.stage.check_host_masters(host_masters, offload, host_adamw, step_in_backward)
-        if offload and host_adamw == "one-pass":  # (on every rank, before any collective)
-            check_supported(optimizer_class, [optimizer_kwargs])
-        if offload:
-            optimizer_kwargs = host_options(optimizer_class, optimizer_kwargs)
+        offloading = OffloadOptions(
+            offload, offload_fraction, gpu_accumulation, host_adamw, host_masters, step_in_backward
+        )
+        optimizer_kwargs = offloading.checked(self.stage, optimizer_class, optimizer_kwargs)
         # checked on this rank, then agreed on by the stage's dp x tp plane (a collective)
         got = accept(
             ctx, params, optimizer_class, backward_passes_per_step, bucket_numel, param_order
@@ -119,28 +104,19 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         self.names, self.params, self.device = got.names, got.params, got.device
         self._group_names = got.group_names
         self.units, self.layout = lay_out(self.stage, modules, got, ctx.dp_size, bucket_numel)
-        numels = [b.numel for b in self.layout.buckets]
-        hosted = offloaded_buckets(numels, offload_fraction) if offload else []
-        kept = kept_buckets(numels, hosted, gpu_accumulation)
+        hosted, kept, split = offloading.buckets(self.layout)
         homes = self._grad_homes()
-        dtypes = [self.layout.dtypes[b.buffer] for b in self.layout.buckets]
-        split = split_buckets(dtypes, hosted) if host_masters == "split" else []
         self.flat = FlatBuffers(
             self.params, self.layout, ctx.dp_rank, self.device, homes, self.stage, hosted, split
         )
         self._adopt(wrap_pieces(optimizer_class, self.flat, got, optimizer_kwargs))
         # GPUs at dp >= 2: staging copies, reduce-scatters and all-gathers beside the compute
-        self._stream = (
-            torch.cuda.Stream(self.device)
-            if self.device.type == "cuda" and ctx.dp_size > 1
-            else None
-        )
+        beside = self.device.type == "cuda" and ctx.dp_size > 1
+        self._stream = torch.cuda.Stream(self.device) if beside else None
         self._side_copies = side_stream_grad_copies
         self._defer_host = False  # the host's step left running under the next forward
-        groups = [got.group_of[pc.param] for pc in self.flat.pieces]  # each piece's group
-        self._piece_groups = groups
-        self._one_pass = host_adamw == "one-pass"  # the host's clipped step in one pass
-        self._build_step(groups, offload, step_in_backward, backward_passes_per_step, kept)
+        self._piece_groups = groups = [got.group_of[pc.param] for pc in self.flat.pieces]
+        self._build_step(groups, offloading, backward_passes_per_step, kept)
         self._build_weights(bucket_numel, reshard_after_forward)
         self.state_io = StateIO(
             self.names, self.params, self._group_names, self.flat, self.inner, ctx, self.device
@@ -148,14 +124,14 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
         log.debug("%r: %s", self, self.memory_report())
 
     def _build_step(
-        self, groups: list[int], offload: bool, early: bool, passes: int, kept: list[int]
+        self, groups: list[int], offloading: OffloadOptions, passes: int, kept: list[int]
     ) -> None:
         """The parts a step goes through (:func:`~parallax.optim.zero.assembly.step_parts`)."""
         copies = self._stream if self._side_copies and self.overlap else None
         parts = step_parts(
             self.stage, self.flat, self.inner, self.names, self.ctx, self.device,
-            groups=groups, offload=offload, early=early, passes=passes, overlap=self.overlap,
-            kept=kept, one_pass=self._one_pass,
+            groups=groups, offload=offloading.offload, early=offloading.early, passes=passes,
+            overlap=self.overlap, kept=kept, one_pass=offloading.host_adamw == "one-pass",
             stream=self._stream, copies=copies,
         )  # fmt: skip
         self.scale, self.staged, self._counted = parts.scale, parts.staged, parts.counted
@@ -229,7 +205,7 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
             self.ctx.dp_group, flags, wait=not self.gathers.deferred, stream=self._stream
         )
         if self._defer_host and self.zero3 is None:  # the hooks wait for the uploads too
-            works.update({b: _Upload(self.host, b) for b in self.host.pending})
+            works.update(self.host.pending_uploads())
         self.gathers.track(works)
         if self.zero3 is not None:  # gathered weights are the old ones: back to the shards
             self.zero3.gathers.release_all()
@@ -324,13 +300,3 @@ class ZeroOptimizer(WeightsAndState, OptimizerFacade):
             f"{len(self.layout.buckets)} buckets, dp={self.ctx.dp_size}, stage={self.stage}, "
             f"overlap={self.overlap})"
         )
-
-
-class _Upload:
-    """A deferred host step's upload of one bucket, as a handle the forward's hooks wait on."""
-
-    def __init__(self, host, b: int) -> None:
-        self.host, self.b = host, b
-
-    def wait(self) -> None:
-        self.host.wait_bucket(self.b)

@@ -240,6 +240,10 @@ class HostSteps:
         self.seconds["wait_bucket"] += time.perf_counter() - start
         self.up.arrived(b)
 
+    def pending_uploads(self) -> dict[int, UploadWork]:
+        """The deferred step's uploads still running, as handles the forward's hooks wait on."""
+        return {b: UploadWork(self, b) for b in self.pending}
+
     def local_part(self, norm_type: float) -> float:
         """What this rank's offloaded gradients add to the global norm
         (:func:`~parallax.optim.zero.offload.norm_part.local_part`), once every job is done."""
@@ -272,3 +276,14 @@ class HostSteps:
                 self.pending[b] = self.jobs[-1]
         if not defer:
             self.wait()
+
+
+class UploadWork:
+    """A deferred host step's upload of one bucket, as a handle the forward's hooks wait on
+    (:meth:`HostSteps.wait_bucket`)."""
+
+    def __init__(self, host: HostSteps, b: int) -> None:
+        self.host, self.b = host, b
+
+    def wait(self) -> None:
+        self.host.wait_bucket(self.b)
