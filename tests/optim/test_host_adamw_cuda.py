@@ -19,17 +19,24 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 SIZES = [4096, 1 << 20, 4096, 3 << 20, 1000, 7, 1, 123_457]
 
 
+def _spans():
+    """``(master offset, offset, size)`` of each piece: many sizes, the first at offset 0 (as a
+    bucket's first), the rest elsewhere."""
+    off = 0
+    for n in SIZES * 2:
+        yield off, 0 if off == 0 else off + 3, n
+        off += n
+
+
 def _pieces(out: bool):
     flat = torch.randn(2 * sum(SIZES) + 5)  # (n,) fp32 masters
     sums = (torch.randn(2 * sum(SIZES) + 9) * 1e-3).to(torch.float32 if out else torch.bfloat16)
     staging = torch.zeros_like(sums, dtype=torch.bfloat16)
-    pieces, off = [], 0
-    for n in SIZES * 2:
-        g0 = 0 if off == 0 else off + 3  # (the first piece at offset 0, as a bucket's first)
+    pieces = []
+    for off, g0, n in _spans():
         master = torch.nn.Parameter(flat[off : off + n])
         dest = staging[g0 : g0 + n] if out else None
         pieces.append((master, sums[g0 : g0 + n], dest, 0))
-        off += n
     return pieces
 
 
@@ -106,13 +113,11 @@ def _split_pieces(out: bool):
     sums = (torch.randn(total) * 1e-3).to(torch.float32 if out else torch.bfloat16)
     staging = torch.zeros(total, dtype=torch.bfloat16)
     key = torch.full((total,), float("nan"))
-    pieces, off = [], 0
-    for n in SIZES * 2:
-        lo = 0 if off == 0 else off + 3
+    pieces = []
+    for _, lo, n in _spans():
         halves = (weights[lo : lo + n], lows[:, lo + 8 : lo + 8 + n])  # (planes: past 1)
         dest = staging[lo : lo + n] if out else None
         pieces.append((torch.nn.Parameter(key[lo : lo + n]), sums[lo : lo + n], dest, 0, halves))
-        off += n
     return pieces
 
 

@@ -89,6 +89,8 @@ class BucketSteps:
         """A new step: no bucket stepped, no weights written."""
         self.stepped = dict.fromkeys(self.buckets, False)
         self.written: dict[int, tuple[torch.Tensor, list | None]] = {}  # bucket -> its weights
+        self.unchanged: set[int] = set()  # buckets whose chunk here had nothing to step
+        self.down.reset()  # (a trip issued for a bucket that then had nothing to step: stale)
         self.weights.reset()
 
     def buffers(self) -> list[torch.Tensor]:
@@ -136,13 +138,15 @@ class BucketSteps:
         """Bucket ``b``'s step in ``step()``, with the clip coefficient ``coef``."""
         if self.stepped[b]:
             return
+        self.stepped[b] = True
+        live = self._live(b, flags)
+        if not live:  # no piece of this rank's chunk has a gradient: its weights stand
+            self.unchanged.add(b)
+            return
         scale = (1.0 if coef is None else coef) / self.dp  # (no pass: a zeroed accumulator)
         if self.one_pass is None:
             self.step(b, self.gradient(b, self._next_kept(b)), flags, scale)
-            return
-        live = self._live(b, flags)
-        self.stepped[b] = True
-        if live:
+        else:
             self._step_one_pass(b, live, scale, seconds)
 
     def _step_one_pass(self, b: int, live: list[int], scale: float, seconds) -> None:
@@ -191,6 +195,6 @@ class BucketSteps:
             dest, ticket = self.written.pop(b)
             self.up.send_staged(b, self.flat.own_param(b), dest, ticket)
             return
-        if b in self.flat.split:  # nothing of this rank's chunk stepped: its weights stand
+        if b in self.unchanged:  # nothing of this rank's chunk stepped: its weights stand
             return
         self.up.send(b, self.flat.own_param(b), self.flat.masters[b], seconds)

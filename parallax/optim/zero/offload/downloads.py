@@ -44,6 +44,11 @@ class Trips:
     def buffers(self) -> list[torch.Tensor]:
         return [t for pair in self.landing.values() for t in pair]
 
+    def reset(self) -> None:
+        """A new step: a trip issued last step but never read (its bucket had nothing to step)
+        is stale; a copy still running into its buffer ends before any new one on the stream."""
+        self.issued.clear()
+
     def take(self, b: int, then: int | None) -> torch.Tensor:
         """Worker: bucket ``b``'s tensor, landed on the host, ``then``'s trip issued meanwhile
         (valid until the next call)."""

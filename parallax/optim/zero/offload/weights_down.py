@@ -30,10 +30,6 @@ class WeightsDown(Trips):
     def source(self, b: int) -> torch.Tensor:
         return self.flat.own_param(b)  # (bucket/dp,) bf16, on the device
 
-    def reset(self) -> None:
-        """A new step: what was brought down before is stale."""
-        self.issued.clear()
-
     def get(self, b: int, then: int | None) -> torch.Tensor:
         """Worker: bucket ``b``'s weights (this rank's chunk, bf16) on the host, ``then``'s
         trip issued meanwhile."""
