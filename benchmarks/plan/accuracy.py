@@ -167,6 +167,16 @@ def _loader_and_builder(run, ctx):
     return recipe.data.loader(data, run, ctx), recipe.data.collator(run, data)
 
 
+def _counters(host, device: torch.device) -> dict[str, float]:
+    """Running totals read after each step: the offload's phase seconds and, on a GPU, the
+    allocator's retries (a capped allocator that frees its cache and retries waits for the
+    device)."""
+    got = dict(host.seconds) if host is not None else {}
+    if device.type == "cuda":
+        got["alloc_retries"] = float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    return got
+
+
 def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     """``run`` on this device: median step seconds, peak allocated GiB (``step_s``,
     ``peak_gib``), one step's model FLOPs and tokens (``flops``, ``tokens``) and, offloaded,
@@ -183,8 +193,9 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     times: list[float] = []
     host = getattr(trainer.optimizer, "host", None)  # --offload optimizer: its phase timers
     before: dict[str, float] = {}
+    each: list[dict[str, float]] = []  # per timed step: host phases and allocator retries
     try:
-        start = time.perf_counter()
+        start, last = time.perf_counter(), _counters(host, device)
         for i in range(warmup + steps):
             if i == warmup and host is not None:
                 before = dict(host.seconds)
@@ -192,16 +203,18 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
             out = trainer.train_step(batch.microbatches, problem=batch.problem, staged=batch.staged)
             out.loss.item()
             sync(device)
-            end = time.perf_counter()
+            end, now = time.perf_counter(), _counters(host, device)
             if i >= warmup:
                 times.append(end - start)
-            start = end
+                each.append({k: round(v - last.get(k, 0.0), 4) for k, v in now.items()})
+            start, last = end, now
     finally:
         batches.close()
     batch = batch.microbatches
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
     out = dict(step_s=median(times), step_times=times, peak_gib=peak, flops=flops, tokens=tokens)
+    out["each_step"] = each  # what a long step spent its time on (host phases, retries)
     if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow;
         # what it reserved past the peak it handed out is the planner's allocator reserve
         out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
@@ -240,7 +253,7 @@ def run_row(row: Row, args, device: torch.device) -> dict:
         step = got["step_s"]
         rec.update(measured_s=step, measured_gib=got["peak_gib"], samples_per_s=row.batch / step)
         rec["tokens_per_s"] = got["tokens"] / step if got.get("tokens") else None
-        kept = ("step_times", "alloc_retries", "reserved_gib", "host_phases")
+        kept = ("step_times", "each_step", "alloc_retries", "reserved_gib", "host_phases")
         rec.update({k: got[k] for k in kept if k in got})
         rec["status"] = "ok"
     except torch.cuda.OutOfMemoryError as err:

@@ -169,6 +169,7 @@ def child(row: Row, args) -> dict:
         )
     for key in (
         "step_times",
+        "each_step",
         "host_phases",
         "host_adamw",
         "host_masters",

@@ -109,3 +109,30 @@ def test_the_timed_steps_include_the_making_of_their_batches(tmp_path, monkeypat
     # untimed steps it would hold none: the tiny step itself takes milliseconds).
     assert sum(got["step_times"]) >= 0.3
     assert min(got["step_times"]) >= 0.09
+
+
+def test_each_timed_step_says_what_its_host_phases_took(tmp_path):
+    """A long step among the timed ones can be read apart: one record a timed step, with the
+    offload's phase seconds of that step alone (their sum over the steps is the phases' total)."""
+    import torch
+
+    from benchmarks.plan import accuracy
+    from parallax.recipe import resolve
+    from parallax.run import TrainConfig
+
+    run = resolve(
+        TrainConfig(
+            model="tiny",
+            global_batch_size=2,
+            micro_batch_size=1,
+            out=str(tmp_path),
+            zero=2,
+            offload="optimizer",
+        )  # fmt: skip
+    )
+    got = accuracy.measure(run, torch.device("cpu"), steps=2, warmup=1)
+    assert len(got["each_step"]) == 2
+    for name, per_step in got["host_phases"].items():  # per_step: the mean over the timed steps
+        summed = sum(step.get(name, 0.0) for step in got["each_step"])
+        assert abs(summed / 2 - per_step) < 1e-3, (name, summed, per_step)
+    assert any(v > 0 for v in got["each_step"][0].values())
