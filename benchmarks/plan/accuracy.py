@@ -167,11 +167,20 @@ def _loader_and_builder(run, ctx):
     return recipe.data.loader(data, run, ctx), recipe.data.collator(run, data)
 
 
+def _frames_compiled() -> int:
+    """Frames torch's compiler has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
 def _counters(host, device: torch.device) -> dict[str, float]:
-    """Running totals read after each step: the offload's phase seconds and, on a GPU, the
-    allocator's retries (a capped allocator that frees its cache and retries waits for the
-    device)."""
+    """Running totals read after each step: the offload's phase seconds, the frames torch's
+    compiler has compiled (a micro-batch whose text is a new length recompiles the blocks,
+    seconds once) and, on a GPU, the allocator's retries (a capped allocator that frees its
+    cache and retries waits for the device)."""
     got = dict(host.seconds) if host is not None else {}
+    got["compiles"] = float(_frames_compiled())  # a new shape's recompile is not steady state
     if device.type == "cuda":
         got["alloc_retries"] = float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
     return got

@@ -136,3 +136,19 @@ def test_each_timed_step_says_what_its_host_phases_took(tmp_path):
         summed = sum(step.get(name, 0.0) for step in got["each_step"])
         assert abs(summed / 2 - per_step) < 1e-3, (name, summed, per_step)
     assert any(v > 0 for v in got["each_step"][0].values())
+
+
+def test_a_timed_step_that_recompiled_says_so():
+    """A micro-batch of a text length not seen before recompiles the compiled blocks (seconds
+    on a 7B model): the counters read after each step count the compiles, so the step that did
+    it is marked and a long step is not taken for a slow one."""
+    import torch
+
+    from benchmarks.plan import accuracy
+
+    fn = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    before = accuracy._counters(None, torch.device("cpu"))["compiles"]
+    fn(torch.ones(3))
+    fn(torch.ones(3))  # (no new frame)
+    assert accuracy._counters(None, torch.device("cpu"))["compiles"] == before + 1
+    torch._dynamo.reset()
