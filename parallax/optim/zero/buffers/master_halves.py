@@ -10,8 +10,12 @@ down to an even top half reads back 2^16 too low. There the master is moved one 
 towards the weight (low bits 0x7fff) as it is split: its weight stays the same, and it reads
 back exactly from then on. Every other master goes to the host and back unchanged.
 
-The low halves are held as two planes of bytes (the low byte, the high one): int16 loads and
-stores keep the compiled CPU loop scalar, bytes and int32 vectorize. The split is integer work
+The low halves are held as two planes of bytes (the low byte, the high one), both read and
+written as int8 in the kernels: int16 loads and stores keep the compiled CPU loop scalar, and
+torch 2.11's vector library narrows int32 to int8 in vector registers but to uint8 one element
+at a time (on the GPU host that store halved the loop's speed a thread:
+``benchmarks/zero/split_probe.py``). The storage is uint8; the kernels see its bits as int8
+(:func:`planes`) and take the low byte back with a mask. The split is integer work
 on the master's bits: a shorter form that found the weight's bits by rounding the master to
 bf16 and back was exact eagerly, but compiled for the CPU it lost the low halves (torch's
 compiler may keep such a round trip in fp32 and drop the rounding; on one H100 host the clip
@@ -31,16 +35,25 @@ TIE = -(1 << 15)  # the low bits 0x8000, signed: a master halfway between two we
 BELOW_TIE = (1 << 15) - 1  # 0x7fff: one fp32 ulp nearer the weight
 
 
+def planes(low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two byte planes of ``low`` (2, n) uint8 as the kernels take them: int8 views (n,)
+    of the low byte and the high one."""
+    bytes_ = low.view(torch.int8)  # (2, n) the same bits
+    return bytes_[0], bytes_[1]
+
+
 def join(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 masters of bf16 ``weight`` (n,) and ``low`` (2, n) uint8, their low halves
     (:func:`low_half`)."""
-    return join_planes(weight, low[0], low[1].view(torch.int8))
+    return join_planes(weight, *planes(low))
 
 
 def join_planes(weight: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """:func:`join` from the low halves' two byte planes, uint8 ``lo`` and int8 ``hi`` (n,)."""
+    """:func:`join` from the low halves' two byte planes ``lo`` and ``hi``, int8 (n,) each
+    (:func:`planes`)."""
     high = weight.float().view(torch.int32)  # (n,) int32: the weight's bits shifted up 16
-    signed = hi.to(torch.int32) * 256 + lo.to(torch.int32)  # (n,) int32: the low bits, signed
+    low_byte = lo.to(torch.int32) & 0xFF  # (n,) int32: the low byte, 0..255
+    signed = hi.to(torch.int32) * 256 + low_byte  # (n,) int32: the low bits, signed
     return (high + signed).view(torch.float32)  # (n,) fp32
 
 
@@ -54,10 +67,10 @@ def signed_low(master: torch.Tensor) -> torch.Tensor:
 
 
 def split_into(master: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-    """Write fp32 ``master``'s low half (:func:`signed_low`) into its byte planes ``lo`` (uint8)
-    and ``hi`` (int8), (n,) each; the conversions are exact (in range)."""
+    """Write fp32 ``master``'s low half (:func:`signed_low`) into its byte planes ``lo`` and
+    ``hi``, int8 (n,) each (:func:`planes`); the conversions are exact (in range)."""
     low = signed_low(master)
-    lo.copy_((low & 0xFF).to(torch.uint8))
+    lo.copy_((((low & 0xFF) ^ 0x80) - 0x80).to(torch.int8))  # the low byte's bits, signed
     hi.copy_((low >> 8).to(torch.int8))
 
 
@@ -65,7 +78,7 @@ def low_half(master: torch.Tensor) -> torch.Tensor:
     """The low halves of fp32 ``master`` (n,): (2, n) uint8, the low byte over the high one
     (two planes of bytes: a compiled CPU loop vectorizes them, not int16)."""
     out = torch.empty((2, master.numel()), dtype=torch.uint8)  # (2, n)
-    split_into(master, out[0], out[1].view(torch.int8))
+    split_into(master, *planes(out))
     return out
 
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from parallax.optim.zero.buffers.master_halves import join_planes, split_into
+from parallax.optim.zero.buffers.master_halves import join_planes, planes, split_into
 
 Kernel = Callable[..., None]
 EXAMPLE = 1 << 20  # elements of the examples compiled on: each thread's share is well past
@@ -202,7 +202,8 @@ class HostAdamW:
             small = master.numel() < 2  # (eager: a compiled loop is built for sizes of 2 up)
             if halves:
                 w, low = halves[0]  # (n,) bf16, (2, n) uint8: the low halves' byte planes
-                w, lo, hi = w.detach(), low[0].detach(), low[1].view(torch.int8).detach()
+                lo, hi = planes(low)  # (n,) int8 each
+                w, lo, hi = w.detach(), lo.detach(), hi.detach()
                 if o is None:
                     (_split_in_place if small else self.split_in_place)(g, w, lo, hi, m, v, h)
                 else:
@@ -280,6 +281,6 @@ def split_examples(dtype: torch.dtype, out: bool):
     views = (dtype, torch.bfloat16) + ((torch.bfloat16,) if out else ())
     n, (k, j) = EXAMPLE, OFFSETS[-2:]
     for g, w, *o in _views(views):
-        lo = torch.zeros(k + n, dtype=torch.uint8)[k:].detach()  # (n,) the low bytes
+        lo = torch.zeros(k + n, dtype=torch.int8)[k:].detach()  # (n,) the low bytes
         hi = torch.zeros(j + n, dtype=torch.int8)[j:].detach()  # (n,) the high ones, signed
         yield (g, w, lo, hi, torch.zeros(n), torch.zeros(n), *o)
