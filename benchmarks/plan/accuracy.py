@@ -167,6 +167,13 @@ def _loader_and_builder(run, ctx):
     return recipe.data.loader(data, run, ctx), recipe.data.collator(run, data)
 
 
+def steady_median(times: list[float], each: list[dict[str, float]]) -> float:
+    """The median of the timed steps that compiled nothing (``each[i]["compiles"]``), or of all
+    of them where each did: a recompile is seconds once, not the steady step."""
+    steady = [t for t, e in zip(times, each) if not e.get("compiles")]
+    return median(steady or times)
+
+
 def _frames_compiled() -> int:
     """Frames torch's compiler has compiled in this process so far."""
     from torch._dynamo.utils import counters
@@ -187,7 +194,8 @@ def _counters(host, device: torch.device) -> dict[str, float]:
 
 
 def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
-    """``run`` on this device: median step seconds, peak allocated GiB (``step_s``,
+    """``run`` on this device: median step seconds of the steps that compiled nothing (all of
+    them where each did), peak allocated GiB (``step_s``,
     ``peak_gib``), one step's model FLOPs and tokens (``flops``, ``tokens``) and, offloaded,
     the seconds per step of each host phase (``host_phases``).
 
@@ -222,7 +230,8 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     batch = batch.microbatches
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
-    out = dict(step_s=median(times), step_times=times, peak_gib=peak, flops=flops, tokens=tokens)
+    step = steady_median(times, each)
+    out = dict(step_s=step, step_times=times, peak_gib=peak, flops=flops, tokens=tokens)
     out["each_step"] = each  # what a long step spent its time on (host phases, retries)
     if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow;
         # what it reserved past the peak it handed out is the planner's allocator reserve

@@ -333,9 +333,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not (args.smoke or args.no_write):
         notes = (
             "GPU GiB = torch.cuda.max_memory_allocated; host GiB = the row process's peak RSS "
-            f"(VmHWM; killed past --host-limit {args.host_limit:g}); step = median of "
-            f"{args.steps} timed step(s) after {args.warmup} warm-up, back to back, the batches "
-            "made a step ahead in a thread as parallax.train makes them; MFU against "
+            f"(VmHWM; killed past --host-limit {args.host_limit:g}); step = median of the "
+            f"{args.steps} timed step(s) after {args.warmup} warm-up that compiled nothing (a "
+            "micro-batch of a text length first seen recompiles the blocks), back to back, the "
+            "batches made a step ahead in a thread as parallax.train makes them; MFU against "
             f"{PEAK_BF16_TFLOPS:g} TFLOP/s; x uncapped = samples/s over parallax's uncapped "
             "samples/s of the workload: "
             + (

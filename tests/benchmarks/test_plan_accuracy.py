@@ -152,3 +152,11 @@ def test_a_timed_step_that_recompiled_says_so():
     fn(torch.ones(3))  # (no new frame)
     assert accuracy._counters(None, torch.device("cpu"))["compiles"] == before + 1
     torch._dynamo.reset()
+
+
+def test_the_step_is_the_median_of_the_steps_that_compiled_nothing():
+    from benchmarks.plan.accuracy import steady_median
+
+    each = [{"compiles": 0.0}, {"compiles": 0.0}, {"compiles": 3.0}]
+    assert abs(steady_median([11.7, 11.6, 17.0], each) - 11.65) < 1e-12
+    assert steady_median([11.7, 11.6, 17.0], [{"compiles": 1.0}] * 3) == 11.7
