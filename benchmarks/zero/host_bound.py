@@ -81,7 +81,8 @@ def one_pass_seconds(n: int, compiled: bool) -> float | None:
 
 def split_seconds(n: int, compiled: bool) -> float | None:
     """The same step with split masters (``--host-masters split``): each master read from its
-    bf16 weight (brought down) and int16 low half, both written anew; bf16 gradient in place."""
+    bf16 weight (brought down) and low half (two byte planes), both written anew; bf16
+    gradient in place."""
     from parallax.optim.zero.buffers.flat_buffers import LOW_PAD
     from parallax.optim.zero.buffers.master_halves import low_half
 
@@ -135,7 +136,7 @@ def host_phases(n: int, compiled: bool = True) -> dict[str, tuple[float, int]]:
         out["adamw one pass (bf16 in, bf16 out)"] = (one, 28)
     split = split_seconds(n, compiled)
     if split is not None:  # ... the master joined from its weight and low half, split again
-        out["adamw one pass, split masters (bf16 weight and int16 low half)"] = (split, 26)
+        out["adamw one pass, split masters (bf16 weight, low half's byte planes)"] = (split, 26)
     return out
 
 

@@ -17,7 +17,8 @@ Variants (each steps bf16 gradients in place, as a clipped offloaded step does):
   what the split's integer work costs;
 - ``split-no-tie``: the split without the tie's nudge (not exact: a probe of the select's cost).
 
-Prints one table of seconds per 1e9 elements and the bandwidth each moved; writes nothing.
+Prints one table of seconds per 1e9 elements and the bandwidth each moved, and appends it to
+``benchmarks/RESULTS.md`` (``--smoke``: eager, small, writes nothing).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import argparse
 
 import torch
 
-from benchmarks.tools.common import median, time_it
+from benchmarks.tools.common import append_results, median, print_table, time_it
 from parallax.optim.zero.buffers.master_halves import join_planes, signed_low
 from parallax.optim.zero.offload.host_adamw import (
     _room_to_compile,
@@ -101,28 +102,37 @@ def _seconds(run, tensors: tuple, h: torch.Tensor) -> float:
     return median(time_it(lambda: run(*tensors, h), torch.device("cpu"), 1, 3))
 
 
-def main(argv: list[str] | None = None) -> None:
+COLUMNS = ["variant", "threads", "bytes/elem", "s per 1e9 elem", "GB/s"]
+
+
+def main(argv: list[str] | None = None) -> list[list]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="*", default=[2, 8, 15])
     p.add_argument("--elements", type=int, default=2**27)
-    p.add_argument("--eager", action="store_true", help="no compile (a smoke run)")
+    p.add_argument("--smoke", action="store_true", help="eager, 2**16 elements; writes nothing")
     args = p.parse_args(argv)
-    n, rows = args.elements, []
+    n, rows = 2**16 if args.smoke else args.elements, []
     h = _scalars(1e-5, 0.0, 0.9, 0.999, 1e-8, 1, 1.0)
     with _room_to_compile():
         for name, (fn, tensors, nbytes) in cases(n).items():
-            run = fn if args.eager else torch.compile(
+            run = fn if args.smoke else torch.compile(
                 fn, dynamic=True, fullgraph=True, options=compile_options()
             )  # fmt: skip
             for t in args.threads:
                 torch.set_num_threads(t)
                 secs = _seconds(run, tensors, h)
-                rows.append((name, t, secs / n * 1e9, nbytes * n / secs / 1e9))
-                print(f"{name:14s} threads {t:3d}: {rows[-1][2]:.3f} s per 1e9, "
-                      f"{rows[-1][3]:.1f} GB/s", flush=True)  # fmt: skip
-    print("\n| variant | threads | s per 1e9 elements | GB/s |\n|---|---|---|---|")
-    for name, t, s, gbs in rows:
-        print(f"| {name} | {t} | {s:.3f} | {gbs:.1f} |")
+                rows.append(
+                    [name, t, nbytes, round(secs / n * 1e9, 4), round(nbytes * n / secs / 1e9, 1)]
+                )
+    title = "split_probe: the split masters' host AdamW against the whole one, and variants"
+    print_table(title, COLUMNS, rows)
+    if not args.smoke:
+        notes = (
+            f"one piece of {n} elements, each variant compiled for the CPU as the offload "
+            "compiles it (inductor, C++ entry point, dynamic threads); median of 3 calls after 1"
+        )
+        append_results(title, COLUMNS, rows, notes)
+    return rows
 
 
 if __name__ == "__main__":
