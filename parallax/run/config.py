@@ -126,7 +126,8 @@ class TrainConfig(
     def host_masters_split(self) -> bool:
         """Whether a run on GPUs (what the planner plans), where it offloads, keeps its bf16
         masters split on the host."""
-        return self.host_masters == "split" and self.host_step_one_pass
+        split = self.host_masters == "split" and self.precision == "bf16"
+        return split and self.host_step_one_pass
 
     @property
     def host_step_one_pass(self) -> bool:

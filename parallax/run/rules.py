@@ -115,6 +115,11 @@ def _zero(cfg: Any) -> str | None:
             "steps, in a clipped run: it needs --grad-clip above 0 and --host-adamw one-pass "
             "(or auto, on a GPU)"
         )
+    if cfg.host_masters == "split" and cfg.precision != "bf16":
+        return (
+            f"--host-masters split keeps the low halves of bf16 weights' fp32 masters: "
+            f"--precision {cfg.precision} has no bf16 weights (use --precision bf16)"
+        )
     if cfg.zero == 3 and cfg.cuda_graphs:
         return (
             "--cuda-graphs cannot replay blocks under --zero 3: a CUDA graph reads each weight "

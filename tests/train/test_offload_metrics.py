@@ -92,5 +92,7 @@ def test_split_masters_hold_two_bytes_less_and_train_alike(tmp_path, caplog):
     assert parse_args(offloaded).host_masters_kind("cuda") == "split"
     assert parse_args(offloaded).host_masters_kind("cpu") == "full"  # (torch's kernel there)
     assert parse_args(offloaded[:4]).host_masters_kind("cuda") == "full"  # (the default)
-    with pytest.raises(ValueError, match="--host-masters split"):
-        resolve(parse_args([*offloaded, "--host-masters", "split", "--grad-clip", "0"]))
+    with pytest.raises(ValueError, match="--host-masters split .* --grad-clip above 0"):
+        resolve(parse_args([*offloaded, "--precision", "bf16", "--grad-clip", "0"]))
+    with pytest.raises(ValueError, match="--precision fp32 has no bf16 weights"):
+        resolve(parse_args(offloaded))  # (fp32 weights: nothing to split)
