@@ -209,13 +209,10 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     times: list[float] = []
     host = getattr(trainer.optimizer, "host", None)  # --offload optimizer: its phase timers
-    before: dict[str, float] = {}
-    each: list[dict[str, float]] = []  # per timed step: host phases and allocator retries
+    each: list[dict[str, float]] = []  # per timed step: host phases, compiles, retries
     try:
         start, last = time.perf_counter(), _counters(host, device)
         for i in range(warmup + steps):
-            if i == warmup and host is not None:
-                before = dict(host.seconds)
             batch = batches.next()
             out = trainer.train_step(batch.microbatches, problem=batch.problem, staged=batch.staged)
             out.loss.item()
@@ -223,7 +220,7 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
             end, now = time.perf_counter(), _counters(host, device)
             if i >= warmup:
                 times.append(end - start)
-                each.append({k: round(v - last.get(k, 0.0), 4) for k, v in now.items()})
+                each.append({k: v - last.get(k, 0.0) for k, v in now.items()})
             start, last = end, now
     finally:
         batches.close()
@@ -232,13 +229,14 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
     flops, tokens = trainer.model_flops(batch), trainer.tokens(batch)
     step = steady_median(times, each)
     out = dict(step_s=step, step_times=times, peak_gib=peak, flops=flops, tokens=tokens)
-    out["each_step"] = each  # what a long step spent its time on (host phases, retries)
+    # what a long step spent its time on
+    out["each_step"] = [{k: round(v, 4) for k, v in e.items()} for e in each]
     if device.type == "cuda":  # a capped allocator that frees its cache and retries is slow;
         # what it reserved past the peak it handed out is the planner's allocator reserve
         out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         out["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
     if host is not None:  # seconds per step in each host phase of the offloaded optimizer
-        out["host_phases"] = {k: (v - before.get(k, 0.0)) / steps for k, v in host.seconds.items()}
+        out["host_phases"] = {k: sum(e.get(k, 0.0) for e in each) / steps for k in host.seconds}
         out["host_adamw"] = "one-pass" if host.one_pass is not None else "torch"  # (as it ran)
         out["host_masters"] = "split" if host.flat.split else "full"
         one = host.one_pass  # compiled for the CPU, or eager where torch could not compile it
