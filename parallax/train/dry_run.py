@@ -175,6 +175,27 @@ def _memory_words(run: Run) -> str:
     return ", ".join(words)
 
 
+def _base_notes(cfg: Run, plans) -> list[str]:
+    """The lines that say what LoRA and a quantized base hold per rank (none when unused)."""
+    lines = []
+    if lora_enabled(cfg):
+        counts = ", ".join(f"{pl.adapters:,}" for pl in plans)
+        lines.append(
+            f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "
+            f"{cfg.lora_targets}; fully trained: {cfg.train or '-'}; adapter parameters per rank "
+            f"of each pp rank: {counts}; "
+            "the frozen base has no gradients, masters or optimizer state"
+        )
+    if cfg.quantize_base:
+        held = ", ".join(f"{pl.quantized / 2**30:.2f} GiB" for pl in plans)
+        lines.append(
+            f"--quantize-base {cfg.quantize_base}: the frozen linears (all but the output head) "
+            f"held quantized, per rank of each pp rank: {held} (in weights; whole on every dp "
+            "rank at any ZeRO stage)"
+        )
+    return lines
+
+
 def print_plan(cfg: Run, file=None) -> None:
     """Print (to ``file``, default stdout) the layout, the blocks and memory of each pipeline
     rank of the resolved run ``cfg``, whether it fits a memory cap, and the schedule table;
@@ -213,23 +234,8 @@ def print_plan(cfg: Run, file=None) -> None:
     advice = fit_advice(model, cfg, dims, plans, machine)
     if advice:
         console.print(advice, highlight=False)
-    if lora_enabled(cfg):
-        counts = ", ".join(f"{pl.adapters:,}" for pl in plans)
-        console.print(
-            f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} on "
-            f"{cfg.lora_targets}; fully trained: {cfg.train or '-'}; adapter parameters per rank "
-            f"of each pp rank: {counts}; "
-            "the frozen base has no gradients, masters or optimizer state",
-            highlight=False,
-        )
-    if cfg.quantize_base:
-        held = ", ".join(f"{pl.quantized / 2**30:.2f} GiB" for pl in plans)
-        console.print(
-            f"--quantize-base {cfg.quantize_base}: the frozen linears (all but the output head) "
-            f"held quantized, per rank of each pp rank: {held} (in weights; whole on every dp "
-            "rank at any ZeRO stage)",
-            highlight=False,
-        )
+    for line in _base_notes(cfg, plans):
+        console.print(line, highlight=False)
     console.print(_groups_table(cfg, plans))
     sim = simulate(schedule, 1.0, 2.0)
     console.print(format_schedule(schedule), highlight=False)
