@@ -294,6 +294,10 @@ def test_dry_run_shows_what_trains(capsys):
     print_plan(resolve_run(cfg), file=out)
     text = out.getvalue()
     assert "LoRA r=32 alpha=16" in text and "fully trained: projector" in text
+    assert "--quantize-base" not in text
+    out = io.StringIO()
+    print_plan(resolve_run(parse_args(["--finetune", "lora", "--quantize-base", "nf4"])), file=out)
+    assert "--quantize-base nf4: the frozen linears" in out.getvalue()
     with pytest.raises(ValueError, match="--train 'projectr' matches no"):
         print_plan(
             resolve_run(parse_args(["--finetune", "lora", "--train", "projectr"])),
