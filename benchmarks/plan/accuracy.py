@@ -129,7 +129,7 @@ def plan_row(row: Row, args, device: torch.device, closest: bool = False):
         machine = machine.with_(gpu_memory_gib=row.limit, cuda_context_gib=0.0)
     if row.host is not None:
         machine = machine.with_(host_memory_gib=row.host)
-    run, model, result = search_run(run, machine, 1, {}, top=1)  # (as --layout auto searches)
+    run, model, result, _ = search_run(run, machine, 1, {}, top=1)  # (as --layout auto searches)
     if result.ranked:
         return run, result.ranked[0], True
     if not (closest and result.closest):

@@ -55,6 +55,8 @@ ROWS = (
     Row("openvla-32-host95", "openvla-7b", 256, limit=32.0, host=95.0),  # host memory's target
     # ... under 24 GiB: whole masters fit no layout's host, the planner splits them (auto)
     Row("openvla-24-host92", "openvla-7b", 256, limit=24.0, host=92.0),
+    # ... under 32 GiB: whole masters fit only slower layouts there, split ones win
+    Row("openvla-32-host92", "openvla-7b", 256, limit=32.0, host=92.0),
     Row("openvla-32-one-pass", "openvla-7b", 256, limit=32.0, host_adamw="one-pass"),
     Row("openvla-24-one-pass", "openvla-7b", 256, limit=24.0, host_adamw="one-pass"),
     # the masters split on the host (--host-masters split: 2 bytes a parameter less)

@@ -19,7 +19,7 @@ import os
 from parallax.plan import report
 from parallax.plan.device import Detect, Device, base_profile, memory_words
 from parallax.plan.device import detect as detect_device
-from parallax.plan.host_fallback import SPLIT_WORDS, search_run
+from parallax.plan.host_fallback import search_run
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import DEFAULTS, GIB, Machine, target
 from parallax.plan.ruled_out import ruled_out
@@ -92,8 +92,7 @@ def choose(run: Run, detect: Detect = detect_device) -> Run:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     machine, chosen = machine_of(run, world, per_node, detect)
     fixed = {k: getattr(run, k) for k in given(run)}
-    auto_masters = run.host_masters == "auto"
-    run, model, result = search_run(run, machine, world, fixed, top=1)
+    run, model, result, split = search_run(run, machine, world, fixed, top=1)
     if why := ruled_out(result, model, world, per_node, fixed):
         raise ValueError(f"--layout auto: {why}")
     if not result.ranked:
@@ -102,8 +101,8 @@ def choose(run: Run, detect: Detect = detect_device) -> Run:
     best = result.ranked[0]
     if int(os.environ.get("RANK", 0)) == 0:
         log.info("--layout auto: planning with the profile %s: %s", machine.name, chosen)
-        if auto_masters and run.host_masters == "split":
-            log.info("--layout auto: %s", SPLIT_WORDS)
+        if split:
+            log.info("--layout auto: %s", split)
         log.info(
             "--layout auto: %s on %d GPU(s) of %.0f GiB (%s): predicted %.1f GiB a GPU, "
             "%.3f s a step, %.1f samples/s; flags %s",

@@ -20,7 +20,7 @@ from rich.console import Console
 from parallax.plan import calibrate
 from parallax.plan.device import Detect, Device, base_profile
 from parallax.plan.device import detect as detect_device
-from parallax.plan.host_fallback import SPLIT_WORDS, search_run
+from parallax.plan.host_fallback import search_run
 from parallax.plan.layout import LAYOUT_OPTIONS
 from parallax.plan.machine import DEFAULTS, LINKS, Machine, target
 from parallax.plan.options import PlanOptions, parse_plan, world
@@ -99,11 +99,12 @@ def plan(
     if limit is not None and limit < machine.gpu_memory_gib:  # a cap without the CUDA context
         machine = machine.with_(gpu_memory_gib=limit, cuda_context_gib=0.0)
         note += f"; --gpu-memory-limit {limit:g} GiB as its memory"
-    auto_masters = run.host_masters == "auto"
-    run, model, result = search_run(run, machine, gpus, fixed, top=opts.top, margin=opts.margin)
-    if auto_masters and run.host_masters == "split":  # (the command says so)
+    run, model, result, split = search_run(
+        run, machine, gpus, fixed, top=opts.top, margin=opts.margin
+    )
+    if split:  # (the command says so)
         train_argv = [*train_argv, "--host-masters", "split"]
-        note += f"; {SPLIT_WORDS}"
+        note += f"; {split}"
     if why := ruled_out(result, model, gpus, per_node, fixed):
         raise ValueError(why)
     console.print(_header(run, model, machine, gpus, nodes, opts.margin), highlight=False)

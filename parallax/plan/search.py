@@ -47,6 +47,8 @@ class Result:
     machine: Machine | None = None
     usable_gpu: float = 0.0
     usable_host: float = 0.0
+    # offloaded candidates that fit the GPU but not the host (split masters may fit them)
+    host_short: int = 0
 
 
 def option_problems(cfg: TrainConfig) -> list[str]:
@@ -230,7 +232,7 @@ def search(
     fitting: list[Candidate] = []
     closest: list[Candidate] = []
     problems: dict[str, int] = {}
-    searched = 0
+    searched = host_short = 0
     for layout in layouts(model, world, min(machine.gpus_per_node, world), fixed):
         searched += 1
         problem = s.problem(layout)
@@ -242,6 +244,7 @@ def search(
             fitting.append(c)
         else:
             closest.append(c)
+            host_short += bool(layout.offload) and c.gpu <= s.usable_gpu
     ranked = _fastest(s, fitting, top)
     closest.sort(key=lambda c: (max(c.gpu / s.usable_gpu, c.host / s.usable_host), c.gpu))
     return Result(
@@ -253,6 +256,7 @@ def search(
         machine=machine,
         usable_gpu=s.usable_gpu,
         usable_host=s.usable_host,
+        host_short=host_short,
     )
 
 

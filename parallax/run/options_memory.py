@@ -86,7 +86,8 @@ class MemoryOptions:
         "the master's top half (exact, but that a master halfway between two bf16 values may "
         "move one fp32 ulp), at the price of a slower host step. split needs the one-pass host "
         "AdamW (a clipped run on a GPU, or --host-adamw one-pass). auto: full, unless the "
-        "planner (--layout auto, parallax.plan) finds no layout whose host memory fits them",
+        "planner (--layout auto, parallax.plan) finds a faster layout with split masters where the "
+        "host's memory turns whole ones away",
         MEMORY,
         choices=HOST_MASTERS_CHOICES,
     )

@@ -13,6 +13,7 @@ import pytest
 
 from parallax.plan.choice import Candidate, first_choice
 from parallax.plan.cost import StepTime
+from parallax.plan.host_fallback import search_run
 from parallax.plan.layout import Layout
 from parallax.plan.machine import H200
 from parallax.plan.search import search
@@ -48,6 +49,26 @@ def test_the_first_choice_is_never_slower_with_more_memory(name, gpus):
     for (cap0, t0, lay0), (cap1, t1, lay1) in zip(seen, seen[1:]):
         said = f"{name}, {gpus} GPU(s): {cap1} GiB {lay1} {t1:.4f} s"
         assert t1 <= t0, f"{said} > {cap0} GiB {lay0} {t0:.4f} s"
+
+
+def test_nor_with_a_host_that_whole_masters_do_not_fill():
+    """Under a 92 GiB host the planner splits the masters where that is faster (issue 42's
+    floor): a cap at which a few whole-master layouts fit (32 GiB, sums on the GPU, 14.0 s)
+    once kept those over the split layout that 24 GiB chose (11.1 s). Every 4 GiB, both ways
+    searched at each cap."""
+    run = resolve(parse_args([*RUNS["openvla-7b full"].split(), "--precision", "bf16"]))
+    machine = H200.with_(gpus_per_node=1, cuda_context_gib=0.0, host_memory_gib=92.0)
+    seen: list[tuple[int, float, str]] = []
+    for cap in range(16, 141, 4):
+        _, _, result, split = search_run(
+            run, machine.with_(gpu_memory_gib=float(cap)), 1, {}, top=1
+        )
+        if result.ranked:
+            best = result.ranked[0]
+            seen.append((cap, best.time.seconds, f"{best.layout.describe()}{split and ' split'}"))
+    assert any(lay.endswith(" split") for *_, lay in seen) and not seen[-1][2].endswith(" split")
+    for (cap0, t0, lay0), (cap1, t1, lay1) in zip(seen, seen[1:]):
+        assert t1 <= t0, f"{cap1} GiB {lay1} {t1:.4f} s > {cap0} GiB {lay0} {t0:.4f} s"
 
 
 def _candidate(seconds: float, gpu: float, zero: int) -> Candidate:

@@ -194,8 +194,9 @@ def test_split_masters_hold_two_bytes_a_bf16_element_less_and_two_landing_buffer
 
 def test_whole_masters_that_no_host_fits_are_planned_split_unless_the_run_says_full(caplog):
     """``--host-masters auto`` (the default): whole masters where the host has room, split
-    where no layout's host memory fits them (OpenVLA-7B on one 24 GB card of a 92 GiB host),
-    said and in the command; ``--host-masters full`` keeps them whole and names the way out."""
+    where no layout's host memory fits them (OpenVLA-7B on one 24 GB card of a 92 GiB host) or
+    only slower ones do (32 GB), said and in the command; ``--host-masters full`` keeps them
+    whole and names the way out."""
     import io
     import logging
 
@@ -215,6 +216,12 @@ def test_whole_masters_that_no_host_fits_are_planned_split_unless_the_run_says_f
     assert "--host-masters split" in line and "planned with --host-masters split" in text
     line, text = said["92", True]
     assert line is None and "What would help" in text and "--host-masters split" in text
+    out = io.StringIO()  # under 32 GiB whole masters fit a few layouts, slower than split ones
+    wider = [*run[:-4], "--gpu-memory", "32", "--gpus", "1", "--host-memory", "92"]
+    _, line = cli.plan(wider, Console(file=out, width=300))
+    text = " ".join(out.getvalue().split())
+    assert "--host-masters split" in line and "--micro-batch-size 64" in line
+    assert "with whole fp32 masters the host's memory leaves only slower layouts" in text
     flags = ["--layout", "auto", *run[:5], "--precision", "bf16", "--machine", "h100"]
     flags += ["--gpu-memory", "24"]
     cfg = resolve(parse_args([*flags, "--host-memory", "92"]))

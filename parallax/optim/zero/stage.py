@@ -31,7 +31,7 @@ HOST_ADAMW_CHOICES = ("auto", *HOST_ADAMWS)
 # where the host keeps an offloaded bf16 master: whole (fp32), or split, its low 16 bits alone
 # beside the model's bf16 weight (buffers/master_halves.py; 2 bytes an element less, a slower
 # host step: docs/zero.md), which the one-pass kernel alone steps; --host-masters auto: whole,
-# unless the planner finds no layout whose host memory fits them (plan/host_fallback.py)
+# unless the host's memory leaves them no layout, or only slower ones (plan/host_fallback.py)
 HOST_MASTERS = ("full", "split")
 HOST_MASTERS_CHOICES = ("auto", *HOST_MASTERS)
 
