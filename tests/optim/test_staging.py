@@ -59,3 +59,27 @@ def test_a_consumer_thread_sees_every_piece_intact():
 
 def test_the_planner_counts_the_same_ring():
     assert plan_memory.STAGING_BYTES is staging.STAGING_BYTES  # imported, not copied
+
+
+@pytest.mark.parametrize("on_gpu", [0.0, 0.6, 1.0])
+def test_a_ring_for_every_offloaded_dtype_wherever_its_sums_are(on_gpu):
+    """The rings are sized from the offloaded buckets, not from the host's accumulators: with
+    every sum kept on the GPU (``--gpu-accumulation 1``) there are none, and the first upload
+    on a GPU once found no size for its dtype (the uncapped OpenVLA-7B layout, offload 0.5)."""
+    from parallax.optim import ZeroOptimizer
+    from parallax.testing import ParallelContext
+    from tests.optim.common import OPTIMIZERS, build, groups
+
+    model = build(dtype=torch.bfloat16)
+    cls, kwargs = OPTIMIZERS["adamw"]
+    opt = ZeroOptimizer(
+        groups(model), cls, ParallelContext.local(), stage=2, modules=[model], bucket_numel=100,
+        param_order=model.parameters(), backward_passes_per_step=2, offload=True,
+        offload_fraction=0.5, gpu_accumulation=on_gpu, host_adamw="one-pass", **kwargs,
+    )  # fmt: skip
+    steps, layout = opt.host.steps, opt.flat.layout
+    chunks = [layout.buckets[b].chunk for b in steps.buckets]
+    assert steps.buckets and set(steps.up.sizes) == {torch.bfloat16}
+    assert min(chunks) > 0 and steps.up.sizes[torch.bfloat16] == sum(chunks)
+    assert not steps.sums.flats or on_gpu < 1.0  # (1.0: nothing summed on the host)
+    assert sum(chunks) < staging.STAGING_BYTES // 2  # (so the ring is bound by the elements)

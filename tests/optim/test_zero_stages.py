@@ -32,6 +32,7 @@ CASES = {
         ("sgd", 3, 1, None, False, True, 0.0),
         ("adamw", 2, 2, 0.5, False, False, 0.5),  # half on the host, stepped after the clip
         ("adamw", 3, 2, None, False, True, 0.5),  # ... stepped during the backward
+        ("adamw", 2, 3, 0.5, False, False, 0.5, 1.0, "one-pass"),  # every sum on the device
         ("adamw", 2, 3, 0.5, False, False, 1.0, 0.6),  # some sums kept on the device, clipped
         ("adamw", 3, 3, None, False, True, 1.0, 0.6),  # ... stepped during the backward
         ("adamw", 3, 3, None, False, True, 1.0),  # (the last one's twin, every sum on the host)

@@ -55,8 +55,12 @@ class BucketSteps:
         for k, pc in enumerate(flat.pieces):
             self.pieces_of_bucket[pc.bucket].append(k)
         device = sums.device
-        most = max(flat.layout.buckets[b].chunk for b in buckets)
-        self.up, self.down = Uploads(sums.flats, most, device), Downloads(self.kept, device)
+        layout = flat.layout
+        totals: dict[torch.dtype, int] = defaultdict(int)  # offloaded elements of each dtype
+        for b in buckets:
+            totals[layout.dtypes[layout.buckets[b].buffer]] += layout.buckets[b].chunk
+        most = max(layout.buckets[b].chunk for b in buckets)
+        self.up, self.down = Uploads(dict(totals), most, device), Downloads(self.kept, device)
         self.split = [b for b in buckets if b in flat.split]  # masters held as low halves
         self.weights = WeightsDown(flat, self.split, self.up.stream)
         self.scratch = torch.empty(0)  # fp32: the gradient being stepped (grown to the need)

@@ -17,21 +17,24 @@ import torch
 from parallax.optim.zero.offload.upload_ring import STAGING_BYTES, Ring
 
 
-class Uploads:
-    """Staging rings (one per dtype of ``flats``, the host accumulators' buffers: their sizes
-    bound a ring's) and the uploads stream, on GPUs; ``most``: the largest bucket chunk."""
+def ring_sizes(totals: dict[torch.dtype, int], most: int) -> dict[torch.dtype, int]:
+    """Each dtype's ring, in elements: room for the largest bucket chunk (``most``), else
+    :data:`STAGING_BYTES`, but no more than the offloaded elements of that dtype (``totals``,
+    every offloaded bucket's, whether its sums are on the host or kept on the GPU)."""
+    return {dt: max(most, min(n, STAGING_BYTES // dt.itemsize)) for dt, n in totals.items()}
 
-    def __init__(
-        self, flats: dict[torch.dtype, torch.Tensor], most: int, device: torch.device
-    ) -> None:
+
+class Uploads:
+    """Staging rings (one per dtype of ``totals``, the offloaded elements of each) and the
+    uploads stream, on GPUs; ``most``: the largest bucket chunk."""
+
+    def __init__(self, totals: dict[torch.dtype, int], most: int, device: torch.device) -> None:
         self.device = device
         self.on_device = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.on_device else None
-        self.sizes = {  # GPUs: each ring's elements (made at its first use: a one-pass step
-            # writes the weights into the accumulator and needs none, bar kept buckets)
-            dt: max(most, min(flat.numel(), STAGING_BYTES // dt.itemsize))
-            for dt, flat in (flats.items() if self.on_device else ())
-        }
+        # each ring is made at its first use: a one-pass step writes the weights into the
+        # host accumulator and needs none, bar the buckets whose sums the GPU keeps
+        self.sizes = ring_sizes(totals, most)
         self.rings: dict[torch.dtype, Ring] = {}  # pinned staging of the weights going up
         self.done: dict[int, torch.cuda.Event] = {}  # GPUs: bucket -> its upload's end
 
