@@ -8,7 +8,7 @@
 # The next calls: benchmarks/NOTES.md, "Next GPU session, first".
 # STEPS (default "profile24 profile32") picks what runs: host (the host's cores and sockets,
 # then benchmarks/zero/host_bound.py at HOST_THREADS, default "15 16"), cuda_tests (the offload's
-# CUDA tests; cuda_split: the split masters' alone), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
+# CUDA tests; cuda_stages: the stages' and offload layouts' alone; cuda_split: the split masters' alone), probe and probe_pinned (benchmarks/zero/one_pass_adamw.py: the clipped host step
 # with torch's kernel and in one pass, replayed in a worker thread beside a busy main thread), profile24,
 # profile32, fit (FIT_ROWS,
 # default openvla,openvla-24,openvla-32; FIT_STEPS timed steps (default 3) after FIT_WARMUP
@@ -39,6 +39,8 @@ for s in ${STEPS:-profile24 profile32}; do
     cuda_tests)
       step 240 cuda_tests python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py tests/optim/test_zero_cuda.py \
         tests/optim/test_host_adamw_cuda.py tests/optim/test_pinned.py tests/optim/test_split_masters.py ;;
+    cuda_stages)  # ZeRO-2/3 and the offload's layouts against torch on the GPU (sums kept there too)
+      step 200 cuda_stages python3 -m pytest -q -x tests/optim/test_zero_stages_cuda.py ;;
     cuda_split)  # split masters' kernels compiled, and the weights brought down, on the GPU
       step 200 cuda_split python3 -m pytest -q -x -k "cuda or split" tests/optim/test_host_adamw_cuda.py tests/optim/test_split_masters.py ;;
     profile24|profile32)
