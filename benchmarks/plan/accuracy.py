@@ -193,7 +193,7 @@ def _counters(host, device: torch.device) -> dict[str, float]:
     return got
 
 
-def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
+def measure(run, device: torch.device, steps: int, warmup: int, on_step=None) -> dict:
     """``run`` on this device: median step seconds of the steps that compiled nothing (all of
     them where each did), peak allocated GiB (``step_s``,
     ``peak_gib``), one step's model FLOPs and tokens (``flops``, ``tokens``) and, offloaded,
@@ -201,7 +201,9 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
 
     The batches come as ``parallax.train`` takes them (:class:`StepBatches`, made a step ahead
     in a thread) and the timed steps run back to back, each from the end of the one before:
-    a deferred host step gets no untimed gap to run on in (``step_times``: each one)."""
+    a deferred host step gets no untimed gap to run on in (``step_times``: each one).
+    ``on_step(i, seconds, counters)``, where given, hears of each step (warm-ups too) as it ends:
+    a watcher that must stop a slow run keeps the steps it finished."""
     ctx = ParallelContext.local(device=device)
     trainer = Trainer(run, ctx)
     loader, builder = _loader_and_builder(run, ctx)
@@ -218,9 +220,12 @@ def measure(run, device: torch.device, steps: int, warmup: int) -> dict:
             out.loss.item()
             sync(device)
             end, now = time.perf_counter(), _counters(host, device)
+            delta = {k: v - last.get(k, 0.0) for k, v in now.items()}
             if i >= warmup:
                 times.append(end - start)
-                each.append({k: v - last.get(k, 0.0) for k, v in now.items()})
+                each.append(delta)
+            if on_step is not None:
+                on_step(i, end - start, delta)
             start, last = end, now
     finally:
         batches.close()

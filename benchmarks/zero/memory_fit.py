@@ -20,10 +20,11 @@ kernel) unless its name ends in ``-torch`` or ``-one-pass``, and whole fp32 mast
 unless it ends in ``-split`` (``--host-masters split``: 2 bytes of host memory a parameter less);
 each record says which ran.
 Every row runs in a process of its own, watched: its host RSS over ``--host-limit`` GiB (the H200
-host has 125) ends it, reported as not fitting the host. The ratio's reference is the same
-invocation's uncapped row of the workload (``openvla``, ``llava``, ``lora``: the same data) where
-it ran, else on an H200 parallax's uncapped best in RESULTS.md (``UNCAPPED``, whose data may
-differ); on another card without an uncapped row, no ratio.
+host has 125) ends it, reported as not fitting the host; one past ``--row-timeout`` is ended too
+and keeps the timed steps it finished (its status says how many of ``--steps``). The ratio's
+reference is the same invocation's uncapped row of the workload (``openvla``, ``llava``,
+``lora``: the same data) where it ran, else on an H200 parallax's uncapped best in RESULTS.md
+(``UNCAPPED``, whose data may differ); on another card without an uncapped row, no ratio.
 MFU: the family's model FLOPs (``Recipe.flops``: 6 x parameters x tokens for what trains, plus
 attention) per step over the step time and 989 TFLOP/s.
 """
@@ -37,13 +38,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from types import SimpleNamespace
 
 import torch
 
-from benchmarks.plan.accuracy import Row, described, measure, plan_row
+from benchmarks.plan.accuracy import Row, described, measure, plan_row, steady_median
 from benchmarks.tools.common import PEAK_BF16_TFLOPS, append_results, env_info, print_table
 from parallax.plan.machine import GIB
 from parallax.train.memory_limit import cap_gpu_memory, default_allocator
@@ -162,7 +164,8 @@ def child(row: Row, args) -> dict:
         if not fits:  # does the planner's margin refuse a layout that runs? run the nearest
             rec["layout"] += f" (planner: needs {best.gpu / GIB:.1f} GiB, past its margin)"
         run = run.replace(**best.layout.options())
-        got = measure(run, device, args.steps, args.warmup)
+        print("PLAN " + json.dumps(rec), flush=True)  # what a row stopped mid-run still reports
+        got = measure(run, device, args.steps, args.warmup, on_step=_report_step)
     step = got["step_s"]
     rec.update(step_s=step, gpu_gib=got["peak_gib"], samples_per_s=row.batch / step)
     if got.get("flops"):
@@ -182,6 +185,32 @@ def child(row: Row, args) -> dict:
             rec[key] = got[key]
     rec["host_gib"] = host_memory_gib()  # this row's process: its peak resident set
     return {**rec, "status": "ok"}
+
+
+def _report_step(i: int, seconds: float, counters: dict[str, float]) -> None:
+    """Each step as it ends, to the watching parent (stdout) and the log (stderr)."""
+    compiles = counters.get("compiles", 0.0)
+    print("STEP " + json.dumps({"i": i, "s": seconds, "compiles": compiles}), flush=True)
+    print(f"step {i}: {seconds:.2f} s, {compiles:g} frame(s) compiled", file=sys.stderr, flush=True)
+
+
+def finished_steps(lines: list[str], row: Row, args) -> dict:
+    """What a row stopped before its end had done: its plan (``PLAN``) and, where any timed
+    step (past ``--warmup``) ended, the steady median of those (``STEP`` lines; see child)."""
+    rec: dict = {}
+    times, each = [], []
+    for line in lines:
+        if line.startswith("PLAN "):
+            rec.update(json.loads(line[len("PLAN ") :]))
+        elif line.startswith("STEP "):
+            step = json.loads(line[len("STEP ") :])
+            if step["i"] >= args.warmup:
+                times.append(step["s"])
+                each.append({"compiles": step["compiles"]})
+    if times:
+        step = steady_median(times, each)
+        rec.update(step_s=step, step_times=times, samples_per_s=row.batch / step)
+    return rec
 
 
 def deepspeed_row(row: Row, args, device: torch.device, rec: dict) -> dict:
@@ -221,22 +250,30 @@ def spawn(row: Row, args) -> dict:
     cmd += ["--peer-micro-batch", str(args.peer_micro_batch)]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # (SIGABRT: every thread's stack)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    lines: list[str] = []  # read as they come: a full pipe would stall the child
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     start, most, status = time.monotonic(), 0.0, None
     while proc.poll() is None:
         most = max(most, _rss_gib(proc.pid))
         if most > args.host_limit:
             status = f"host RSS over {args.host_limit:g} GiB after {time.monotonic() - start:.0f} s"
         elif time.monotonic() - start > args.row_timeout:
-            status = f"no step within {args.row_timeout:g} s"
+            status = f"stopped at --row-timeout {args.row_timeout:g} s"
         if status:
-            if status.startswith("no step"):  # where it was: the stacks into the log
+            if status.startswith("stopped"):  # where it was: the stacks into the log
                 os.kill(proc.pid, signal.SIGABRT)
                 time.sleep(3)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return {"status": status, "host_gib": most}
+            reader.join(10)
+            done = finished_steps(lines, row, args)
+            if "step_times" in done:
+                status += f"; {len(done['step_times'])} of {args.steps} timed steps done"
+            return {**done, "status": status, "host_gib": most}
         time.sleep(0.2)
-    for line in proc.stdout.read().splitlines():
+    reader.join(10)
+    for line in lines:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     return {"status": f"exit code {proc.returncode} (see the log)", "host_gib": most}

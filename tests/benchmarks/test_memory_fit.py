@@ -42,3 +42,27 @@ def test_the_ratio_is_against_this_invocations_uncapped_row_where_it_ran():
     other = references([capped], "1x NVIDIA H100 80GB HBM3")
     assert other == {} and math.isnan(table_row(capped, other)[-2])
     assert references([capped, uncapped], "1x NVIDIA H100 80GB HBM3")["llava"][0] == 4.0
+
+
+def test_a_row_stopped_mid_run_keeps_the_steps_it_finished(tmp_path):
+    """The child says its plan and each step as they come; a watcher that ends it at
+    --row-timeout reads back what the finished record would have said of those steps."""
+    import json
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from benchmarks.zero.memory_fit import SMOKE, finished_steps
+
+    cmd = [sys.executable, "-m", "benchmarks.zero.memory_fit", "--child", "tiny-lora", "--smoke",
+           "--steps", "2", "--warmup", "1", "--out", str(tmp_path)]  # fmt: skip
+    lines = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    (done,) = [json.loads(x[len("RESULT ") :]) for x in lines if x.startswith("RESULT ")]
+    row = next(r for r in SMOKE if r.name == "tiny-lora")
+    args = SimpleNamespace(warmup=1)
+    got = finished_steps([x for x in lines if not x.startswith("RESULT ")], row, args)
+    assert got["step_times"] == done["step_times"] and got["step_s"] == done["step_s"]
+    assert got["layout"] == done["layout"] and got["predicted_s"] == done["predicted_s"]
+    warm = [x for x in lines if x.startswith(("PLAN ", 'STEP {"i": 0'))]
+    first = finished_steps(warm, row, args)
+    assert "step_s" not in first and first["layout"] == done["layout"]  # a warm-up is no step
