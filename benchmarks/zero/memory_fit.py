@@ -144,28 +144,9 @@ def child(row: Row, args) -> dict:
             OpenVLAConfig.preset(row.model), row.batch, PEER_MICRO_BATCH, args.steps, args.warmup
         )
     else:
-        plan_args = SimpleNamespace(
-            compile=args.compile,
-            out=args.out,
-            machine=args.machine,
-            pad_to_multiple_of=args.pad_to_multiple_of,
-            grad_clip=None,  # the trainer's default for the row's finetune
-        )
-        run, best, fits = plan_row(row, plan_args, device, closest=True)
-        if best is None:
-            return {"status": "the planner found nothing that fits"}
-        rec.update(
-            layout=described(best, run) + (", compile" if args.compile else ""),
-            flags=" ".join(best.layout.argv()),
-            predicted_gib=max(r.gpu for r in best.memory) / GIB,
-            predicted_host_gib=best.host / GIB,  # (a node of one process: its own memory too)
-            predicted_s=best.time.seconds,
-        )
-        if not fits:  # does the planner's margin refuse a layout that runs? run the nearest
-            rec["layout"] += f" (planner: needs {best.gpu / GIB:.1f} GiB, past its margin)"
-        run = run.replace(**best.layout.options())
-        print("PLAN " + json.dumps(rec), flush=True)  # what a row stopped mid-run still reports
-        got = measure(run, device, args.steps, args.warmup, on_step=_report_step)
+        got = planned_row(row, args, device, rec)
+        if "status" in got:
+            return got
     step = got["step_s"]
     rec.update(step_s=step, gpu_gib=got["peak_gib"], samples_per_s=row.batch / step)
     if got.get("flops"):
@@ -185,6 +166,33 @@ def child(row: Row, args) -> dict:
             rec[key] = got[key]
     rec["host_gib"] = host_memory_gib()  # this row's process: its peak resident set
     return {**rec, "status": "ok"}
+
+
+def planned_row(row: Row, args, device: torch.device, rec: dict) -> dict:
+    """A parallax row: the planner's first choice under the row's cap (its plan kept in
+    ``rec`` and said at once), run and measured, each step said as it ends."""
+    plan_args = SimpleNamespace(
+        compile=args.compile,
+        out=args.out,
+        machine=args.machine,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+        grad_clip=None,  # the trainer's default for the row's finetune
+    )
+    run, best, fits = plan_row(row, plan_args, device, closest=True)
+    if best is None:
+        return {"status": "the planner found nothing that fits"}
+    rec.update(
+        layout=described(best, run) + (", compile" if args.compile else ""),
+        flags=" ".join(best.layout.argv()),
+        predicted_gib=max(r.gpu for r in best.memory) / GIB,
+        predicted_host_gib=best.host / GIB,  # (a node of one process: its own memory too)
+        predicted_s=best.time.seconds,
+    )
+    if not fits:  # does the planner's margin refuse a layout that runs? run the nearest
+        rec["layout"] += f" (planner: needs {best.gpu / GIB:.1f} GiB, past its margin)"
+    run = run.replace(**best.layout.options())
+    print("PLAN " + json.dumps(rec), flush=True)  # what a row stopped mid-run still reports
+    return measure(run, device, args.steps, args.warmup, on_step=_report_step)
 
 
 def _report_step(i: int, seconds: float, counters: dict[str, float]) -> None:
