@@ -3,12 +3,32 @@ code path apart from parallax's readers (see benchmarks/data/writers.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.data.writers import Ep, encode_image
+
+
+@contextlib.contextmanager
+def kept_scheduling() -> Iterator[None]:
+    """SVT-AV1's encoder, started by root, moves the calling thread to real-time scheduling
+    (SCHED_FIFO 99), which every thread and process started from it afterwards inherits: a rank
+    spinning on a collective at that priority starves the rest of the machine. The caller's
+    policy is put back when the encoder is done."""
+    if not hasattr(os, "sched_getscheduler"):  # not Linux
+        yield
+        return
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
 
 
 def encode_video(
@@ -19,7 +39,7 @@ def encode_video(
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
+    with kept_scheduling(), av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         if codec == "libx264" and not lossy:
