@@ -151,6 +151,18 @@ def _grad_factors(model: Workload, tp: int) -> list[tuple[float, float]]:
     return out
 
 
+def _stages(model: Workload, layout: Layout, machine: Machine, ranges: list) -> list[_Stage]:
+    """Every virtual stage's times, computed once per shape: :func:`_stage` reads only the
+    layout's tp, micro-batch size, recompute and whether it is ZeRO-1 (a search times the same
+    stages under many dp sizes, offloads and schedules)."""
+    key = ("stages", layout.tp, layout.pp, layout.chunks, layout.micro_batch_size)
+    key += (layout.checkpointing, layout.zero == 1, machine)
+    if key not in model.cache:
+        grads = _grad_factors(model, layout.tp)
+        model.cache[key] = [_stage(model, layout, machine, r, grads) for r in ranges]
+    return model.cache[key]  # type: ignore[return-value]
+
+
 @lru_cache(maxsize=4096)
 def _pipeline(schedule: str, pp: int, m: int, chunks: int, fwd: tuple, bwd: tuple, comm: float):
     result = simulate(make_schedule(schedule, pp, m, chunks), list(fwd), list(bwd), comm)
@@ -164,8 +176,7 @@ def step_time(
     without ``exact``, a lower bound: the pipeline's idling not simulated."""
     m = model.microbatches(layout)
     ranges = model.ranges(layout.pp, layout.chunks)
-    grads = _grad_factors(model, layout.tp)
-    stages = [_stage(model, layout, machine, r, grads) for r in ranges]
+    stages = _stages(model, layout, machine, ranges)
     per_rank = [[stages[s] for s in model.stages_of(layout, p)] for p in range(layout.pp)]
     busiest = max(per_rank, key=lambda st: sum(s.forward + s.backward for s in st))
     compute = m * sum(s.forward + s.backward for s in busiest)

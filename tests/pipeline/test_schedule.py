@@ -23,10 +23,11 @@ from parallax.pipeline.lower import comm_messages
 
 
 def _combos():
-    """(p, m, v) over stages 1..8, microbatches 1..32, chunks 1..4 (every m up to p = 4, then a
-    spread that keeps the edge cases m < p, m = p, m % p != 0)."""
+    """(p, m, v) over stages 1..8, microbatches 1..32, chunks 1..4 (for p up to 4 every m up to
+    12 and 31, 32; a spread that keeps the edge cases m < p, m = p, m % p != 0 for all)."""
     for p in range(1, 9):
-        ms = range(1, 33) if p <= 4 else sorted({1, p - 1, p, p + 1, 2 * p, 3 * p + 1, 4 * p, 32})
+        spread = {1, max(p - 1, 1), p, p + 1, 2 * p, 3 * p + 1, 4 * p}
+        ms = sorted(spread | {*range(1, 13), 31, 32}) if p <= 4 else sorted(spread)
         for m in ms:
             for v in range(1, 5):
                 yield p, m, v
@@ -63,7 +64,7 @@ def test_every_schedule_validates_and_simulates_to_the_theoretical_bubble():
             elif p > 1:
                 assert result.bubble_fraction < simulate(one_f_one_b(p, m)).bubble_fraction
             checked += 1
-    assert checked > 500
+    assert checked > 250
 
 
 @pytest.mark.parametrize("forward,backward", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0)])
