@@ -45,6 +45,8 @@ class VocabParallelEmbedding(TPLayer):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.weight.is_meta:  # (shapes only: meta's normal_ would import torch._dynamo, 1.5 s)
+            return
         nn.init.normal_(self.weight)
         valid = max(0, min(self.weight.shape[0], self.num_embeddings - self.vocab_start))
         with torch.no_grad():
