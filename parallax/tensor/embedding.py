@@ -8,7 +8,7 @@ from torch import nn
 
 from parallax.tensor import functional as tpf
 from parallax.tensor.sharding import make_shard, shard_tensor, unshard_tensor
-from parallax.tensor.tp import TPLayer, TPLike, tp_param
+from parallax.tensor.tp import TPLayer, TPLike, normal_, tp_param
 
 
 class VocabParallelEmbedding(TPLayer):
@@ -45,9 +45,7 @@ class VocabParallelEmbedding(TPLayer):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight.is_meta:  # (shapes only: meta's normal_ would import torch._dynamo, 1.5 s)
-            return
-        nn.init.normal_(self.weight)
+        normal_(self.weight)
         valid = max(0, min(self.weight.shape[0], self.num_embeddings - self.vocab_start))
         with torch.no_grad():
             self.weight[valid:].zero_()
