@@ -155,38 +155,36 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def _kill_one_worker(launcher: subprocess.Popen) -> None:
-    """SIGKILL one training worker (a child of torchrun's agent)."""
+def _kill_one_worker(launcher: subprocess.Popen) -> list[int]:
+    """SIGKILL one training worker (a child of torchrun's agent); the others' pids."""
     children = subprocess.run(
         ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
     ).stdout.split()
     assert children, "no worker processes found"
     os.kill(int(children[-1]), signal.SIGKILL)
+    return [int(pid) for pid in children[:-1]]
 
 
 def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_path):
+    """kill -9 of one worker under ``torchrun --max-restarts 1 ... --resume`` (from scratch the
+    first time): the surviving rank says once why it stopped, with no traceback of its own,
+    and the restarted workers carry on from the last checkpoint to the uninterrupted losses.
+    (torchrun's status and summary for a failed worker: the bad-layout test below.)"""
     _, ref = reference
-    args = ("--out", str(tmp_path / "k"), *RUN, "--save-interval", "2")
-    # without restarts: the run stops promptly and says why
-    launcher = launch(2, *args)
+    args = ("--out", str(tmp_path / "k"), *RUN, "--save-interval", "2", "--resume")
+    launcher = launch(2, *args, extra=("--max-restarts=1",))
     _wait_for(tmp_path / "k" / "checkpoints" / "step_00000002", launcher)
-    _kill_one_worker(launcher)
-    t0 = time.monotonic()
-    _, err = launcher.communicate(timeout=90)
-    assert launcher.returncode == 1 and time.monotonic() - t0 < 60
-    # the surviving rank 0 says once why it stopped (a failed collective, or torchrun's
-    # SIGTERM), with no traceback of its own; torchrun then names the killed rank
-    ours = [line for line in err.splitlines() if line.startswith("parallax.train:")]
-    assert len(ours) == 1 and ours[0].startswith("parallax.train: rank 0: stopped"), err[-3000:]
-    assert "Exception ignored" not in err and "SystemExit" not in err, err[-3000:]
-    assert err.count("Traceback") == 1 and "ChildFailedError" in err  # torchrun's own
-    assert "Signal 9 (SIGKILL)" in err
-    # torchrun --max-restarts with --resume carries on from the last checkpoint
-    launcher = launch(2, *args, "--resume", extra=("--max-restarts=1",))
-    _wait_for(tmp_path / "k" / "checkpoints" / "step_00000004", launcher)
-    _kill_one_worker(launcher)
+    survivors, t0 = _kill_one_worker(launcher), time.monotonic()
+    while any(_alive(pid) for pid in survivors):  # they stop promptly, before the restart
+        assert time.monotonic() - t0 < 60, "a surviving rank trains on after its peer died"
+        time.sleep(0.1)
     _, err = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, err[-3000:]
+    # the survivor's one line: a failed collective, or torchrun's SIGTERM before the restart
+    stopped = [line for line in err.splitlines() if line.startswith("parallax.train: rank")]
+    assert len(stopped) == 1 and " stopped" in stopped[0], err[-3000:]
+    assert "Exception ignored" not in err and "SystemExit" not in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
     rows = metrics(tmp_path / "k")
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
@@ -231,6 +229,8 @@ def _free_port() -> int:
 
 
 def test_two_node_launch_on_one_machine(tmp_path):
+    """Two torchrun launchers, one a node, meet at one rendezvous and train data-parallel across
+    them (one process a node: the launch is what is tested, not the layout)."""
     port = _free_port()
     procs = [
         subprocess.Popen(
@@ -240,19 +240,17 @@ def test_two_node_launch_on_one_machine(tmp_path):
                 "torch.distributed.run",
                 "--nnodes=2",
                 f"--node-rank={n}",
-                "--nproc-per-node=2",
+                "--nproc-per-node=1",
                 "--master-addr=127.0.0.1",
                 f"--master-port={port}",
                 "-m",
                 "parallax.train",
-                "--tp",
-                "2",
                 "--dp",
                 "2",
                 "--steps",
-                "3",
+                "2",
                 "--global-batch-size",
-                "8",
+                "4",
                 "--micro-batch-size",
                 "2",
                 "--out",
@@ -268,7 +266,7 @@ def test_two_node_launch_on_one_machine(tmp_path):
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
-    assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2, 3]
+    assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2]
 
 
 def test_bad_layout_fails_on_every_rank_and_rank_0_says_it(tmp_path):
