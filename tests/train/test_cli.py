@@ -180,11 +180,13 @@ def test_killed_rank_stops_the_run_and_torchrun_restart_resumes(reference, tmp_p
         time.sleep(0.1)
     _, err = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, err[-3000:]
-    # the survivor's one line: a failed collective, or torchrun's SIGTERM before the restart
+    # the surviving rank 0's one line (a failed collective, or torchrun's SIGTERM before the
+    # restart); torchrun names the killed rank before it restarts the workers
     stopped = [line for line in err.splitlines() if line.startswith("parallax.train: rank")]
-    assert len(stopped) == 1 and " stopped" in stopped[0], err[-3000:]
+    assert len(stopped) == 1, err[-3000:]
+    assert stopped[0].startswith("parallax.train: rank 0: stopped"), err[-3000:]
     assert "Exception ignored" not in err and "SystemExit" not in err, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
+    assert "Traceback" not in err and "(exitcode: -9) local_rank: 1" in err, err[-3000:]
     rows = metrics(tmp_path / "k")
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-4)
